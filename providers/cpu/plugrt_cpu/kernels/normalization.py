@@ -1,0 +1,234 @@
+"""Normalisation kernels: batch, instance, layer, group, RMS, Lp and mean-variance normalisation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .._registry import KernelContext, kernel, kernel_builder
+
+# Statistics of half-precision inputs are computed in float32 (the spec's stash_type=1).
+_HALF_TYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _stats_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float32) if dtype in _HALF_TYPES else dtype
+
+
+def _check_stash_type(op_type: str, stash_type: int) -> None:
+    if stash_type != 1:
+        raise NotImplementedError(
+            f"{op_type}: stash_type={stash_type} is not supported; only 1 (float32 statistics) is"
+        )
+
+
+def _normalize_rows(x2: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Standardise each row of the 2-D ``x2``: returns (normalised rows, mean, 1/std),
+    the variance taken about the mean (not E[x^2] - E[x]^2, which cancels badly)."""
+    mean = x2.mean(axis=1, keepdims=True)
+    centered = x2 - mean
+    variance = np.einsum("ij,ij->i", centered, centered).reshape(-1, 1)
+    variance /= max(x2.shape[1], 1)
+    variance += variance.dtype.type(epsilon)
+    inv_std = np.sqrt(variance, out=variance)
+    np.reciprocal(inv_std, out=inv_std)
+    centered *= inv_std
+    return centered, mean, inv_std
+
+
+def _channel_shape(x: np.ndarray) -> tuple[int, ...]:
+    """The shape that broadcasts a per-channel vector against an (N, C, ...) tensor."""
+    return (-1,) + (1,) * (x.ndim - 2)
+
+
+# --- BatchNormalization
+
+
+def _batch_norm_affine(scale, bias, mean, var, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
+    """(multiplier, shift) such that y = x * multiplier + shift, computed in float64."""
+    multiplier = np.asarray(scale, np.float64) / np.sqrt(np.asarray(var, np.float64) + epsilon)
+    shift = np.asarray(bias, np.float64) - np.asarray(mean, np.float64) * multiplier
+    return multiplier, shift
+
+
+@kernel_builder("BatchNormalization", 1, 7, 9, 14, multi_output=True)
+def batch_normalization(ctx: KernelContext):
+    """Inference: y = x * multiplier + shift, both folded once when the statistics are
+    constants. Training (v1/v6 is_test=0, v7/v9 with the extra outputs, v14
+    training_mode=1) normalises with the batch statistics and updates the running ones."""
+    attributes = ctx.attributes
+    epsilon = float(attributes.get("epsilon", 1e-5))
+    momentum = float(attributes.get("momentum", 0.9))
+    # spatial=0 (before v9): statistics per activation, i.e. over the batch axis only.
+    spatial = bool(attributes.get("spatial", 1)) if ctx.opset < 9 else True
+    if ctx.opset < 7:
+        training = not attributes.get("is_test", 0)
+    elif ctx.opset < 14:
+        training = ctx.num_outputs > 1
+    else:
+        training = bool(attributes.get("training_mode", 0))
+
+    def param_shape(x: np.ndarray) -> tuple[int, ...]:
+        return _channel_shape(x) if spatial else x.shape[1:]
+
+    if training:
+        return _batch_norm_training(ctx.opset, epsilon, momentum, spatial, param_shape)
+
+    constants = ctx.constant_inputs[1:5]
+    folded = None
+    if len(constants) == 4 and all(c is not None for c in constants):
+        folded = _batch_norm_affine(*constants, epsilon)
+    cache: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+
+    def run(x, scale, bias, mean, var):
+        key = (x.dtype, x.ndim)
+        affine = cache.get(key) if folded is not None else None
+        if affine is None:
+            multiplier, shift = folded if folded is not None else _batch_norm_affine(scale, bias, mean, var, epsilon)
+            shape = param_shape(x)
+            affine = (multiplier.astype(x.dtype).reshape(shape), shift.astype(x.dtype).reshape(shape))
+            if folded is not None:
+                cache[key] = affine
+        y = x * affine[0]
+        y += affine[1]
+        # In inference v14's optional running statistics pass through unchanged.
+        return (y, mean, var) if ctx.opset >= 14 else (y,)
+
+    return run
+
+
+def _batch_norm_training(opset: int, epsilon: float, momentum: float, spatial: bool, param_shape):
+    def run(x, scale, bias, mean, var):
+        work = x.astype(_stats_dtype(x.dtype), copy=False)
+        axes = (0,) + tuple(range(2, x.ndim)) if spatial else (0,)
+        batch_mean = work.mean(axis=axes)
+        centered = work - batch_mean.reshape(param_shape(x))
+        batch_var = np.mean(np.square(centered), axis=axes)
+        multiplier = (np.asarray(scale, batch_var.dtype) / np.sqrt(batch_var + epsilon)).reshape(param_shape(x))
+        centered *= multiplier
+        centered += np.asarray(bias, centered.dtype).reshape(param_shape(x))
+        y = centered.astype(x.dtype, copy=False)
+        running_mean = (mean * momentum + batch_mean * (1 - momentum)).astype(mean.dtype, copy=False)
+        running_var = (var * momentum + batch_var * (1 - momentum)).astype(var.dtype, copy=False)
+        if opset >= 14:
+            return y, running_mean, running_var
+        # Before v14 the extra outputs are: running mean and variance, then the batch's.
+        return y, running_mean, running_var, batch_mean.astype(mean.dtype), batch_var.astype(var.dtype)
+
+    return run
+
+
+# --- InstanceNormalization, GroupNormalization
+
+
+def _group_statistics_normalize(x: np.ndarray, groups: int, epsilon: float) -> np.ndarray:
+    """x (N, C, ...) normalised over each (instance, group of C/groups channels)."""
+    work = x.astype(_stats_dtype(x.dtype), copy=False)
+    rows = work.reshape(x.shape[0] * groups, -1)
+    normalized, _, _ = _normalize_rows(rows, epsilon)
+    return normalized.reshape(x.shape)
+
+
+def _affine_channels(normalized: np.ndarray, scale, bias, x: np.ndarray) -> np.ndarray:
+    shape = _channel_shape(x)
+    normalized *= np.asarray(scale).reshape(shape)
+    normalized += np.asarray(bias).reshape(shape)
+    return normalized.astype(x.dtype, copy=False)
+
+
+@kernel("InstanceNormalization", 1)
+def instance_normalization(x, scale, bias, *, epsilon=1e-5):
+    normalized = _group_statistics_normalize(x, x.shape[1], epsilon)
+    return _affine_channels(normalized, scale, bias, x)
+
+
+@kernel("GroupNormalization", 18)
+def group_normalization_18(x, scale, bias, *, epsilon=1e-5, num_groups):
+    # v18: scale and bias hold one value per group.
+    normalized = _group_statistics_normalize(x, num_groups, epsilon)
+    per_group = x.shape[1] // num_groups
+    return _affine_channels(normalized, np.repeat(scale, per_group), np.repeat(bias, per_group), x)
+
+
+@kernel("GroupNormalization", 21)
+def group_normalization_21(x, scale, bias, *, epsilon=1e-5, num_groups, stash_type=1):
+    # v21: scale and bias hold one value per channel.
+    _check_stash_type("GroupNormalization", stash_type)
+    normalized = _group_statistics_normalize(x, num_groups, epsilon)
+    return _affine_channels(normalized, scale, bias, x)
+
+
+# --- LayerNormalization, RMSNormalization
+
+
+def _split_rows(x: np.ndarray, axis: int) -> tuple[int, tuple[int, ...]]:
+    """(axis made non-negative, the reduced statistics' shape)."""
+    if axis < 0:
+        axis += x.ndim
+    return axis, x.shape[:axis] + (1,) * (x.ndim - axis)
+
+
+@kernel("LayerNormalization", 17, multi_output=True)
+def layer_normalization(x, scale, b=None, *, axis=-1, epsilon=1e-5, stash_type=1):
+    _check_stash_type("LayerNormalization", stash_type)
+    axis, stats_shape = _split_rows(x, axis)
+    work = x.astype(_stats_dtype(x.dtype), copy=False)
+    rows = int(np.prod(x.shape[:axis], dtype=np.int64))
+    normalized, mean, inv_std = _normalize_rows(work.reshape(rows, -1), epsilon)
+    y = normalized.reshape(x.shape)
+    y *= scale
+    if b is not None:
+        y += b
+    stats_dtype = np.float32  # U = stash_type's dtype
+    return (
+        y.astype(x.dtype, copy=False),
+        mean.reshape(stats_shape).astype(stats_dtype, copy=False),
+        inv_std.reshape(stats_shape).astype(stats_dtype, copy=False),
+    )
+
+
+@kernel("RMSNormalization", 23)
+def rms_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    _check_stash_type("RMSNormalization", stash_type)
+    axis, _ = _split_rows(x, axis)
+    work = x.astype(_stats_dtype(x.dtype), copy=False)
+    rows = work.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
+    mean_square = np.einsum("ij,ij->i", rows, rows).reshape(-1, 1)
+    mean_square /= max(rows.shape[1], 1)
+    mean_square += mean_square.dtype.type(epsilon)
+    inv_rms = np.reciprocal(np.sqrt(mean_square, out=mean_square), out=mean_square)
+    y = (rows * inv_rms).reshape(x.shape)
+    y *= scale
+    return y.astype(x.dtype, copy=False)
+
+
+# --- LpNormalization, MeanVarianceNormalization
+
+
+@kernel("LpNormalization", 1)
+def lp_normalization(x, *, axis=-1, p=2):
+    work = x.astype(_stats_dtype(x.dtype), copy=False)
+    if p == 1:
+        norm = np.sum(np.abs(work), axis=axis, keepdims=True)
+    elif p == 2:
+        norm = np.sqrt(np.sum(np.square(work), axis=axis, keepdims=True))
+    else:
+        raise NotImplementedError(f"LpNormalization: p={p} is not supported; the spec allows 1 or 2")
+    # An all-zero slice has norm 0 and is defined to normalise to 0.
+    zero = norm == 0
+    norm[zero] = 1
+    return (work / norm).astype(x.dtype, copy=False)
+
+
+@kernel("MeanVarianceNormalization", 9)
+def mean_variance_normalization(x, *, axes=(0, 2, 3)):
+    work = x.astype(_stats_dtype(x.dtype), copy=False)
+    axes = tuple(axes)
+    centered = work - work.mean(axis=axes, keepdims=True)
+    std = np.sqrt(np.mean(np.square(centered), axis=axes, keepdims=True))
+    # The spec's function body adds 1e-9 to the standard deviation, not the variance.
+    std += std.dtype.type(1e-9)
+    centered /= std
+    return centered.astype(x.dtype, copy=False)
