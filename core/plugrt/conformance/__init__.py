@@ -1,0 +1,1 @@
+"""The provider conformance suite: ONNX node cases and protocol checks."""

@@ -1,0 +1,259 @@
+"""The error hierarchy: one root, split by phase, each error carrying structured fields."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = [
+    "PlugrtError",
+    "ModelLoadError",
+    "UnsafeExternalDataError",
+    "ModelLimitError",
+    "UnsupportedOpError",
+    "InvalidInputError",
+    "UnknownInputError",
+    "MissingInputError",
+    "InputDtypeError",
+    "InputRankError",
+    "InputShapeError",
+    "SymbolConflictError",
+    "OptionError",
+    "UnknownOptionError",
+    "InvalidOptionValueError",
+    "ProviderUnavailableError",
+    "PlacementError",
+    "KernelError",
+    "EpContextError",
+]
+
+
+class PlugrtError(Exception):
+    """Root of every error plugrt raises on purpose."""
+
+
+# --- loading -------------------------------------------------------------------------
+
+
+class ModelLoadError(PlugrtError):
+    """The model could not be read or is not a valid ONNX model."""
+
+    def __init__(self, message: str, *, source: str | None = None, reason: str | None = None):
+        super().__init__(message if source is None else f"{source}: {message}")
+        self.source = source
+        self.reason = reason or message
+
+
+class UnsafeExternalDataError(ModelLoadError):
+    """An external-data reference points outside the model's folder."""
+
+    def __init__(self, tensor: str, location: str, *, source: str | None = None):
+        super().__init__(
+            f"initializer {tensor!r} refers to external data at {location!r}, which is outside "
+            "the model's folder; external data must be a relative path inside the folder that "
+            "holds the model (move the file there and fix the 'location' field)",
+            source=source,
+            reason="external data outside the model folder",
+        )
+        self.tensor = tensor
+        self.location = location
+
+
+class ModelLimitError(ModelLoadError):
+    """The model exceeds a configured safety limit."""
+
+    def __init__(self, limit: str, value: int, maximum: int, *, source: str | None = None):
+        super().__init__(
+            f"{limit} is {value}, above the limit of {maximum}; if the model is trusted, raise "
+            f"the option 'limits.{limit}'",
+            source=source,
+            reason=f"{limit} over limit",
+        )
+        self.limit = limit
+        self.value = value
+        self.maximum = maximum
+
+
+# --- placement -----------------------------------------------------------------------
+
+
+class UnsupportedOpError(PlugrtError):
+    """No provider can run a node."""
+
+    def __init__(
+        self,
+        domain: str,
+        op_type: str,
+        opset: int,
+        *,
+        node: str | None = None,
+        providers_consulted: Sequence[str] = (),
+        reasons: dict[str, str] | None = None,
+    ):
+        self.domain = domain or "ai.onnx"
+        self.op_type = op_type
+        self.opset = opset
+        self.node = node
+        self.providers_consulted = tuple(providers_consulted)
+        self.reasons = dict(reasons or {})
+        lines = [
+            f"no provider can run {self.domain}::{op_type} at opset {opset}"
+            + (f" (node {node!r})" if node else "")
+        ]
+        for name in self.providers_consulted:
+            lines.append(f"  {name}: {self.reasons.get(name, 'declined')}")
+        lines.append(
+            "  fix: install a provider that supports this op, or convert the model to an opset "
+            "and op set the installed providers support ('plugrt providers' lists them)"
+        )
+        super().__init__("\n".join(lines))
+
+
+class PlacementError(PlugrtError):
+    """Strict placement found nodes that fell back from the requested provider."""
+
+    def __init__(self, provider: str, fallbacks: Sequence[tuple[str, str, str]]):
+        self.provider = provider
+        self.fallbacks = tuple(fallbacks)  # (node name, op_type, reason)
+        shown = "\n".join(f"  {n} ({op}): {why}" for n, op, why in self.fallbacks[:20])
+        more = f"\n  ... and {len(self.fallbacks) - 20} more" if len(self.fallbacks) > 20 else ""
+        super().__init__(
+            f"strict placement: {len(self.fallbacks)} node(s) cannot run on {provider!r}:\n"
+            f"{shown}{more}\n  fix: drop strict=True to allow fallback, or choose another device"
+        )
+
+
+class ProviderUnavailableError(PlugrtError):
+    """A provider the user asked for by name cannot be used."""
+
+    def __init__(self, provider: str, cause: str, *, hint: str | None = None):
+        self.provider = provider
+        self.cause = cause
+        self.hint = hint or (
+            f"run 'plugrt providers' to see what is installed; uninstall the broken package or "
+            f"choose device='cpu'"
+        )
+        super().__init__(f"provider {provider!r} is unavailable: {cause}\n  fix: {self.hint}")
+
+
+# --- inputs --------------------------------------------------------------------------
+
+
+class InvalidInputError(PlugrtError, ValueError):
+    """An input given to ``run`` does not match the model."""
+
+    def __init__(self, message: str, *, input_name: str | None = None):
+        super().__init__(message)
+        self.input_name = input_name
+
+
+class UnknownInputError(InvalidInputError):
+    def __init__(self, input_name: str, expected: Sequence[str]):
+        self.expected = tuple(expected)
+        super().__init__(
+            f"unknown input {input_name!r}; the model's inputs are {list(self.expected)}",
+            input_name=input_name,
+        )
+
+
+class MissingInputError(InvalidInputError):
+    def __init__(self, input_name: str, expected: Sequence[str]):
+        self.expected = tuple(expected)
+        super().__init__(
+            f"missing input {input_name!r}; the model needs {list(self.expected)}",
+            input_name=input_name,
+        )
+
+
+class InputDtypeError(InvalidInputError):
+    def __init__(self, input_name: str, expected: str, actual: str):
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"input {input_name!r} has dtype {actual}, the model expects {expected}; convert it "
+            f"with array.astype(numpy.{expected})" if expected.isidentifier() else
+            f"input {input_name!r} has dtype {actual}, the model expects {expected}",
+            input_name=input_name,
+        )
+
+
+class InputRankError(InvalidInputError):
+    def __init__(self, input_name: str, expected: int, actual: int, declared: str):
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"input {input_name!r} has rank {actual}, the model expects rank {expected} "
+            f"(shape {declared})",
+            input_name=input_name,
+        )
+
+
+class InputShapeError(InvalidInputError):
+    def __init__(self, input_name: str, axis: int, expected: int, actual: int, declared: str):
+        self.axis = axis
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"input {input_name!r} has size {actual} on axis {axis}, the model expects "
+            f"{expected} (shape {declared})",
+            input_name=input_name,
+        )
+
+
+class SymbolConflictError(InvalidInputError):
+    def __init__(self, symbol: str, first: tuple[str, int, int], second: tuple[str, int, int]):
+        self.symbol = symbol
+        self.first = first  # (input name, axis, size)
+        self.second = second
+        super().__init__(
+            f"dimension {symbol!r} is bound to two sizes: {first[2]} (input {first[0]!r} axis "
+            f"{first[1]}) and {second[2]} (input {second[0]!r} axis {second[1]}); inputs that "
+            f"share a dimension name must agree on its size",
+            input_name=second[0],
+        )
+
+
+# --- options -------------------------------------------------------------------------
+
+
+class OptionError(PlugrtError, ValueError):
+    """A session option is unknown or has an invalid value."""
+
+    def __init__(self, message: str, *, key: str):
+        super().__init__(message)
+        self.key = key
+
+
+class UnknownOptionError(OptionError):
+    def __init__(self, key: str, known: Sequence[str]):
+        self.known = tuple(sorted(known))
+        super().__init__(
+            f"unknown option {key!r}; valid options are: {', '.join(self.known)}", key=key
+        )
+
+
+class InvalidOptionValueError(OptionError):
+    def __init__(self, key: str, value: Any, choices: str):
+        self.value = value
+        self.choices = choices
+        super().__init__(f"invalid value {value!r} for option {key!r}; expected {choices}", key=key)
+
+
+# --- execution -----------------------------------------------------------------------
+
+
+class KernelError(PlugrtError):
+    """A kernel raised while running a node."""
+
+    def __init__(self, node: str, op_type: str, provider: str, cause: BaseException):
+        self.node = node
+        self.op_type = op_type
+        self.provider = provider
+        self.cause = cause
+        super().__init__(
+            f"node {node!r} ({op_type}) failed on provider {provider!r}: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+class EpContextError(PlugrtError):
+    """An EPContext node cannot be exported or restored."""

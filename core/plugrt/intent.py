@@ -1,0 +1,149 @@
+"""Device intent: turn ``device="gpu:1"`` or a policy into an ordered provider list."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Sequence
+
+from .errors import InvalidOptionValueError, ProviderUnavailableError
+from .provider import Device, DeviceKind, ExecutionProvider
+
+if TYPE_CHECKING:
+    from .registry import ProviderRegistry
+
+__all__ = ["Selection", "resolve_device", "POLICIES"]
+
+#: Policies, named as onnxruntime's provider selection policies are.
+POLICIES = ("prefer_cpu", "prefer_gpu", "prefer_npu", "max_performance", "min_power")
+_KIND_ORDER = {
+    "prefer_cpu": (DeviceKind.CPU, DeviceKind.NPU, DeviceKind.GPU, DeviceKind.OTHER),
+    "prefer_gpu": (DeviceKind.GPU, DeviceKind.NPU, DeviceKind.OTHER, DeviceKind.CPU),
+    "prefer_npu": (DeviceKind.NPU, DeviceKind.GPU, DeviceKind.OTHER, DeviceKind.CPU),
+    "min_power": (DeviceKind.NPU, DeviceKind.CPU, DeviceKind.OTHER, DeviceKind.GPU),
+}
+_DEVICE_RE = re.compile(r"^(gpu|npu|cuda|cpu)(?::(\d+))?$")
+
+
+@dataclasses.dataclass
+class Selection:
+    """The providers a session uses, in priority order (fallback last), and their devices."""
+
+    providers: list[ExecutionProvider]
+    devices: dict[str, Device]
+    pinned: frozenset[str]  # providers the user asked for by name: their failures are errors
+    intent: str
+
+
+def _fallback(registry: "ProviderRegistry") -> ExecutionProvider | None:
+    host = [
+        p for p in registry.available() if any(d.kind == DeviceKind.CPU for d in registry.devices(p.name))
+    ]
+    return min(host, key=lambda p: getattr(p, "priority", 0)) if host else None
+
+
+def _with_fallback(chosen: list[ExecutionProvider], registry: "ProviderRegistry") -> list[ExecutionProvider]:
+    fallback = _fallback(registry)
+    if fallback is not None and all(p is not fallback for p in chosen):
+        chosen = chosen + [fallback]
+    return chosen
+
+
+def _first_device(registry: "ProviderRegistry", name: str, kind: DeviceKind | None = None, index: int | None = None) -> Device | None:
+    for device in registry.devices(name):
+        if (kind is None or device.kind == kind) and (index is None or device.index == index):
+            return device
+    return None
+
+
+def resolve_device(
+    device: str | None,
+    providers: Sequence[str] | None,
+    registry: "ProviderRegistry",
+) -> Selection:
+    """Resolve a device intent or an explicit provider list against what is installed."""
+    devices: dict[str, Device] = {}
+    if providers:
+        chosen = []
+        for name in providers:
+            provider = registry.get(name)  # raises ProviderUnavailableError with the cause
+            chosen.append(provider)
+            devices[name] = registry.devices(name)[0]
+        chosen = _with_fallback(chosen, registry)
+        for p in chosen:
+            devices.setdefault(p.name, registry.devices(p.name)[0])
+        return Selection(chosen, devices, frozenset(providers), "providers=" + ",".join(providers))
+
+    intent = (device or "auto").strip().lower() if isinstance(device, str) else device
+    if not isinstance(intent, str):
+        raise InvalidOptionValueError("device", device, _DEVICE_CHOICES)
+    available = registry.available()
+    if intent in ("auto", "max_performance"):
+        chosen = list(available)  # already highest priority first
+    elif intent in _KIND_ORDER:
+        order = _KIND_ORDER[intent]
+
+        def rank(p: ExecutionProvider) -> tuple[int, int]:
+            kinds = [d.kind for d in registry.devices(p.name)]
+            best = min((order.index(k) for k in kinds if k in order), default=len(order))
+            return (best, -int(getattr(p, "priority", 0)))
+
+        chosen = sorted(available, key=rank)
+    else:
+        match = _DEVICE_RE.match(intent)
+        if match:
+            kind_word, index_text = match.groups()
+            index = int(index_text) if index_text is not None else None
+            if kind_word == "cuda":
+                provider = registry.get("cuda")
+                found = _first_device(registry, "cuda", None, index)
+                if found is None:
+                    raise ProviderUnavailableError("cuda", f"it has no device {index}")
+                devices["cuda"] = found
+                chosen = [provider]
+            else:
+                kind = DeviceKind(kind_word)
+                chosen = []
+                for p in available:
+                    found = _first_device(registry, p.name, kind, index)
+                    if found is not None:
+                        devices[p.name] = found
+                        chosen = [p]
+                        break
+                if not chosen:
+                    where = f"{kind_word}:{index}" if index is not None else kind_word
+                    have = {p.name: [str(d) for d in registry.devices(p.name)] for p in available}
+                    failures = "; ".join(str(f) for f in registry.failures().values())
+                    raise ProviderUnavailableError(
+                        where,
+                        f"no installed provider offers a {where} device (available: {have})"
+                        + (f"; failed providers: {failures}" if failures else ""),
+                        hint="install a provider package for this device (e.g. 'pip install plugrt[cuda]'), "
+                        "or use device='auto' to fall back to what is available",
+                    )
+        elif intent in registry.providers() or intent in registry.failures() or intent in registry.disabled:
+            chosen = [registry.get(intent)]
+            return _selection(chosen, devices, registry, frozenset({intent}), intent)
+        else:
+            raise InvalidOptionValueError("device", device, _DEVICE_CHOICES + _installed(registry))
+        return _selection(chosen, devices, registry, frozenset(), intent)
+    return _selection(chosen, devices, registry, frozenset(), intent)
+
+
+def _selection(chosen, devices, registry, pinned, intent) -> Selection:
+    chosen = _with_fallback(list(chosen), registry)
+    for p in chosen:
+        if p.name not in devices:
+            devices[p.name] = registry.devices(p.name)[0]
+    return Selection(chosen, devices, pinned, intent)
+
+
+_DEVICE_CHOICES = (
+    "'auto', 'cpu', 'gpu', 'gpu:N', 'cuda:N', 'npu', a provider name, or a policy ("
+    + ", ".join(POLICIES)
+    + ")"
+)
+
+
+def _installed(registry: "ProviderRegistry") -> str:
+    return "; installed providers: " + (", ".join(registry.providers()) or "none")

@@ -1,0 +1,108 @@
+"""Session options: a strict schema, so a typo is an error at build, never ignored."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+from .errors import InvalidOptionValueError, UnknownOptionError
+
+__all__ = ["OPTIONS", "SessionOptions", "parse_options"]
+
+
+def _choice(*choices: str) -> Callable[[str, Any], Any]:
+    def parse(key: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise InvalidOptionValueError(key, value, "one of " + ", ".join(repr(c) for c in choices))
+        return value
+
+    return parse
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("0", "1", "true", "false"):
+        return value.lower() in ("1", "true")
+    raise InvalidOptionValueError(key, value, "a boolean (True/False, 0/1, 'true'/'false')")
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidOptionValueError(key, value, "a positive integer")
+    return value
+
+
+def _non_negative_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidOptionValueError(key, value, "a non-negative integer (0 means the default)")
+    return value
+
+
+def _names(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise InvalidOptionValueError(key, value, "a list of provider names or a comma-separated string")
+    return tuple(v.strip() for v in value)
+
+
+def _optional_str(key: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise InvalidOptionValueError(key, value, "a string")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    parse: Callable[[str, Any], Any]
+    default: Any
+    help: str
+
+
+#: Every option a session accepts: key -> parser, default and one line of help.
+OPTIONS: dict[str, _Option] = {
+    "optimization": _Option(
+        _choice("none", "basic", "all"),
+        "all",
+        "graph optimisation level: none, basic (fold constants, drop dead nodes) or all (+ fusions)",
+    ),
+    "strict": _Option(_boolean, False, "raise PlacementError instead of falling back to another provider"),
+    "disabled_providers": _Option(_names, (), "provider names to ignore, as if not installed"),
+    "profiling": _Option(_boolean, False, "record a span per node (Chrome trace JSON via session.profile())"),
+    "intra_op_num_threads": _Option(_non_negative_int, 0, "threads for BLAS-heavy kernels (0: library default)"),
+    "limits.model_bytes": _Option(_positive_int, 2**31, "largest model file accepted, in bytes"),
+    "limits.tensor_bytes": _Option(_positive_int, 2**34, "largest single tensor accepted, in bytes"),
+    "limits.nodes": _Option(_positive_int, 1_000_000, "most nodes accepted, subgraphs included"),
+    "limits.subgraph_depth": _Option(_positive_int, 64, "deepest nesting of subgraphs accepted"),
+    "ep.context_enable": _Option(_boolean, False, "export compiled partitions as EPContext nodes"),
+    "ep.context_file_path": _Option(_optional_str, None, "where the EPContext model goes (default <model>_ctx.onnx)"),
+    "ep.context_embed_mode": _Option(
+        lambda k, v: int(_choice("0", "1")(k, str(v)) if v in (0, 1, "0", "1") else _choice("0", "1")(k, v)),
+        1,
+        "1 embeds the compiled blob in the EPContext node; 0 writes it to a file beside the model",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionOptions:
+    """Validated options; look values up with ``options[key]``."""
+
+    values: Mapping[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+
+def parse_options(given: Mapping[str, Any]) -> SessionOptions:
+    """Validate ``given`` against OPTIONS; unknown keys and bad values raise OptionError."""
+    values = {key: opt.default for key, opt in OPTIONS.items()}
+    for key, value in given.items():
+        opt = OPTIONS.get(key)
+        if opt is None:
+            raise UnknownOptionError(key, OPTIONS)
+        values[key] = opt.parse(key, value)
+    return SessionOptions(values)

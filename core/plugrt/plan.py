@@ -1,0 +1,178 @@
+"""The execution plan: compiled steps turned into one straight-line Python function.
+
+Each value lives in a local variable of a generated function (the fastest slot Python
+has); each step is one call of a bound kernel; a value is deleted right after its last
+use. The per-node cost is therefore one Python call, which is what the bare numpy loop
+pays too. Errors are mapped back to the step that raised through the traceback's line
+number, so the hot path carries no bookkeeping at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import types
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from .errors import KernelError, PlugrtError, UnsupportedOpError
+from .provider import Step
+
+__all__ = ["Plan", "StepInfo"]
+
+_plan_ids = itertools.count()
+
+
+class StepInfo:
+    """What the plan remembers about a step for error messages, profiles and reports."""
+
+    __slots__ = ("name", "op_type", "provider", "domain", "opset", "nodes")
+
+    def __init__(self, name: str, op_type: str, provider: str, domain: str = "", opset: int = 0, nodes=()):
+        self.name = name
+        self.op_type = op_type
+        self.provider = provider
+        self.domain = domain
+        self.opset = opset
+        self.nodes = tuple(nodes)
+
+
+class Plan:
+    """Runs ``steps`` over values: ``run(*inputs) -> list of outputs``.
+
+    ``inputs``: the values the caller supplies, in order (graph inputs, then outer-scope
+    values for a subgraph). ``constants``: values with a fixed array (initializers).
+    ``outputs``: the values returned, in order.
+    """
+
+    def __init__(
+        self,
+        inputs: Sequence[ir.Value],
+        outputs: Sequence[ir.Value],
+        steps: Sequence[Step],
+        constants: dict[ir.Value, Any],
+        step_infos: Sequence[StepInfo],
+        *,
+        profile: bool = False,
+    ) -> None:
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.steps = list(steps)
+        self.infos = list(step_infos)
+        self.profile_records: list[tuple[int, float, float]] | None = [] if profile else None
+        self._constants = constants
+        self._fn, self._line_to_step, self.source = self._generate(profile)
+
+    # -- code generation -------------------------------------------------------------------
+
+    def _generate(self, profile: bool) -> tuple[Callable[..., list], dict[int, int], str]:
+        names: dict[ir.Value, str] = {}
+        env: dict[str, Any] = {}
+        counter = itertools.count()
+
+        def local(value: ir.Value) -> str:
+            name = names.get(value)
+            if name is None:
+                name = f"v{next(counter)}"
+                names[value] = name
+            return name
+
+        params = [local(v) for v in self.inputs]
+        for value, array in self._constants.items():
+            if value not in names:
+                cname = f"c{next(counter)}"
+                names[value] = cname
+                env[cname] = array
+
+        # Last use of each value, so it can be released right after.
+        last_use: dict[ir.Value, int] = {}
+        for index, step in enumerate(self.steps):
+            for value in step.inputs:
+                if value is not None:
+                    last_use[value] = index
+        keep = set(self.outputs)
+        is_constant = set(self._constants)
+        releases: dict[int, list[str]] = {}
+        for value, index in last_use.items():
+            if value not in keep and value not in is_constant:
+                releases.setdefault(index, []).append(local(value))
+        for index, step in enumerate(self.steps):
+            for value in step.outputs:
+                if value is not None and value not in last_use and value not in keep:
+                    releases.setdefault(index, []).append(local(value))
+
+        lines = [f"def _plan({', '.join(params)}):"]
+        line_to_step: dict[int, int] = {}
+        if profile:
+            env["_clock"] = time.perf_counter
+            env["_records"] = self.profile_records
+        for index, step in enumerate(self.steps):
+            kname = f"k{index}"
+            env[kname] = step.fn
+            args = ", ".join("None" if v is None else local(v) for v in step.inputs)
+            outs = [local(v) if v is not None else "_" for v in step.outputs]
+            call = f"{kname}({args})"
+            if step.multi_output:
+                target = ", ".join(outs) + ("," if len(outs) == 1 else "")
+                call = f"{call}[:{len(outs)}]"
+            else:
+                target = outs[0] if outs else "_"
+            if profile:
+                lines.append(f"    _t = _clock()")
+            line_to_step[len(lines) + 1] = index
+            lines.append(f"    {target} = {call}")
+            if profile:
+                lines.append(f"    _records.append(({index}, _t, _clock()))")
+            dead = releases.get(index)
+            if dead:
+                lines.append(f"    del {', '.join(dead)}")
+        outputs = []
+        for value in self.outputs:
+            if value not in names:
+                raise PlugrtError(f"plan output {value.name!r} is computed by no step")
+            outputs.append(names[value])
+        lines.append(f"    return [{', '.join(outputs)}]")
+        source = "\n".join(lines) + "\n"
+        filename = f"<plugrt-plan-{next(_plan_ids)}>"
+        code = compile(source, filename, "exec")
+        namespace: dict[str, Any] = dict(env)
+        exec(code, namespace)
+        fn = namespace["_plan"]
+        return fn, line_to_step, source
+
+    # -- running -----------------------------------------------------------------------
+
+    def run(self, *args: Any) -> list:
+        try:
+            return self._fn(*args)
+        except PlugrtError:
+            raise  # already typed and naming its node (e.g. raised inside a subgraph)
+        except Exception as exc:
+            index = self._failed_step(exc)
+            if index is None:
+                raise
+            raise self._wrap(index, exc) from exc
+
+    def _failed_step(self, exc: BaseException) -> int | None:
+        tb = exc.__traceback__
+        code = self._fn.__code__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                return self._line_to_step.get(tb.tb_lineno)
+            tb = tb.tb_next
+        return None
+
+    def _wrap(self, index: int, exc: BaseException) -> PlugrtError:
+        info = self.infos[index]
+        if isinstance(exc, NotImplementedError):
+            return UnsupportedOpError(
+                info.domain,
+                info.op_type,
+                info.opset,
+                node=info.name,
+                providers_consulted=[info.provider],
+                reasons={info.provider: str(exc) or "not implemented for these inputs"},
+            )
+        return KernelError(info.name, info.op_type, info.provider, exc)

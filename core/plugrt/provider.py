@@ -1,0 +1,169 @@
+"""The execution-provider protocol: what a provider plugin implements.
+
+STOP AND THINK before changing anything in this module. Hardware vendors build their
+providers against these definitions; a change here breaks every provider shipped as a
+separate package. Add optional capabilities rather than changing required members, and
+bump ``PROTOCOL_VERSION`` when a required member changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx_ir as ir
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DeviceKind",
+    "Device",
+    "Support",
+    "SupportContext",
+    "Partition",
+    "Step",
+    "CompiledPartition",
+    "ExecutionProvider",
+    "CAPABILITIES",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class DeviceKind(str, enum.Enum):
+    CPU = "cpu"
+    GPU = "gpu"
+    NPU = "npu"
+    OTHER = "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One device a provider can run on."""
+
+    kind: DeviceKind
+    index: int = 0
+    name: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.index}" + (f" ({self.name})" if self.name else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """A provider's answer to "can you run this node?"; a "no" always says why."""
+
+    supported: bool
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.supported and not self.reason:
+            raise ValueError("Support.no() needs a reason the user can act on")
+
+    def __bool__(self) -> bool:
+        return self.supported
+
+    @classmethod
+    def yes(cls) -> "Support":
+        return _YES
+
+    @classmethod
+    def no(cls, reason: str) -> "Support":
+        return cls(False, reason)
+
+
+_YES = Support(True)
+
+
+@dataclasses.dataclass
+class SupportContext:
+    """What a provider may consult when deciding whether it supports a node."""
+
+    opset_imports: dict[str, int]  # domain -> version ("" is ai.onnx)
+    graph: "ir.Graph | None" = None
+
+    def opset(self, domain: str) -> int:
+        key = "" if domain in ("", "ai.onnx") else domain
+        return self.opset_imports.get(key, 1 if key else 0)
+
+
+@dataclasses.dataclass
+class Partition:
+    """Consecutive nodes placed on one provider, with the values crossing its boundary."""
+
+    name: str
+    nodes: list["ir.Node"]
+    inputs: list["ir.Value"]  # values read from outside the partition (graph inputs, initializers, other partitions)
+    outputs: list["ir.Value"]  # values read after the partition or model outputs
+    opset_imports: dict[str, int]
+    device: Device | None = None
+
+
+@dataclasses.dataclass
+class Step:
+    """One callable in a compiled partition, as the executor will call it.
+
+    ``fn(*inputs)`` receives the arrays of ``inputs`` (``None`` for an omitted optional
+    input) and returns one array when ``multi_output`` is false, else a sequence whose
+    first ``len(outputs)`` items are the outputs (``None`` entries in ``outputs`` are
+    outputs the graph does not use).
+    """
+
+    fn: Callable[..., Any]
+    inputs: list["ir.Value | None"]
+    outputs: list["ir.Value | None"]
+    multi_output: bool = False
+    name: str = ""
+    op_type: str = ""
+    domain: str = ""
+    nodes: tuple[str, ...] = ()  # names of the graph nodes this step computes (several when fused)
+
+
+@dataclasses.dataclass
+class CompiledPartition:
+    """A partition after ``compile``: the steps the executor runs, in order."""
+
+    partition: Partition
+    steps: list[Step]
+    provider: str = ""
+    restored: bool = False  # True when loaded from an EPContext instead of compiled
+    state: Any = None  # provider-private data, e.g. for save_context
+
+
+@runtime_checkable
+class ExecutionProvider(Protocol):
+    """What every provider implements. Optional capabilities are listed in CAPABILITIES
+    and discovered with ``hasattr``."""
+
+    name: str
+    priority: int  # auto mode prefers higher; the CPU provider is 0
+
+    def devices(self) -> list[Device]:
+        """The devices this provider can use now; [] when none (then ``unavailable_reason``
+        may say why)."""
+        ...
+
+    def supports_op(self, node: "ir.Node", ctx: SupportContext) -> Support:
+        """Whether this provider can run ``node``; a "no" carries a reason a user can act on."""
+        ...
+
+    def compile(self, partition: Partition) -> CompiledPartition:
+        """Turn a partition into steps the executor can call; may fuse nodes."""
+        ...
+
+
+#: Optional members a provider may implement, with what each is for.
+CAPABILITIES: dict[str, str] = {
+    "unavailable_reason": "str: why devices() is empty",
+    "allocate": "allocate(shape, dtype, device) -> device array (device memory)",
+    "to_device": "to_device(array, device) -> device array",
+    "to_host": "to_host(array) -> numpy.ndarray",
+    "capture": "capture(compiled, bindings) -> Captured | NotCapturable",
+    "save_context": "save_context(compiled) -> bytes (EPContext export)",
+    "load_context": "load_context(blob, meta) -> CompiledPartition (EPContext restore)",
+    "context_source_keys": "tuple[str, ...]: EPContext 'source' values this provider restores",
+    "passes": "passes(model) -> list of onnx_ir passes the provider wants run before placement",
+    "supports_function": "supports_function(domain, name, ctx) -> Support: keep a model-local function un-inlined",
+}

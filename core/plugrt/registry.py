@@ -1,0 +1,203 @@
+"""Provider discovery: entry points through importlib-metadata, lifecycle through pluggy."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import traceback
+from typing import Any, Iterable
+
+import importlib_metadata
+import pluggy
+
+from . import hookspecs
+from .errors import ProviderUnavailableError
+from .provider import Device, ExecutionProvider
+
+__all__ = ["ProviderFailure", "ProviderRegistry", "default_registry", "DISABLE_ENV"]
+
+#: Comma-separated provider names that discovery skips (like an uninstall, without one).
+DISABLE_ENV = "PLUGRT_DISABLE_PROVIDERS"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProviderFailure:
+    """Why a plugin or provider could not be used."""
+
+    name: str  # entry-point or provider name
+    stage: str  # "import", "init", "devices", "supports_op", "compile"
+    cause: str  # "ExceptionType: message"
+    detail: str = ""  # formatted traceback
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.stage} failed: {self.cause}"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ProviderRegistry:
+    """The providers installed in this environment.
+
+    Created on demand (never at import). Discovery loads every entry point of
+    :data:`hookspecs.ENTRY_POINT_GROUP`; a plugin that fails to import or initialise is
+    remembered with its cause and only becomes an error when a user asks for it by name.
+    """
+
+    def __init__(
+        self,
+        *,
+        entry_points: Iterable[Any] | None = None,
+        plugins: Iterable[Any] = (),
+        disabled: Iterable[str] | None = None,
+    ) -> None:
+        self._entry_points = entry_points
+        self._extra_plugins = list(plugins)
+        env = os.environ.get(DISABLE_ENV, "")
+        self.disabled = frozenset(
+            n.strip() for n in (disabled if disabled is not None else env.split(",")) if n.strip()
+        )
+        self._lock = threading.Lock()
+        self._providers: dict[str, ExecutionProvider] | None = None
+        self._failures: dict[str, ProviderFailure] = {}
+        self._devices: dict[str, list[Device]] = {}
+        self.plugin_manager: pluggy.PluginManager | None = None
+
+    # -- discovery ---------------------------------------------------------------------
+
+    def _discover(self) -> dict[str, ExecutionProvider]:
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        eps = self._entry_points
+        if eps is None:
+            eps = importlib_metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
+        for ep in eps:
+            if ep.name in self.disabled:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken plugin never breaks the runtime
+                self._failures[ep.name] = ProviderFailure(
+                    ep.name, "import", _describe(exc), traceback.format_exc()
+                )
+                continue
+            if pm.is_registered(plugin):
+                continue
+            try:
+                pm.register(plugin, name=ep.name)
+            except Exception as exc:
+                self._failures[ep.name] = ProviderFailure(ep.name, "init", _describe(exc))
+        for plugin in self._extra_plugins:
+            pm.register(plugin)
+
+        providers: dict[str, ExecutionProvider] = {}
+        for impl in pm.hook.plugrt_providers.get_hookimpls():
+            try:
+                offered = impl.function() or []
+            except Exception as exc:
+                self._failures[impl.plugin_name] = ProviderFailure(
+                    impl.plugin_name, "init", _describe(exc), traceback.format_exc()
+                )
+                continue
+            for provider in offered:
+                name = getattr(provider, "name", None)
+                if not isinstance(name, str) or not name:
+                    self._failures[impl.plugin_name] = ProviderFailure(
+                        impl.plugin_name, "init", "provider object has no 'name' string"
+                    )
+                    continue
+                if name in self.disabled:
+                    continue
+                if name in providers:
+                    self._failures[name] = ProviderFailure(
+                        name, "init", f"two plugins offer a provider named {name!r}; keeping the first"
+                    )
+                    continue
+                providers[name] = provider
+        self.plugin_manager = pm
+        return providers
+
+    def providers(self) -> dict[str, ExecutionProvider]:
+        """Every loaded provider by name, highest priority first."""
+        with self._lock:
+            if self._providers is None:
+                found = self._discover()
+                self._providers = dict(
+                    sorted(found.items(), key=lambda kv: -int(getattr(kv[1], "priority", 0)))
+                )
+            return self._providers
+
+    def failures(self) -> dict[str, ProviderFailure]:
+        """Plugins or providers that failed, by name, with their cause."""
+        self.providers()
+        return dict(self._failures)
+
+    def record_failure(self, name: str, stage: str, exc: BaseException) -> ProviderFailure:
+        failure = ProviderFailure(name, stage, _describe(exc), traceback.format_exc())
+        self._failures.setdefault(name, failure)
+        return failure
+
+    # -- lookup ------------------------------------------------------------------------
+
+    def devices(self, name: str) -> list[Device]:
+        """The provider's devices, probed once; [] when it has none or probing failed."""
+        if name not in self._devices:
+            provider = self.providers()[name]
+            try:
+                self._devices[name] = list(provider.devices())
+            except Exception as exc:
+                self.record_failure(name, "devices", exc)
+                self._devices[name] = []
+        return self._devices[name]
+
+    def unavailable_reason(self, name: str) -> str | None:
+        """Why a provider cannot be used, or None when it can."""
+        providers = self.providers()
+        if name in self.disabled:
+            return f"disabled by the {DISABLE_ENV} environment variable or the 'disabled_providers' option"
+        if name not in providers:
+            failure = self._failures.get(name)
+            if failure is not None:
+                return str(failure)
+            known = ", ".join(providers) or "none"
+            return f"no provider named {name!r} is installed (installed: {known})"
+        if not self.devices(name):
+            failure = self._failures.get(name)
+            if failure is not None:
+                return str(failure)
+            why = getattr(providers[name], "unavailable_reason", None)
+            return why or "it reports no device on this machine"
+        return None
+
+    def get(self, name: str) -> ExecutionProvider:
+        """A usable provider by name, or ProviderUnavailableError with the cause."""
+        reason = self.unavailable_reason(name)
+        if reason is not None:
+            raise ProviderUnavailableError(name, reason)
+        return self.providers()[name]
+
+    def available(self) -> list[ExecutionProvider]:
+        """Usable providers, highest priority first."""
+        return [p for n, p in self.providers().items() if self.unavailable_reason(n) is None]
+
+
+_default: ProviderRegistry | None = None
+_default_lock = threading.Lock()
+
+
+def default_registry() -> ProviderRegistry:
+    """The process-wide registry, created on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = ProviderRegistry()
+        return _default
+
+
+def reset_default_registry() -> None:
+    """Forget the process-wide registry (after installing a plugin at run time, in tests)."""
+    global _default
+    with _default_lock:
+        _default = None

@@ -1,0 +1,7 @@
+"""ONNX element types as numpy dtypes; the CPU provider shares the core's table."""
+
+from __future__ import annotations
+
+from plugrt._dtypes import numpy_dtype, onnx_type
+
+__all__ = ["numpy_dtype", "onnx_type"]

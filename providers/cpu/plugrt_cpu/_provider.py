@@ -1,0 +1,174 @@
+"""The CPU provider: claims every op with a registered kernel and binds kernels to nodes."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from typing import Any
+
+import onnx_ir as ir
+
+from plugrt.build import build_graph
+from plugrt.errors import UnsupportedOpError
+from plugrt.ir_utils import constant_array, graph_free_values, implicit_inputs, tensor_array
+from plugrt.placement import node_label
+from plugrt.provider import CompiledPartition, Device, DeviceKind, Partition, Step, Support, SupportContext
+
+from . import _registry
+from ._dtypes import numpy_dtype
+
+__all__ = ["CPUProvider"]
+
+_kernels_loaded = False
+
+
+def _load_kernels() -> None:
+    global _kernels_loaded
+    if not _kernels_loaded:
+        from . import kernels  # noqa: F401  (registers every kernel)
+
+        _kernels_loaded = True
+
+
+def attribute_value(attr: ir.Attr) -> Any:
+    """An ONNX attribute as the Python value a kernel receives."""
+    kind = attr.type
+    value = attr.value
+    if kind == ir.AttributeType.FLOAT:
+        return float(value)
+    if kind == ir.AttributeType.INT:
+        return int(value)
+    if kind == ir.AttributeType.STRING:
+        return value.decode("utf-8") if isinstance(value, bytes) else value
+    if kind == ir.AttributeType.FLOATS:
+        return [float(v) for v in value]
+    if kind == ir.AttributeType.INTS:
+        return [int(v) for v in value]
+    if kind == ir.AttributeType.STRINGS:
+        return [v.decode("utf-8") if isinstance(v, bytes) else v for v in value]
+    if kind == ir.AttributeType.TENSOR:
+        return tensor_array(value)
+    if kind == ir.AttributeType.TENSORS:
+        return [tensor_array(v) for v in value]
+    if kind == ir.AttributeType.GRAPHS:
+        return list(value)
+    return value  # GRAPH, TYPE_PROTO(S), SPARSE_TENSOR(S): as onnx_ir holds them
+
+
+class SubgraphRunner:
+    """A subgraph compiled once: ``run(inputs, outer)`` returns its outputs as a list."""
+
+    __slots__ = ("graph", "input_names", "output_names", "outer_names", "_plan")
+
+    def __init__(self, graph: ir.Graph, provider: "CPUProvider", opset_imports: dict[str, int]):
+        free = graph_free_values(graph)
+        built = build_graph(graph, [provider], opset_imports, extra_inputs=free, pinned=frozenset({provider.name}))
+        self.graph = graph
+        self.input_names = [v.name for v in graph.inputs]
+        self.output_names = [v.name for v in graph.outputs]
+        self.outer_names = [v.name for v in free]
+        self._plan = built.plan
+
+    def run(self, inputs: list, outer: dict[str, Any]) -> list:
+        return self._plan.run(*inputs, *[outer[name] for name in self.outer_names])
+
+
+class CPUProvider:
+    """numpy kernels; the fallback for every other provider."""
+
+    name = "cpu"
+    priority = 0
+    memory = "host"
+
+    def devices(self) -> list[Device]:
+        return [Device(DeviceKind.CPU, 0, platform.processor() or platform.machine() or "cpu")]
+
+    def supports_op(self, node: ir.Node, ctx: SupportContext) -> Support:
+        _load_kernels()
+        opset = ctx.opset(node.domain)
+        if _registry.lookup(node.domain, node.op_type, opset) is not None:
+            return Support.yes()
+        domain = node.domain or "ai.onnx"
+        known = _registry.versions(node.domain, node.op_type)
+        if known:
+            return Support.no(
+                f"the CPU provider's {domain}::{node.op_type} kernels start at opset "
+                f"{known[0]}, above the model's opset {opset}; re-export the model at opset {known[0]} or later"
+            )
+        return Support.no(f"the CPU provider has no kernel for {domain}::{node.op_type}")
+
+    def compile(self, partition: Partition) -> CompiledPartition:
+        _load_kernels()
+        steps = [self.bind(node, partition.opset_imports) for node in partition.nodes]
+        return CompiledPartition(partition, steps, self.name)
+
+    def compile_subgraph(self, graph: ir.Graph, opset_imports: dict[str, int]) -> SubgraphRunner:
+        return SubgraphRunner(graph, self, opset_imports)
+
+    def bind(self, node: ir.Node, opset_imports: dict[str, int]) -> Step:
+        """The step that runs ``node``: its kernel with attributes bound once."""
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        opset = opset_imports.get(domain, 1 if domain else 0)
+        spec = _registry.lookup(domain, node.op_type, opset)
+        label = node_label(node)
+        if spec is None:
+            raise UnsupportedOpError(
+                domain, node.op_type, opset, node=label, providers_consulted=[self.name],
+                reasons={self.name: "no kernel"},
+            )
+        inputs = list(node.inputs)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        implicit = implicit_inputs(node) if any(
+            a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()
+        ) else []
+        attributes = {name: attribute_value(attr) for name, attr in node.attributes.items()}
+        if spec.builder:
+            ctx = _registry.KernelContext(
+                op_type=node.op_type,
+                domain=domain,
+                opset=opset,
+                attributes=attributes,
+                num_inputs=len(inputs),
+                num_outputs=len(node.outputs),
+                input_dtypes=[_dtype_of(v) for v in inputs],
+                constant_inputs=[constant_array(v) if v is not None else None for v in inputs],
+                node=node,
+                compile_subgraph=functools.partial(self.compile_subgraph, opset_imports=opset_imports),
+                implicit_inputs=tuple(v.name for v in implicit),
+            )
+            try:
+                fn = spec.fn(ctx)
+            except NotImplementedError as exc:
+                raise UnsupportedOpError(
+                    domain, node.op_type, opset, node=label, providers_consulted=[self.name],
+                    reasons={self.name: str(exc) or "these attributes are not supported"},
+                ) from exc
+        else:
+            if spec.attribute_names is not None:
+                attributes = {k: v for k, v in attributes.items() if k in spec.attribute_names}
+            fn = functools.partial(spec.fn, **attributes) if attributes else spec.fn
+        outputs = list(node.outputs)
+        while len(outputs) > 1 and outputs[-1] is None:
+            outputs.pop()
+        return Step(
+            fn,
+            inputs + implicit,
+            outputs,
+            multi_output=spec.multi_output,
+            name=label,
+            op_type=node.op_type,
+            domain=domain,
+            nodes=(label,),
+        )
+
+
+def _dtype_of(value: ir.Value | None):
+    if value is None or value.dtype is None:
+        return None
+    try:
+        return numpy_dtype(int(value.dtype))
+    except ValueError:
+        return None
+
+

@@ -1,0 +1,137 @@
+"""The CPU provider's kernel registry: kernels keyed on (domain, op_type, since_version)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+__all__ = ["KernelSpec", "KernelContext", "kernel", "kernel_builder", "lookup", "versions", "registered_ops"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One registered kernel and the metadata the provider needs to bind it.
+
+    ``fn`` is either the kernel itself (inputs positional, ONNX attributes keyword-only
+    with the spec's defaults) or, when ``builder`` is true, a function that receives a
+    :class:`KernelContext` at compile time and returns the kernel callable.
+    """
+
+    domain: str
+    op_type: str
+    since_version: int
+    fn: Callable[..., Any]
+    builder: bool = False
+    multi_output: bool = False
+    attribute_names: frozenset[str] | None = None  # None: accepts any attribute (**kwargs)
+
+
+@dataclasses.dataclass
+class KernelContext:
+    """What a kernel builder may look at when it prepares a kernel at compile time."""
+
+    op_type: str
+    domain: str
+    opset: int
+    attributes: dict[str, Any]
+    num_inputs: int
+    num_outputs: int
+    input_dtypes: list[Any]  # numpy dtype per input, or None where unknown / absent
+    constant_inputs: list[Any]  # numpy array per input when it is a constant, else None
+    node: Any = None  # the onnx_ir.Node, for builders that need more
+    # Compiles an onnx_ir.Graph (a subgraph attribute) into a callable
+    # ``run(inputs: list, outer: dict[str, value]) -> list`` — set by the provider.
+    compile_subgraph: Callable[..., Any] | None = None
+    # Names of outer-scope values a subgraph reads, in the order the kernel receives
+    # them after its declared inputs (implicit inputs).
+    implicit_inputs: tuple[str, ...] = ()
+
+
+_KERNELS: dict[tuple[str, str], list[KernelSpec]] = {}
+
+
+def _normalise_domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+def _attribute_names(fn: Callable[..., Any]) -> frozenset[str] | None:
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def _register(spec: KernelSpec) -> None:
+    entries = _KERNELS.setdefault((spec.domain, spec.op_type), [])
+    if any(e.since_version == spec.since_version for e in entries):
+        raise ValueError(
+            f"kernel {spec.domain or 'ai.onnx'}::{spec.op_type} since version "
+            f"{spec.since_version} is registered twice"
+        )
+    entries.append(spec)
+    entries.sort(key=lambda e: e.since_version)
+
+
+def kernel(
+    op_type: str,
+    *since_versions: int,
+    domain: str = "",
+    multi_output: bool = False,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a plain kernel for ``op_type`` at each of ``since_versions`` (default 1).
+
+    The function takes the node's inputs positionally (``None`` for an omitted optional
+    input) and the node's attributes as keyword-only arguments. It returns one array,
+    or a tuple of all its outputs when ``multi_output`` is true.
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        names = _attribute_names(fn)
+        for version in since_versions or (1,):
+            _register(
+                KernelSpec(_normalise_domain(domain), op_type, version, fn, False, multi_output, names)
+            )
+        return fn
+
+    return decorate
+
+
+def kernel_builder(
+    op_type: str,
+    *since_versions: int,
+    domain: str = "",
+    multi_output: bool = False,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a builder: ``fn(ctx: KernelContext) -> kernel`` runs once at compile."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for version in since_versions or (1,):
+            _register(KernelSpec(_normalise_domain(domain), op_type, version, fn, True, multi_output, None))
+        return fn
+
+    return decorate
+
+
+def lookup(domain: str, op_type: str, opset: int) -> KernelSpec | None:
+    """The kernel with the highest since_version at or below ``opset``, or None."""
+    entries = _KERNELS.get((_normalise_domain(domain), op_type))
+    if not entries:
+        return None
+    found = None
+    for entry in entries:
+        if entry.since_version <= opset:
+            found = entry
+        else:
+            break
+    return found
+
+
+def versions(domain: str, op_type: str) -> list[int]:
+    """The since_versions registered for an op, ascending (empty when unknown)."""
+    return [e.since_version for e in _KERNELS.get((_normalise_domain(domain), op_type), [])]
+
+
+def registered_ops() -> list[tuple[str, str]]:
+    """Every (domain, op_type) with at least one kernel."""
+    return sorted(_KERNELS)

@@ -1,0 +1,24 @@
+"""The CPU kernels, one module per op family; importing this package registers them all."""
+
+from . import (
+    elementwise,
+    tensor,
+    generator,
+    nn,
+    normalization,
+    reduction,
+    linalg,
+    quantization,
+    controlflow,
+    sequence,
+    rnn,
+    attention,
+    signal,
+    image,
+    text,
+    loss,
+    training,
+    ml,
+)
+
+__all__ = ["elementwise", "tensor", "generator", "nn", "normalization", "reduction", "linalg", "quantization", "controlflow", "sequence", "rnn", "attention", "signal", "image", "text", "loss", "training", "ml", ]
