@@ -1,0 +1,649 @@
+"""Tensor shape and indexing kernels: reshape, transpose, concat, gather/scatter, slice, pad, and kin."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._registry import KernelContext, kernel, kernel_builder
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def _axis(axis: int, rank: int) -> int:
+    """A possibly negative axis as a non-negative one, checked against ``rank``."""
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis {axis} is out of range for a tensor of rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def _ints(value) -> list[int]:
+    """An int64 shape/axes input (numpy array, scalar or list) as a list of Python ints."""
+    if isinstance(value, np.ndarray):
+        return value.reshape(-1).tolist()
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [int(value)]
+
+
+def _scalar_int(value) -> int:
+    """A one-element tensor (rank 0 or 1) as a Python int."""
+    return int(np.asarray(value).reshape(-1)[0])
+
+
+def _zero(dtype: np.dtype):
+    """The fill value ONNX uses for padding a tensor of ``dtype``: 0, False or ''."""
+    return "" if dtype == object else np.zeros((), dtype)
+
+
+def _element_index(indices: np.ndarray, axis: int) -> tuple:
+    """The fancy index selecting ``data[i0, .., indices[i], .., in]`` for each position i of
+    ``indices`` (GatherElements / ScatterElements): aranges on every axis but ``axis``."""
+    rank = indices.ndim
+    index = []
+    for dim, size in enumerate(indices.shape):
+        if dim == axis:
+            index.append(indices)
+        else:
+            shape = [1] * rank
+            shape[dim] = size
+            index.append(np.arange(size).reshape(shape))
+    return tuple(index)
+
+
+_SCATTER_REDUCTIONS = {
+    "add": np.add,
+    "mul": np.multiply,
+    "max": np.maximum,
+    "min": np.minimum,
+}
+
+
+def _scatter(data: np.ndarray, index: tuple, updates: np.ndarray, reduction: str) -> np.ndarray:
+    out = data.copy()
+    if reduction == "none":
+        out[index] = updates
+        return out
+    ufunc = _SCATTER_REDUCTIONS.get(reduction)
+    if ufunc is None:
+        raise NotImplementedError(f"scatter reduction {reduction!r} is not supported (none, add, mul, max, min)")
+    ufunc.at(out, index, updates)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# views: reshape, transpose, squeeze, unsqueeze, flatten, expand, identity, shape
+# ---------------------------------------------------------------------------
+
+
+def _reshape(data: np.ndarray, dims: list[int], allowzero: int) -> np.ndarray:
+    if not allowzero and 0 in dims:
+        in_shape = data.shape
+        dims = [in_shape[i] if d == 0 else d for i, d in enumerate(dims)]
+    return data.reshape(dims)
+
+
+@kernel("Reshape", 1)
+def reshape_1(data, *, shape=None):
+    if shape is None:
+        raise ValueError("Reshape-1 needs its 'shape' attribute")
+    return _reshape(data, list(shape), 0)
+
+
+@kernel("Reshape", 5, 14)
+def reshape(data, shape, *, allowzero=0):
+    return _reshape(data, shape.tolist(), allowzero)
+
+
+@kernel("Transpose", 1)
+def transpose(data, *, perm=None):
+    return data.transpose(perm)
+
+
+@kernel("Squeeze", 1)
+def squeeze_1(data, *, axes=None):
+    return np.squeeze(data) if axes is None else np.squeeze(data, axis=tuple(axes))
+
+
+@kernel("Squeeze", 13)
+def squeeze(data, axes=None):
+    return np.squeeze(data) if axes is None else np.squeeze(data, axis=tuple(axes.tolist()))
+
+
+def _unsqueeze(data: np.ndarray, axes: list[int]) -> np.ndarray:
+    rank = data.ndim + len(axes)
+    positions = sorted(_axis(a, rank) for a in axes)
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"Unsqueeze axes {axes} repeat an axis")
+    shape = list(data.shape)
+    for position in positions:
+        shape.insert(position, 1)
+    return data.reshape(shape)
+
+
+@kernel("Unsqueeze", 1)
+def unsqueeze_1(data, *, axes=None):
+    if axes is None:
+        raise ValueError("Unsqueeze-1 needs its 'axes' attribute")
+    return _unsqueeze(data, list(axes))
+
+
+@kernel("Unsqueeze", 13)
+def unsqueeze(data, axes):
+    return _unsqueeze(data, axes.tolist())
+
+
+@kernel("Flatten", 1)
+def flatten(data, *, axis=1):
+    shape = data.shape
+    if axis < 0:
+        axis += data.ndim
+    if not 0 <= axis <= data.ndim:
+        raise ValueError(f"Flatten axis {axis} is out of range for a tensor of rank {data.ndim}")
+    return data.reshape(math.prod(shape[:axis]), math.prod(shape[axis:]))
+
+
+@kernel("Expand", 8)
+def expand(data, shape):
+    # A read-only broadcast view: Expand never needs its own memory.
+    return np.broadcast_to(data, np.broadcast_shapes(data.shape, tuple(shape.tolist())))
+
+
+@kernel("Identity", 1)
+def identity(data):
+    return data
+
+
+@kernel("Shape", 1)
+def shape_1(data):
+    return np.array(data.shape, dtype=np.int64)
+
+
+@kernel("Shape", 15)
+def shape(data, *, start=0, end=None):
+    # Python slicing clamps out-of-range and negative bounds exactly as the spec asks.
+    return np.array(data.shape[start:end], dtype=np.int64)
+
+
+@kernel("Size", 1)
+def size(data):
+    return np.array(data.size, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------
+# concat, split, slice, tile, pad
+# ---------------------------------------------------------------------------
+
+
+@kernel("Concat", 1)
+def concat_1(*inputs, axis=1):
+    return np.concatenate(inputs, axis=axis)
+
+
+@kernel("Concat", 4)
+def concat(*inputs, axis):
+    return np.concatenate(inputs, axis=axis)
+
+
+def _split_sizes(dim: int, parts: int) -> list[int]:
+    """Equal parts of ``dim``, the last one smaller when it does not divide (Split-18)."""
+    if parts <= 0:
+        raise ValueError(f"Split needs at least one output, got {parts}")
+    chunk = -(-dim // parts)
+    last = dim - chunk * (parts - 1)
+    if last < 0:
+        raise ValueError(f"cannot split a dimension of {dim} into {parts} parts")
+    return [chunk] * (parts - 1) + [last]
+
+
+def _split(data: np.ndarray, sizes: list[int], axis: int) -> tuple[np.ndarray, ...]:
+    axis = _axis(axis, data.ndim)
+    if sum(sizes) != data.shape[axis]:
+        raise ValueError(f"Split sizes {sizes} do not add up to dimension {data.shape[axis]} of axis {axis}")
+    index = [slice(None)] * data.ndim
+    parts = []
+    start = 0
+    for length in sizes:
+        index[axis] = slice(start, start + length)
+        parts.append(data[tuple(index)])
+        start += length
+    return tuple(parts)
+
+
+@kernel_builder("Split", 1, 13, 18, multi_output=True)
+def split(ctx: KernelContext):
+    """Split at every opset: sizes come from the ``split`` input (v1, v13+), the ``split``
+    attribute (v1-v11), ``num_outputs`` (v18) or else the node's number of outputs."""
+    axis = ctx.attributes.get("axis", 0)
+    split_attribute = ctx.attributes.get("split") if ctx.opset < 13 else None
+    parts = ctx.attributes.get("num_outputs") or ctx.num_outputs
+
+    def run(data, split_input=None):
+        if split_input is not None:
+            sizes = split_input.tolist()
+        elif split_attribute:
+            sizes = list(split_attribute)
+        else:
+            sizes = _split_sizes(data.shape[_axis(axis, data.ndim)], parts)
+        return _split(data, sizes, axis)
+
+    return run
+
+
+def _slice(data: np.ndarray, starts: list[int], ends: list[int], axes: list[int] | None, steps: list[int] | None):
+    rank = data.ndim
+    if axes is None:
+        axes = range(len(starts))
+    if steps is None:
+        steps = [1] * len(starts)
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        raise ValueError("Slice starts, ends, axes and steps must have the same length")
+    shape = data.shape
+    index = [slice(None)] * rank
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        axis = _axis(axis, rank)
+        dim = shape[axis]
+        if step == 0:
+            raise ValueError("Slice step cannot be 0")
+        if start < 0:
+            start += dim
+        if end < 0:
+            end += dim
+        if step > 0:
+            start = min(max(start, 0), dim)
+            end = min(max(end, 0), dim)
+        else:
+            start = min(max(start, 0), dim - 1)
+            end = min(max(end, -1), dim - 1)
+            if end < 0:  # "before index 0", which a Python slice spells as None
+                end = None
+        index[axis] = slice(start, end, step)
+    return data[tuple(index)]
+
+
+@kernel("Slice", 1)
+def slice_1(data, *, starts=None, ends=None, axes=None):
+    if starts is None or ends is None:
+        raise ValueError("Slice-1 needs its 'starts' and 'ends' attributes")
+    return _slice(data, list(starts), list(ends), list(axes) if axes else None, None)
+
+
+@kernel("Slice", 10)
+def slice_(data, starts, ends, axes=None, steps=None):
+    return _slice(
+        data,
+        starts.tolist(),
+        ends.tolist(),
+        None if axes is None else axes.tolist(),
+        None if steps is None else steps.tolist(),
+    )
+
+
+@kernel("Tile", 1)
+def tile_1(data, tiles, axis):
+    repeats = [1] * data.ndim
+    repeats[_axis(_scalar_int(axis), data.ndim)] = _scalar_int(tiles)
+    return np.tile(data, repeats)
+
+
+@kernel("Tile", 6)
+def tile(data, repeats):
+    reps = repeats.tolist()
+    if len(reps) != data.ndim:
+        raise ValueError(f"Tile repeats {reps} must have one entry per axis of the rank-{data.ndim} input")
+    return np.tile(data, reps)
+
+
+_PAD_MODES = {"reflect": "reflect", "edge": "edge", "wrap": "wrap"}
+
+
+def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | None) -> np.ndarray:
+    rank = data.ndim
+    axes = list(range(rank)) if axes is None else [_axis(a, rank) for a in axes]
+    count = len(axes)
+    if len(pads) != 2 * count:
+        raise ValueError(f"Pad expects {2 * count} pads for {count} axes, got {len(pads)}")
+    begin = [0] * rank
+    end = [0] * rank
+    for i, axis in enumerate(axes):
+        begin[axis] = pads[i]
+        end[axis] = pads[count + i]
+    if min(begin) < 0 or min(end) < 0:  # negative pads remove elements
+        data = data[tuple(slice(max(-b, 0), dim - max(-e, 0)) for b, e, dim in zip(begin, end, data.shape))]
+        begin = [max(b, 0) for b in begin]
+        end = [max(e, 0) for e in end]
+    if not any(begin) and not any(end):
+        return data
+    if mode == "constant":
+        out_shape = tuple(d + b + e for d, b, e in zip(data.shape, begin, end))
+        out = np.full(out_shape, _zero(data.dtype) if value is None else value, dtype=data.dtype)
+        out[tuple(slice(b, b + d) for b, d in zip(begin, data.shape))] = data
+        return out
+    numpy_mode = _PAD_MODES.get(mode)
+    if numpy_mode is None:
+        raise NotImplementedError(f"Pad mode {mode!r} is not supported (constant, reflect, edge, wrap)")
+    if data.size == 0:
+        raise ValueError(f"Pad mode {mode!r} cannot pad an empty tensor")
+    return np.pad(data, list(zip(begin, end)), mode=numpy_mode)
+
+
+@kernel("Pad", 1)
+def pad_1(data, *, paddings=None, mode="constant", value=0.0):
+    if paddings is None:
+        raise ValueError("Pad-1 needs its 'paddings' attribute")
+    return _pad(data, list(paddings), mode, value, None)
+
+
+@kernel("Pad", 2)
+def pad_2(data, *, pads=None, mode="constant", value=0.0):
+    if pads is None:
+        raise ValueError("Pad-2 needs its 'pads' attribute")
+    return _pad(data, list(pads), mode, value, None)
+
+
+@kernel("Pad", 11, 18)
+def pad(data, pads, constant_value=None, axes=None, *, mode="constant"):
+    value = None if constant_value is None or constant_value.size == 0 else constant_value.reshape(-1)[0]
+    return _pad(data, pads.tolist(), mode, value, None if axes is None else axes.tolist())
+
+
+@kernel("CenterCropPad", 18)
+def center_crop_pad(input_data, shape, *, axes=None):
+    rank = input_data.ndim
+    axes = list(range(rank)) if axes is None else [_axis(a, rank) for a in axes]
+    target = _ints(shape)
+    if len(target) != len(axes):
+        raise ValueError(f"CenterCropPad shape {target} must have one entry per axis {axes}")
+    crop = [slice(None)] * rank
+    place = [slice(None)] * rank
+    out_shape = list(input_data.shape)
+    padded = False
+    for axis, size in zip(axes, target):
+        dim = input_data.shape[axis]
+        if size < dim:
+            start = (dim - size) // 2
+            crop[axis] = slice(start, start + size)
+        elif size > dim:
+            start = (size - dim) // 2
+            place[axis] = slice(start, start + dim)
+            padded = True
+        out_shape[axis] = size
+    cropped = input_data[tuple(crop)]
+    if not padded:
+        return cropped
+    out = np.full(out_shape, _zero(input_data.dtype), dtype=input_data.dtype)
+    out[tuple(place)] = cropped
+    return out
+
+
+# ---------------------------------------------------------------------------
+# gather and scatter
+# ---------------------------------------------------------------------------
+
+
+@kernel("Gather", 1)
+def gather(data, indices, *, axis=0):
+    return np.take(data, indices, axis=axis)
+
+
+@kernel("GatherElements", 11)
+def gather_elements(data, indices, *, axis=0):
+    axis = _axis(axis, data.ndim)
+    if indices.ndim != data.ndim:
+        raise ValueError(f"GatherElements indices have rank {indices.ndim}, data rank {data.ndim}")
+    return data[_element_index(indices, axis)]
+
+
+def _nd_index(indices: np.ndarray) -> tuple:
+    """``indices[..., k]`` for each k, the fancy index of a GatherND / ScatterND lookup."""
+    return tuple(indices[..., k] for k in range(indices.shape[-1]))
+
+
+@kernel("GatherND", 11)
+def gather_nd(data, indices, *, batch_dims=0):
+    depth = indices.shape[-1]
+    if batch_dims + depth > data.ndim:
+        raise ValueError(
+            f"GatherND indices address {depth} axes after {batch_dims} batch axes of a rank-{data.ndim} tensor"
+        )
+    if batch_dims == 0:
+        return data[_nd_index(indices)]
+    batch_shape = data.shape[:batch_dims]
+    if indices.shape[:batch_dims] != batch_shape:
+        raise ValueError(f"GatherND batch dims differ: data {batch_shape}, indices {indices.shape[:batch_dims]}")
+    batch = math.prod(batch_shape)
+    flat_data = data.reshape((batch, *data.shape[batch_dims:]))
+    flat_indices = indices.reshape(batch, -1, depth)
+    rows = np.broadcast_to(np.arange(batch)[:, None], flat_indices.shape[:2])
+    gathered = flat_data[(rows, *_nd_index(flat_indices))]
+    return gathered.reshape(batch_shape + indices.shape[batch_dims:-1] + data.shape[batch_dims + depth :])
+
+
+@kernel("Scatter", 9)
+def scatter(data, indices, updates, *, axis=0):
+    return _scatter(data, _element_index(indices, _axis(axis, data.ndim)), updates, "none")
+
+
+@kernel("ScatterElements", 11, 16, 18)
+def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
+    if indices.shape != updates.shape:
+        raise ValueError(f"ScatterElements indices {indices.shape} and updates {updates.shape} differ in shape")
+    return _scatter(data, _element_index(indices, _axis(axis, data.ndim)), updates, reduction)
+
+
+@kernel("ScatterND", 11, 16, 18)
+def scatter_nd(data, indices, updates, *, reduction="none"):
+    return _scatter(data, _nd_index(indices), updates, reduction)
+
+
+@kernel("TensorScatter", 24)
+def tensor_scatter(past_cache, update, write_indices=None, *, mode="linear", axis=-2):
+    axis = _axis(axis, past_cache.ndim)
+    if axis == 0:
+        raise ValueError("TensorScatter axis cannot be the batch axis 0")
+    if mode not in ("linear", "circular"):
+        raise NotImplementedError(f"TensorScatter mode {mode!r} is not supported (linear, circular)")
+    batch = past_cache.shape[0]
+    max_length = past_cache.shape[axis]
+    length = update.shape[axis]
+    if write_indices is None:
+        write_indices = np.zeros(batch, dtype=np.int64)
+    positions = write_indices.reshape(batch, 1) + np.arange(length)
+    if mode == "circular":
+        positions %= max_length
+    elif length and int((write_indices + length).max()) > max_length:
+        raise ValueError("TensorScatter linear mode writes past max_sequence_length")
+    out = past_cache.copy()
+    # Put the sequence axis next to the batch axis (views) and write all rows at once.
+    np.moveaxis(out, axis, 1)[np.arange(batch)[:, None], positions] = np.moveaxis(update, axis, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# data rearrangement
+# ---------------------------------------------------------------------------
+
+
+@kernel("Compress", 9)
+def compress(data, condition, *, axis=None):
+    return np.compress(condition.reshape(-1), data, axis=axis)
+
+
+def _depth_to_space(data: np.ndarray, blocksize: int, mode: str) -> np.ndarray:
+    if data.ndim != 4:
+        raise ValueError(f"DepthToSpace expects a rank-4 NCHW tensor, got rank {data.ndim}")
+    b, c, h, w = data.shape
+    depth = c // (blocksize * blocksize)
+    if mode == "DCR":
+        tmp = data.reshape(b, blocksize, blocksize, depth, h, w).transpose(0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        tmp = data.reshape(b, depth, blocksize, blocksize, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:
+        raise NotImplementedError(f"DepthToSpace mode {mode!r} is not supported (DCR, CRD)")
+    return tmp.reshape(b, depth, h * blocksize, w * blocksize)
+
+
+@kernel("DepthToSpace", 1)
+def depth_to_space_1(data, *, blocksize):
+    return _depth_to_space(data, blocksize, "DCR")
+
+
+@kernel("DepthToSpace", 11)
+def depth_to_space(data, *, blocksize, mode="DCR"):
+    return _depth_to_space(data, blocksize, mode)
+
+
+@kernel("SpaceToDepth", 1, 28)
+def space_to_depth(data, *, blocksize, mode="DCR"):
+    if data.ndim != 4:
+        raise ValueError(f"SpaceToDepth expects a rank-4 NCHW tensor, got rank {data.ndim}")
+    b, c, h, w = data.shape
+    tmp = data.reshape(b, c, h // blocksize, blocksize, w // blocksize, blocksize)
+    if mode == "DCR":
+        tmp = tmp.transpose(0, 3, 5, 1, 2, 4)
+    elif mode == "CRD":
+        tmp = tmp.transpose(0, 1, 3, 5, 2, 4)
+    else:
+        raise NotImplementedError(f"SpaceToDepth mode {mode!r} is not supported (DCR, CRD)")
+    return tmp.reshape(b, c * blocksize * blocksize, h // blocksize, w // blocksize)
+
+
+@kernel("Trilu", 14)
+def trilu(data, k=None, *, upper=1):
+    offset = 0 if k is None else _scalar_int(k)
+    return np.triu(data, offset) if upper else np.tril(data, offset)
+
+
+@kernel("ReverseSequence", 10)
+def reverse_sequence(data, sequence_lens, *, batch_axis=1, time_axis=0):
+    if {batch_axis, time_axis} != {0, 1}:
+        raise ValueError(f"ReverseSequence batch_axis {batch_axis} / time_axis {time_axis} must be 0 and 1")
+    steps = data.shape[time_axis]
+    time = np.arange(steps)[:, None]  # (time, batch)
+    lens = sequence_lens.astype(np.int64, copy=False)[None, :]
+    source = np.where(time < lens, lens - 1 - time, time)
+    if batch_axis == 0:
+        source = source.T
+    source = source.reshape(source.shape + (1,) * (data.ndim - 2))
+    return np.take_along_axis(data, source, axis=time_axis)
+
+
+def _cumulative(x, axis, exclusive: int, reverse: int, ufunc: np.ufunc, identity: int) -> np.ndarray:
+    axis = _axis(_scalar_int(axis), x.ndim)
+    index = [slice(None)] * x.ndim
+    if reverse:
+        index[axis] = slice(None, None, -1)
+        x = x[tuple(index)]
+    if exclusive:
+        out = np.empty_like(x)
+        index[axis] = slice(0, 1)
+        out[tuple(index)] = identity
+        index[axis] = slice(1, None)
+        shifted = [slice(None)] * x.ndim
+        shifted[axis] = slice(0, -1)
+        ufunc.accumulate(x[tuple(shifted)], axis=axis, dtype=x.dtype, out=out[tuple(index)])
+    else:
+        out = ufunc.accumulate(x, axis=axis, dtype=x.dtype)
+    if reverse:
+        index[axis] = slice(None, None, -1)
+        out = out[tuple(index)]
+    return out
+
+
+@kernel("CumSum", 11)
+def cumsum(x, axis, *, exclusive=0, reverse=0):
+    return _cumulative(x, axis, exclusive, reverse, np.add, 0)
+
+
+@kernel("CumProd", 26)
+def cumprod(x, axis, *, exclusive=0, reverse=0):
+    return _cumulative(x, axis, exclusive, reverse, np.multiply, 1)
+
+
+# ---------------------------------------------------------------------------
+# index-producing ops: OneHot, NonZero, Unique, TopK
+# ---------------------------------------------------------------------------
+
+
+@kernel("OneHot", 9)
+def one_hot(indices, depth, values, *, axis=-1):
+    depth = int(np.asarray(depth).reshape(-1)[0])
+    rank = indices.ndim + 1
+    axis = _axis(axis, rank)
+    index = indices.astype(np.int64, copy=False)
+    index = np.where(index < 0, index + depth, index)
+    # Compare against 0..depth-1 laid along the new axis; out-of-range indices match nothing.
+    positions = np.arange(depth).reshape((depth,) + (1,) * (rank - 1 - axis))
+    hot = np.expand_dims(index, axis) == positions
+    off_value, on_value = values.reshape(-1)[0], values.reshape(-1)[1]
+    return np.where(hot, on_value, off_value).astype(values.dtype, copy=False)
+
+
+@kernel("NonZero", 9)
+def non_zero(x):
+    if x.ndim == 0:
+        return np.zeros((0, int(bool(x))), dtype=np.int64)
+    return np.stack(np.nonzero(x)).astype(np.int64, copy=False)
+
+
+@kernel("Unique", 11, multi_output=True)
+def unique(x, *, axis=None, sorted=1):  # noqa: A002 - the ONNX attribute is called sorted
+    if axis is None:
+        values, first, inverse, counts = np.unique(
+            x.reshape(-1), return_index=True, return_inverse=True, return_counts=True
+        )
+        take_axis = 0
+    else:
+        take_axis = _axis(axis, x.ndim)
+        values, first, inverse, counts = np.unique(
+            x, return_index=True, return_inverse=True, return_counts=True, axis=take_axis
+        )
+    inverse = inverse.reshape(-1)
+    if not sorted:
+        order = np.argsort(first, kind="stable")  # by first occurrence
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        values = np.take(values, order, axis=take_axis)
+        first = first[order]
+        counts = counts[order]
+        inverse = rank[inverse]
+    return (
+        values,
+        first.astype(np.int64, copy=False),
+        inverse.astype(np.int64, copy=False),
+        counts.astype(np.int64, copy=False),
+    )
+
+
+def _top_k(x: np.ndarray, k: int, axis: int, largest: int) -> tuple[np.ndarray, np.ndarray]:
+    axis = _axis(axis, x.ndim)
+    n = x.shape[axis]
+    if not 0 <= k <= n:
+        raise ValueError(f"TopK k={k} is out of range for an axis of size {n}")
+    if largest:
+        # A stable ascending sort of the reversed axis, read backwards, orders values
+        # descending with ties kept in increasing original index (the spec's tie-break).
+        reversed_order = np.argsort(np.flip(x, axis), axis=axis, kind="stable")
+        order = (n - 1) - np.flip(reversed_order, axis)
+    else:
+        order = np.argsort(x, axis=axis, kind="stable")
+    order = np.take(order, np.arange(k), axis=axis)
+    return np.take_along_axis(x, order, axis=axis), order.astype(np.int64, copy=False)
+
+
+@kernel("TopK", 1, multi_output=True)
+def top_k_1(x, *, k, axis=-1):
+    return _top_k(x, k, axis, 1)
+
+
+@kernel("TopK", 10, multi_output=True)
+def top_k_10(x, k, *, axis=-1):
+    return _top_k(x, _scalar_int(k), axis, 1)
+
+
+@kernel("TopK", 11, multi_output=True)
+def top_k(x, k, *, axis=-1, largest=1, sorted=1):  # noqa: A002 - sorted=0 allows any order; sorted is one
+    return _top_k(x, _scalar_int(k), axis, largest)
