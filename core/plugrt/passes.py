@@ -12,7 +12,7 @@ from onnx_ir.passes import common as common_passes
 from .ir_utils import is_constant, subgraphs, tensor_array
 from .provider import ExecutionProvider, Partition, SupportContext
 
-__all__ = ["inline_functions", "fold_constants", "remove_dead_nodes", "optimize"]
+__all__ = ["inline_functions", "expand_unsupported_functions", "fold_constants", "remove_dead_nodes", "optimize"]
 
 logger = logging.getLogger("plugrt.passes")
 
@@ -55,10 +55,7 @@ def _replace_with_constant(graph: ir.Graph, value: ir.Value, array: np.ndarray) 
     constant = ir.Value(name=value.name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
     value.name = f"{value.name}__folded"
     graph.register_initializer(constant)
-    value.replace_all_uses_with(constant)
-    for index, output in enumerate(graph.outputs):
-        if output is value:
-            graph.outputs[index] = constant
+    value.replace_all_uses_with(constant, replace_graph_outputs=True)
 
 
 def fold_constants(
@@ -135,3 +132,94 @@ def optimize(
                 result = graph_pass(model)
                 stats[type(graph_pass).__name__] = stats.get(type(graph_pass).__name__, 0) + int(result.modified)
     return stats
+
+
+def _function_body(node: ir.Node, opset: int) -> "onnx.FunctionProto | None":
+    """The ONNX schema's function body for ``node`` at ``opset``, or None."""
+    import onnx
+
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+    except onnx.defs.SchemaError:
+        return None
+    proto_bytes = None
+    if schema.has_function:
+        versions = [v for v in schema.function_opset_versions if v <= opset]
+        if versions:
+            proto_bytes = schema.get_function_with_opset_version(max(versions))
+    elif schema.has_context_dependent_function:
+        versions = [v for v in schema.context_dependent_function_opset_versions if v <= opset]
+        if not versions:
+            return None
+        if any(v is not None and v.type is None for v in node.inputs):
+            return None
+        node_proto = ir.serde.serialize_node(node)
+        types = []
+        for value in node.inputs:
+            if value is None:
+                types.append(onnx.TypeProto().SerializeToString())
+            else:
+                type_proto = onnx.TypeProto()
+                ir.serde.serialize_type_into(type_proto, value.type)
+                types.append(type_proto.SerializeToString())
+        try:
+            proto_bytes = schema.get_context_dependent_function_with_opset_version(
+                max(versions), node_proto.SerializeToString(), types
+            )
+        except Exception:
+            return None
+    if not proto_bytes:
+        return None
+    function = onnx.FunctionProto()
+    function.ParseFromString(proto_bytes)
+    return function if function.node else None
+
+
+def expand_unsupported_functions(model: ir.Model, providers: Sequence[ExecutionProvider]) -> int:
+    """Replace each node no provider supports by its ONNX function body, when it has one.
+
+    Ops such as Gelu, LayerNormalization or the loss functions are defined by the spec
+    as functions of simpler ops; a provider without a kernel for them still runs them.
+    """
+    opsets = {d or "": v for d, v in model.opset_imports.items()}
+    ctx = SupportContext(opsets, model.graph)
+    unsupported = [
+        node
+        for node in model.graph
+        if node.domain in ("", "ai.onnx", "ai.onnx.ml") and not any(_supported(p, node, ctx) for p in providers)
+    ]
+    if not unsupported:
+        return 0
+    if any(v is not None and v.type is None for n in unsupported for v in n.inputs):
+        try:  # context-dependent bodies need input types
+            common_passes.ShapeInferencePass()(model)
+        except Exception as exc:
+            logger.debug("shape inference failed: %s", exc)
+    expanded = 0
+    for node in unsupported:
+        function = _function_body(node, ctx.opset(node.domain))
+        if function is None:
+            continue
+        function.domain = "plugrt.expanded"
+        function.name = f"{node.op_type}_{expanded}"
+        for entry in function.opset_import:  # the inliner needs the model's versions
+            if (entry.domain or "") in opsets:
+                entry.version = opsets[entry.domain or ""]
+        ir_function = ir.serde.deserialize_function(function)
+        model.functions[ir_function.identifier()] = ir_function
+        if "plugrt.expanded" not in model.opset_imports:
+            model.opset_imports["plugrt.expanded"] = 1
+        node.domain = "plugrt.expanded"
+        node.op_type = function.name
+        expanded += 1
+    if expanded:
+        common_passes.InlinePass(criteria=lambda f: f.domain == "plugrt.expanded")(model)
+        model.opset_imports.pop("plugrt.expanded", None)
+    return expanded
+
+
+def _supported(provider: ExecutionProvider, node: ir.Node, ctx: SupportContext) -> bool:
+    try:
+        return bool(provider.supports_op(node, ctx))
+    except Exception:
+        return False

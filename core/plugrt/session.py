@@ -155,6 +155,7 @@ class Session:
 
         chosen = self.selection.providers
         passes.inline_functions(ir_model, chosen)
+        passes.expand_unsupported_functions(ir_model, chosen)
         fold_provider = chosen[-1] if chosen else None
         self.optimization_stats = passes.optimize(ir_model, self.options["optimization"], fold_provider, chosen)
         opsets = {("" if d == "ai.onnx" else d): v for d, v in ir_model.opset_imports.items()}

@@ -1,0 +1,7 @@
+"""``python -m plugrt`` is the ``plugrt`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

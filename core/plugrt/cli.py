@@ -1,0 +1,141 @@
+"""The ``plugrt`` command: run a model, list providers, check a provider's conformance."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["main", "EXAMPLE_MODEL"]
+
+#: The model ``plugrt run`` uses when given none.
+EXAMPLE_MODEL = os.path.join(os.path.dirname(__file__), "examples", "tiny_cnn.onnx")
+
+
+def _parse_inputs(pairs: Sequence[str]) -> dict[str, np.ndarray]:
+    feeds = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"plugrt run: --input takes NAME=FILE.npy, got {pair!r}")
+        try:
+            feeds[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"plugrt run: cannot read {path!r} for input {name!r}: {exc}") from exc
+    return feeds
+
+
+def _format_values(array: np.ndarray, count: int = 6) -> str:
+    flat = np.asarray(array).ravel()
+    shown = ", ".join(
+        f"{v:.6g}" if isinstance(v, (float, np.floating)) else str(v) for v in flat[:count].tolist()
+    )
+    return f"[{shown}{', ...' if flat.size > count else ''}]"
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from . import load
+    from .inputs import DEFAULT_DIM, example_inputs
+
+    model = args.model or EXAMPLE_MODEL
+    options = {"optimization": args.optimization}
+    session = load(model, device=args.device, **options)
+    feeds = _parse_inputs(args.input)
+    generated = [i for i in session.inputs if i.name not in feeds and i.kind == "tensor"]
+    feeds.update(example_inputs(generated))
+    print(f"model: {model}{'  (bundled example)' if not args.model else ''}")
+    print(f"providers: {', '.join(f'{n} [{d}]' for n, d in session.devices.items())}")
+    print(f"build: {session.build_seconds * 1e3:.1f} ms")
+    for info in session.inputs:
+        value = feeds.get(info.name)
+        source = "generated" if info in generated else "given"
+        if value is not None:
+            print(f"input  {info.name}: {value.dtype} {list(value.shape)} ({source})")
+    if generated:
+        print(f"  (generated inputs: declared shapes, symbolic dims = {DEFAULT_DIM}, seed 0)")
+    times = []
+    outputs = {}
+    for _ in range(max(1, args.repeat)):
+        start = time.perf_counter()
+        outputs = session.run(feeds)
+        times.append(time.perf_counter() - start)
+    for name, value in outputs.items():
+        if isinstance(value, np.ndarray):
+            print(f"output {name}: {value.dtype} {list(value.shape)} {_format_values(value)}")
+        else:
+            print(f"output {name}: {type(value).__name__} {value!r:.80}")
+    report = session.placement
+    print("placement: " + ", ".join(f"{p}: {n} node(s)" for p, n in report.nodes_per_provider.items()))
+    if args.explain:
+        print(report.summary())
+    if len(times) > 1:
+        print(
+            f"latency: median {statistics.median(times) * 1e3:.3f} ms, min {min(times) * 1e3:.3f} ms "
+            f"over {len(times)} runs"
+        )
+    else:
+        print(f"latency: {times[0] * 1e3:.3f} ms (first run; use --repeat N for a median)")
+    return 0
+
+
+def _cmd_providers(args: argparse.Namespace) -> int:
+    from .registry import default_registry
+
+    registry = default_registry()
+    providers = registry.providers()
+    failures = registry.failures()
+    print("providers (highest priority first):")
+    if not providers:
+        print("  none installed")
+    for name, provider in providers.items():
+        devices = registry.devices(name)
+        reason = registry.unavailable_reason(name)
+        shown = ", ".join(str(d) for d in devices) if devices else "no device"
+        status = "available" if reason is None else f"unavailable: {reason}"
+        print(f"  {name:12s} priority {getattr(provider, 'priority', 0):<4} {shown}  [{status}]")
+    failures = registry.failures()
+    if failures:
+        print("failed to load:")
+        for failure in failures.values():
+            print(f"  {failure}")
+    if registry.disabled:
+        print("disabled: " + ", ".join(sorted(registry.disabled)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plugrt", description="plugrt: ONNX inference, every provider a plugin")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a model (the bundled example when none is given)")
+    run.add_argument("model", nargs="?", help="path to an .onnx file (default: the bundled example)")
+    run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
+    run.add_argument("--device", default="auto", help="auto, cpu, gpu, gpu:N, cuda:N, a provider name or a policy")
+    run.add_argument("--repeat", type=int, default=1, help="run N times and report the median latency")
+    run.add_argument("--optimization", default="all", choices=["none", "basic", "all"])
+    run.add_argument("--explain", action="store_true", help="print the full placement report")
+    run.set_defaults(func=_cmd_run)
+
+    providers = sub.add_parser("providers", help="list installed providers, their devices and failures")
+    providers.set_defaults(func=_cmd_providers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import PlugrtError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PlugrtError as exc:
+        print(f"plugrt: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import plugrt
+from plugrt.errors import ModelLimitError, ModelLoadError, UnsafeExternalDataError
+from plugrt.loader import LoadLimits, load_model
+
+from helpers import model_bytes
+
+
+def _identity_with_initializer(location: str | None = None) -> onnx.ModelProto:
+    weight = numpy_helper.from_array(np.arange(64, dtype=np.float32), "w")
+    if location is not None:
+        weight.ClearField("raw_data")
+        weight.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", "0"), ("length", "256")):
+            entry = weight.external_data.add()
+            entry.key, entry.value = key, value
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["y"])],
+        "g",
+        [],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])],
+        [weight],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_loads_from_path_pathlike_and_bytes(tmp_path, add_relu_model):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(add_relu_model)
+    for source in (str(path), path, add_relu_model):
+        loaded = load_model(source)
+        assert [n.op_type for n in loaded.model.graph] == ["Add", "Relu"]
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        (b"", "empty"),
+        (b"\xff\xff\xff\xff garbage", "not a valid ONNX protobuf"),
+    ],
+)
+def test_malformed_bytes_raise_model_load_error(data, needle):
+    with pytest.raises(ModelLoadError) as info:
+        load_model(data)
+    assert needle in str(info.value)
+
+
+def test_truncated_model_is_a_model_load_error(add_relu_model):
+    for cut in range(1, len(add_relu_model), 7):
+        with pytest.raises(ModelLoadError):
+            load_model(add_relu_model[:cut])
+
+
+def test_missing_file_is_a_model_load_error(tmp_path):
+    with pytest.raises(ModelLoadError) as info:
+        load_model(tmp_path / "nope.onnx")
+    assert info.value.source.endswith("nope.onnx")
+
+
+def test_node_in_unimported_domain_is_rejected():
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Frob", ["x"], ["y"], domain="com.acme")],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_model(model.SerializeToString())
+    assert info.value.reason == "unknown opset domain"
+    assert "com.acme" in str(info.value)
+
+
+def test_opset_newer_than_onnx_knows_is_rejected():
+    model = _identity_with_initializer()
+    model.opset_import[0].version = 999
+    with pytest.raises(ModelLoadError, match="opset 999"):
+        load_model(model.SerializeToString())
+
+
+def test_cycle_is_rejected():
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["b"], ["a"]), helper.make_node("Relu", ["a"], ["b"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, [1])],
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_model(helper.make_model(graph).SerializeToString())
+    assert info.value.reason == "cycle"
+
+
+def test_dangling_value_is_rejected():
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["nowhere"], ["y"], name="r")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_model(helper.make_model(graph).SerializeToString())
+    assert info.value.reason == "dangling value"
+    assert "nowhere" in str(info.value)
+
+
+def test_unsorted_graph_is_accepted_and_sorted():
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["a"], ["y"]), helper.make_node("Neg", ["x"], ["a"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    loaded = load_model(helper.make_model(graph).SerializeToString())
+    assert [n.op_type for n in loaded.model.graph] == ["Neg", "Relu"]
+
+
+def test_raw_data_size_mismatch_is_rejected():
+    model = _identity_with_initializer()
+    model.graph.initializer[0].raw_data = model.graph.initializer[0].raw_data[:-4]
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_model(model.SerializeToString())
+
+
+def test_node_limit_is_enforced(add_relu_model):
+    with pytest.raises(ModelLimitError) as info:
+        load_model(add_relu_model, LoadLimits(nodes=1))
+    assert (info.value.limit, info.value.value, info.value.maximum) == ("nodes", 2, 1)
+
+
+def test_huge_declared_tensor_is_refused_before_allocation():
+    model = _identity_with_initializer()
+    model.graph.initializer[0].ClearField("dims")
+    model.graph.initializer[0].dims.extend([1 << 40, 1 << 10])
+    with pytest.raises(ModelLimitError) as info:
+        load_model(model.SerializeToString())
+    assert info.value.limit == "tensor_bytes"
+
+
+class TestExternalData:
+    def _write(self, folder, location):
+        model = _identity_with_initializer(location)
+        path = folder / "model.onnx"
+        onnx.save(model, path)
+        return path
+
+    def test_external_data_inside_the_folder_is_read_lazily(self, tmp_path):
+        np.arange(64, dtype=np.float32).tofile(tmp_path / "weights.bin")
+        path = self._write(tmp_path, "weights.bin")
+        loaded = load_model(path)
+        tensor = loaded.model.graph.initializers["w"].const_value
+        assert isinstance(tensor, plugrt.loader.ir.ExternalTensor)
+        out = plugrt.load(path, optimization="none").run()
+        np.testing.assert_array_equal(out["y"], np.arange(64, dtype=np.float32))
+
+    def test_absolute_location_is_refused(self, tmp_path):
+        outside = tmp_path / "outside.bin"
+        np.zeros(64, np.float32).tofile(outside)
+        folder = tmp_path / "model"
+        folder.mkdir()
+        path = self._write(folder, str(outside))
+        with pytest.raises(UnsafeExternalDataError) as info:
+            load_model(path)
+        assert info.value.tensor == "w"
+
+    def test_parent_directory_location_is_refused(self, tmp_path):
+        folder = tmp_path / "model"
+        folder.mkdir()
+        np.zeros(64, np.float32).tofile(tmp_path / "up.bin")
+        with pytest.raises(UnsafeExternalDataError) as info:
+            load_model(self._write(folder, "../up.bin"))
+        assert info.value.location == "../up.bin"
+
+    def test_symlink_leaving_the_folder_is_refused(self, tmp_path):
+        folder = tmp_path / "model"
+        folder.mkdir()
+        target = tmp_path / "secret.bin"
+        np.zeros(64, np.float32).tofile(target)
+        os.symlink(target, folder / "weights.bin")
+        with pytest.raises(UnsafeExternalDataError):
+            load_model(self._write(folder, "weights.bin"))
+
+    def test_external_data_from_bytes_is_explained(self, tmp_path):
+        model = _identity_with_initializer("weights.bin")
+        with pytest.raises(ModelLoadError, match="load it from its path"):
+            load_model(model.SerializeToString())
+
+
+def test_model_local_functions_are_inlined():
+    data = model_bytes(
+        """
+        <ir_version: 8, opset_import: ["" : 17, "local" : 1]>
+        g (float[2] x) => (float[2] y) {
+            y = local.Double(x)
+        }
+        <domain: "local", opset_import: ["" : 17]>
+        Double (a) => (b) {
+            b = Add(a, a)
+        }
+        """
+    )
+    session = plugrt.load(data)
+    np.testing.assert_array_equal(session.run({"x": np.array([1, 2], np.float32)})["y"], [2, 4])
+    assert session.placement.nodes_per_provider == {"cpu": 1}

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import importlib_metadata
+import numpy as np
+import pytest
+
+import plugrt
+from plugrt import registry as registry_module
+from plugrt.errors import ProviderUnavailableError
+from plugrt.registry import DISABLE_ENV, ProviderRegistry
+
+from helpers import model_bytes
+
+NEG_ADD = model_bytes(
+    """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[3] x) => (float[3] y) {
+        n = Neg(x)
+        y = Add(n, x)
+    }
+    """
+)
+
+
+def _fake_entry_points(monkeypatch, *extra: tuple[str, str]):
+    """Make importlib.metadata report the real plugrt entry points plus ``extra``."""
+    real = importlib_metadata.entry_points
+
+    def entry_points(**params):
+        found = list(real(**params))
+        if params.get("group") == "plugrt.providers":
+            found += [importlib_metadata.EntryPoint(n, v, "plugrt.providers") for n, v in extra]
+        return found
+
+    monkeypatch.setattr(registry_module.importlib_metadata, "entry_points", entry_points)
+
+
+def test_cpu_provider_is_found_through_its_entry_point():
+    names = [ep.name for ep in importlib_metadata.entry_points(group="plugrt.providers")]
+    assert "cpu" in names
+    registry = ProviderRegistry()
+    assert "cpu" in registry.providers()
+    assert type(registry.providers()["cpu"]).__module__ == "plugrt_cpu._provider"
+
+
+def test_registry_is_not_created_at_import():
+    import subprocess
+    import sys
+
+    code = "import plugrt, plugrt.registry as r, sys; print(r._default is None, 'plugrt_cpu' in sys.modules, 'cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "False"]
+
+
+def test_provider_from_a_faked_distribution_is_discovered(monkeypatch):
+    _fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
+    registry = ProviderRegistry()
+    assert list(registry.providers()) == ["fakeaccel", "cpu"]  # priority order
+    session = plugrt.load(NEG_ADD, registry=registry)
+    assert session.providers == ["fakeaccel", "cpu"]
+    assert session.placement.nodes_per_provider == {"fakeaccel": 1, "cpu": 1}
+    out = session.run({"x": np.array([1, 2, 3], np.float32)})["y"]
+    np.testing.assert_array_equal(out, [0, 0, 0])
+
+
+def test_plugin_that_fails_to_import_is_recorded_not_raised(monkeypatch):
+    _fake_entry_points(monkeypatch, ("ghost", "no_such_module_for_plugrt_tests:plugin"))
+    registry = ProviderRegistry()
+    assert "cpu" in registry.providers()
+    failure = registry.failures()["ghost"]
+    assert failure.stage == "import"
+    assert "ModuleNotFoundError" in failure.cause
+    session = plugrt.load(NEG_ADD, registry=registry)  # not asked for: still works
+    assert session.providers == ["cpu"]
+    with pytest.raises(ProviderUnavailableError) as info:
+        plugrt.load(NEG_ADD, device="ghost", registry=registry)
+    assert info.value.provider == "ghost"
+    assert "ModuleNotFoundError" in info.value.cause
+
+
+def test_disabled_provider_is_skipped(monkeypatch):
+    _fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
+    monkeypatch.setenv(DISABLE_ENV, "fakeaccel")
+    registry = ProviderRegistry()
+    assert list(registry.providers()) == ["cpu"]
+    with pytest.raises(ProviderUnavailableError, match="disabled"):
+        registry.get("fakeaccel")

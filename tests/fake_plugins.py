@@ -1,0 +1,68 @@
+"""Plugins for discovery tests, loaded through faked entry points (never installed)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from plugrt.hookspecs import hookimpl
+from plugrt.provider import CompiledPartition, Device, DeviceKind, Step, Support
+
+
+class NegProvider:
+    """A tiny accelerator stand-in: claims Neg only, runs it with numpy."""
+
+    name = "fakeaccel"
+    priority = 50
+
+    def __init__(self, *, fail_in: str | None = None):
+        self.fail_in = fail_in
+
+    def devices(self):
+        if self.fail_in == "devices":
+            raise RuntimeError("driver exploded")
+        return [Device(DeviceKind.NPU, 0, "Fake NPU")]
+
+    def supports_op(self, node, ctx):
+        if self.fail_in == "supports_op":
+            raise RuntimeError("supports_op exploded")
+        if node.op_type == "Neg":
+            return Support.yes()
+        return Support.no(f"fakeaccel only runs Neg, not {node.op_type}")
+
+    def compile(self, partition):
+        if self.fail_in == "compile":
+            raise RuntimeError("compiler exploded")
+        steps = [
+            Step(np.negative, list(n.inputs), list(n.outputs), name=n.name, op_type=n.op_type, nodes=(n.name,))
+            for n in partition.nodes
+        ]
+        return CompiledPartition(partition, steps, self.name)
+
+
+class good:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [NegProvider()]
+
+
+class failing_init:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        raise RuntimeError("plugin init exploded")
+
+
+def _failing(stage: str):
+    class plugin:
+        @staticmethod
+        @hookimpl
+        def plugrt_providers():
+            return [NegProvider(fail_in=stage)]
+
+    return plugin
+
+
+failing_devices = _failing("devices")
+failing_supports_op = _failing("supports_op")
+failing_compile = _failing("compile")
