@@ -1,0 +1,950 @@
+"""Neural-network kernels: convolution, pooling, softmax, dropout and local response normalisation."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .._registry import KernelContext, kernel, kernel_builder
+
+# ---------------------------------------------------------------------------
+# Window geometry shared by convolution and pooling
+# ---------------------------------------------------------------------------
+
+_PLAN_CACHE_SIZE = 16  # distinct input shapes remembered per node
+
+
+def _ints(value: Any, rank: int, default: int) -> list[int]:
+    """An attribute holding one int per spatial axis, or ``default`` on every axis."""
+    if value is None or len(value) == 0:
+        return [default] * rank
+    if len(value) != rank:
+        raise ValueError(f"expected {rank} values, got {list(value)}")
+    return [int(v) for v in value]
+
+
+def _pads(value: Any, rank: int) -> tuple[list[int], list[int]]:
+    if value is None or len(value) == 0:
+        return [0] * rank, [0] * rank
+    if len(value) != 2 * rank:
+        raise ValueError(f"pads must hold {2 * rank} values, got {list(value)}")
+    return [int(v) for v in value[:rank]], [int(v) for v in value[rank:]]
+
+
+def _auto_pad(value: Any) -> str:
+    text = value.decode() if isinstance(value, bytes) else (value or "NOTSET")
+    if text not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
+        raise NotImplementedError(f"auto_pad={text!r} is not one of NOTSET, SAME_UPPER, SAME_LOWER, VALID")
+    return text
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -((-a) // b)
+
+
+def _window_geometry(
+    in_shape: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads_begin: Sequence[int],
+    pads_end: Sequence[int],
+    auto_pad: str,
+    ceil_mode: bool = False,
+) -> tuple[list[int], list[int], list[int]]:
+    """Output size and the begin/end padding actually applied on each spatial axis."""
+    out, begin, end = [], [], []
+    for i, size in enumerate(in_shape):
+        span = (kernel[i] - 1) * dilations[i] + 1
+        stride = strides[i]
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            o = _ceil_div(size, stride)
+            total = max(0, (o - 1) * stride + span - size)
+            small, large = total // 2, total - total // 2
+            pb, pe = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+        else:
+            pb, pe = (0, 0) if auto_pad == "VALID" else (pads_begin[i], pads_end[i])
+            room = size + pb + pe - span
+            if ceil_mode:
+                o = _ceil_div(room, stride) + 1
+                # The last window must start inside the input or its begin padding.
+                if (o - 1) * stride >= size + pb:
+                    o -= 1
+            else:
+                o = room // stride + 1
+        if o < 0:
+            o = 0
+        out.append(o)
+        begin.append(pb)
+        end.append(pe)
+    return out, begin, end
+
+
+def _tap_range(size: int, offset: int, stride: int, lo: int, hi: int) -> tuple[int, int]:
+    """Positions ``o`` in [lo, hi) whose sample ``o * stride + offset`` lies in [0, size)."""
+    first = max(lo, _ceil_div(-offset, stride))
+    last = min(hi, (size - 1 - offset) // stride + 1)
+    return first, max(first, last)
+
+
+class _Tap:
+    """One kernel tap: where it reads the input and where it writes the output."""
+
+    __slots__ = ("index", "dst", "src", "empty", "bounds")
+
+    def __init__(self, index: int, bounds: list[tuple[int, int]], src_starts: list[int], strides: Sequence[int]):
+        self.index = index
+        self.bounds = bounds  # per spatial axis: [first, last) of output positions, relative
+        self.empty = any(b >= e for b, e in bounds)
+        self.dst = tuple(slice(b, e) for b, e in bounds)
+        self.src = tuple(
+            slice(s, s + (e - b - 1) * st + 1, st) if e > b else slice(0, 0)
+            for (b, e), s, st in zip(bounds, src_starts, strides)
+        )
+
+
+def _taps(
+    in_shape: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads_begin: Sequence[int],
+    out_lo: Sequence[int],
+    out_hi: Sequence[int],
+) -> list[_Tap]:
+    """The taps of a window sliding over ``in_shape``, restricted to output box [out_lo, out_hi)."""
+    taps = []
+    for index, offsets in enumerate(itertools.product(*(range(k) for k in kernel))):
+        bounds, starts = [], []
+        for i, t in enumerate(offsets):
+            off = t * dilations[i] - pads_begin[i]
+            first, last = _tap_range(in_shape[i], off, strides[i], out_lo[i], out_hi[i])
+            bounds.append((first - out_lo[i], last - out_lo[i]))
+            starts.append(first * strides[i] + off)
+        taps.append(_Tap(index, bounds, starts, strides))
+    return taps
+
+
+def _zero_regions(tap: _Tap, box: Sequence[int]) -> list[tuple[slice, ...]]:
+    """The parts of an output box a tap does not cover (they must read as zero padding)."""
+    if tap.empty:
+        return [tuple(slice(None) for _ in box)]
+    regions = []
+    for i, (b, e) in enumerate(tap.bounds):
+        head = [slice(None)] * len(box)
+        if b > 0:
+            head[i] = slice(0, b)
+            regions.append(tuple(head))
+        if e < box[i]:
+            tail = [slice(None)] * len(box)
+            tail[i] = slice(e, None)
+            regions.append(tuple(tail))
+    return regions
+
+
+class _ShapeCache:
+    """Plans keyed on input shape, a few at most (dynamic shapes must not grow it unbounded)."""
+
+    def __init__(self, make: Callable[..., Any]):
+        self._make = make
+        self._plans: dict[Any, Any] = {}
+
+    def __call__(self, *key: Any) -> Any:
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _PLAN_CACHE_SIZE:
+                self._plans.clear()
+            plan = self._plans[key] = self._make(*key)
+        return plan
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype arithmetic runs in: float32 for narrow floats numpy cannot multiply fast."""
+    dtype = np.dtype(dtype)
+    if dtype in (np.float32, np.float64):
+        return dtype
+    if dtype.kind == "f" or dtype.itemsize <= 2:
+        return np.dtype(np.float32)
+    return dtype
+
+
+# ---------------------------------------------------------------------------
+# Im2col workspace: one growing scratch buffer per thread, shared by every Conv
+# ---------------------------------------------------------------------------
+
+_WORKSPACE = threading.local()
+_CHUNK_BYTES = 8 << 20  # im2col block size: big enough for an efficient GEMM, small enough for cache
+
+
+def _workspace(shape: tuple[int, ...], dtype: np.dtype, layout: Any) -> tuple[np.ndarray, bool]:
+    """A scratch array of ``shape``; the flag says its zero padding must be rewritten.
+
+    Consecutive calls with the same ``layout`` (shape, dtype and zeroed regions) find the
+    padding still zero, since only the covered regions are ever written.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = getattr(_WORKSPACE, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _WORKSPACE.buf = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+        _WORKSPACE.layout = None
+    stale = _WORKSPACE.layout != layout
+    _WORKSPACE.layout = layout
+    return buf[:nbytes].view(dtype).reshape(shape), stale
+
+
+# ---------------------------------------------------------------------------
+# Conv
+# ---------------------------------------------------------------------------
+
+
+class _ConvPlan:
+    """Everything a Conv call needs that depends only on the input shape."""
+
+    def __init__(self, conv: "_Convolution", x_shape: tuple[int, ...], w_shape: tuple[int, ...], itemsize: int):
+        n, c = x_shape[:2]
+        spatial = list(x_shape[2:])
+        rank = len(spatial)
+        kernel = list(w_shape[2:])
+        strides = _ints(conv.strides, rank, 1)
+        dilations = _ints(conv.dilations, rank, 1)
+        pb, pe = _pads(conv.pads, rank)
+        out, pb, pe = _window_geometry(spatial, kernel, strides, dilations, pb, pe, conv.auto_pad)
+        group = conv.group
+        m = w_shape[0]
+        if c != w_shape[1] * group or m % group:
+            raise ValueError(f"Conv: input {x_shape} and weight {w_shape} do not match group={group}")
+        self.out = out
+        self.out_size = math.prod(out)
+        self.m = m
+        ksize = math.prod(kernel)
+        pointwise = ksize == 1 and not any(pb) and all(
+            (o - 1) * s + 1 <= size for o, s, size in zip(out, strides, spatial)
+        )
+        if pointwise:
+            self.kind = "pointwise"
+            self.src = (slice(None), slice(None)) + tuple(
+                slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides)
+            )
+            self.copy_input = any(s != 1 for s in strides) or out != spatial
+            return
+        if w_shape[1] == 1 and group > 1:
+            self.kind = "depthwise"
+            self.taps = [t for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty]
+            return
+        self.kind = "im2col"
+        # Blocks of whole rows of the first output axis, each small enough to stay in cache.
+        rest = math.prod(out[1:])
+        row_bytes = max(1, c * ksize * rest * itemsize)
+        rows = max(1, min(out[0], _CHUNK_BYTES // row_bytes)) if out[0] else 1
+        self.blocks = []
+        for r0 in range(0, out[0], rows):
+            r1 = min(out[0], r0 + rows)
+            box = [r1 - r0] + out[1:]
+            taps = _taps(spatial, kernel, strides, dilations, pb, [r0] + [0] * (rank - 1), [r1] + out[1:])
+            zeros = tuple(
+                (t.index, region) for t in taps for region in _zero_regions(t, box)
+            )
+            layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
+            self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
+
+
+class _Convolution:
+    """A Conv node: attributes parsed once, weights reshaped once when constant."""
+
+    def __init__(self, attributes: dict[str, Any]):
+        self.auto_pad = _auto_pad(attributes.get("auto_pad"))
+        self.dilations = attributes.get("dilations")
+        self.group = int(attributes.get("group", 1))
+        self.pads = attributes.get("pads")
+        self.strides = attributes.get("strides")
+        self._plans = _ShapeCache(lambda xs, ws, item: _ConvPlan(self, xs, ws, item))
+
+    def prepare_weight(self, w: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The weight as (group, M/group, C/group * kernel) in the compute dtype."""
+        g = self.group
+        m = w.shape[0]
+        wg = np.ascontiguousarray(w.reshape(g, m // g, -1), dtype=dtype)
+        return wg, w.shape
+
+    def prepare_bias(self, b: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
+        return None if b is None else np.ascontiguousarray(b, dtype=dtype).reshape(-1, 1)
+
+    def __call__(self, x: np.ndarray, wg: np.ndarray, w_shape: tuple[int, ...], bias: np.ndarray | None) -> np.ndarray:
+        n, c = x.shape[:2]
+        plan: _ConvPlan = self._plans(x.shape, w_shape, x.dtype.itemsize)
+        g = self.group
+        m = plan.m
+        if plan.kind == "pointwise":
+            xs = x[plan.src] if plan.copy_input else x
+            if g == 1:
+                y = np.matmul(wg[0], xs.reshape(n, c, plan.out_size))
+            else:
+                y = np.matmul(wg, xs.reshape(n, g, c // g, plan.out_size))
+            y = y.reshape(n, m, plan.out_size)
+            if bias is not None:
+                y += bias
+        elif plan.kind == "depthwise":
+            y = self._depthwise(x, wg, plan, bias)
+        else:
+            y = self._im2col(x, wg, plan, bias)
+        return y.reshape(n, m, *plan.out)
+
+    def _depthwise(self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None) -> np.ndarray:
+        n, g = x.shape[:2]
+        mult = wg.shape[1]
+        rank = len(plan.out)
+        y = np.zeros((n, g, mult, *plan.out), dtype=x.dtype)
+        if bias is not None:
+            y += bias.reshape(g, mult, *([1] * rank))
+        lead = (slice(None), slice(None))
+        xe = x[:, :, None]  # (n, g, 1, *spatial): broadcasts against the channel multiplier
+        for tap in plan.taps:
+            wt = wg[:, :, tap.index].reshape(g, mult, *([1] * rank))
+            dst = y[lead + (slice(None),) + tap.dst]
+            dst += xe[lead + (slice(None),) + tap.src] * wt
+        return y.reshape(n, g * mult, plan.out_size)
+
+    def _im2col(self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None) -> np.ndarray:
+        n, c = x.shape[:2]
+        g = self.group
+        y = np.empty((n, plan.m, plan.out_size), dtype=x.dtype)
+        whole = (slice(None),)
+        for p0, p1, shape, taps, zeros, layout_key in plan.blocks:
+            for image in range(n):
+                cols, stale = _workspace(shape, x.dtype, layout_key)
+                if stale:
+                    for index, region in zeros:
+                        cols[(slice(None), index) + region] = 0
+                xi = x[image]
+                for tap in taps:
+                    cols[(slice(None), tap.index) + tap.dst] = xi[whole + tap.src]
+                out = y[image, :, p0:p1]
+                if g == 1:
+                    np.matmul(wg[0], cols.reshape(c * shape[1], p1 - p0), out=out)
+                else:
+                    np.matmul(wg, cols.reshape(g, -1, p1 - p0), out=out.reshape(g, -1, p1 - p0))
+                if bias is not None:
+                    out += bias
+        return y
+
+
+@kernel_builder("Conv", 1)
+def conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """Conv: im2col in cache-sized blocks and one GEMM per block (per group batch)."""
+    op = _Convolution(ctx.attributes)
+    w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
+    b_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
+    if w_const is not None:
+        # Constant weights (and bias) are reshaped here, once, in the dtype of the arithmetic.
+        dtype = _compute_dtype(w_const.dtype)
+        w_prepared = op.prepare_weight(w_const, dtype)
+        b_prepared = op.prepare_bias(b_const, dtype) if b_const is not None else None
+
+    def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        dtype = _compute_dtype(x.dtype)
+        wg, w_shape = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
+        bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
+        y = op(x.astype(dtype, copy=False), wg, w_shape, bias)
+        return y.astype(x.dtype, copy=False)
+
+    return run
+
+
+@kernel("CausalConvWithState", 27, multi_output=True)
+def causal_conv_with_state(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None = None,
+    past_state: np.ndarray | None = None,
+    *,
+    activation: str = "none",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Depthwise causal 1-D convolution carrying the last k-1 inputs as state."""
+    if activation not in ("none", "silu", "swish"):
+        raise NotImplementedError(f"CausalConvWithState: activation={activation!r} is not one of none, silu, swish")
+    if x.ndim != 3 or w.ndim != 3 or w.shape[1] != 1:
+        raise ValueError(f"CausalConvWithState expects input (B, C, L) and weight (C, 1, k), got {x.shape} and {w.shape}")
+    batch, channels, length = x.shape
+    k = w.shape[2]
+    if past_state is None:
+        past_state = np.zeros((batch, channels, k - 1), dtype=x.dtype)
+    padded = np.concatenate([past_state.astype(x.dtype, copy=False), x], axis=2)
+    dtype = _compute_dtype(x.dtype)
+    xp = padded.astype(dtype, copy=False)
+    wk = w.astype(dtype, copy=False)[:, 0, :, None]  # (C, k, 1)
+    y = xp[:, :, 0:length] * wk[:, 0]
+    for j in range(1, k):
+        y += xp[:, :, j : j + length] * wk[:, j]
+    if b is not None:
+        y += b.astype(dtype, copy=False)[:, None]
+    if activation != "none":
+        y *= 1.0 / (1.0 + np.exp(-y))
+    return y.astype(x.dtype, copy=False), padded[:, :, length:]
+
+
+# ---------------------------------------------------------------------------
+# ConvTranspose and Col2Im: a GEMM to columns, then scatter-add the columns
+# ---------------------------------------------------------------------------
+
+
+def _scatter_columns(
+    cols: np.ndarray,
+    out: np.ndarray,
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads_begin: Sequence[int],
+) -> None:
+    """Add columns (N, C, K, *blocks) into image ``out`` (N, C, *image): the adjoint of im2col.
+
+    Block position ``i`` of tap ``t`` lands on image position ``i * stride + t * dilation - pad``;
+    the taps are the same valid ranges as im2col with image and blocks swapped.
+    """
+    blocks = cols.shape[3:]
+    image = out.shape[2:]
+    lead = (slice(None), slice(None))
+    for tap in _taps(image, kernel, strides, dilations, pads_begin, [0] * len(blocks), blocks):
+        if tap.empty:
+            continue
+        out[lead + tap.src] += cols[lead + (tap.index,) + tap.dst]
+
+
+class _ConvTransposePlan:
+    def __init__(self, op: "_ConvTransposition", x_shape: tuple[int, ...], w_shape: tuple[int, ...]):
+        spatial = list(x_shape[2:])
+        rank = len(spatial)
+        kernel = list(w_shape[2:])
+        strides = _ints(op.strides, rank, 1)
+        dilations = _ints(op.dilations, rank, 1)
+        out_pad = _ints(op.output_padding, rank, 0)
+        pb, pe = _pads(op.pads, rank)
+        full = [
+            strides[i] * (spatial[i] - 1) + out_pad[i] + (kernel[i] - 1) * dilations[i] + 1 for i in range(rank)
+        ]
+        if op.output_shape is not None and len(op.output_shape):
+            out = [int(v) for v in op.output_shape][-rank:]
+        elif op.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            out = [spatial[i] * strides[i] for i in range(rank)]
+        else:
+            out = None
+        if out is not None:
+            # The spec puts the extra odd padding at the end for SAME_UPPER, at the start otherwise.
+            pb = []
+            for i in range(rank):
+                total = full[i] - out[i]
+                pb.append(total // 2 if op.auto_pad == "SAME_UPPER" else total - total // 2)
+        else:
+            out = [full[i] - pb[i] - pe[i] for i in range(rank)]
+        self.out = out
+        self.kernel = kernel
+        self.strides = strides
+        self.dilations = dilations
+        self.pads_begin = pb
+
+
+class _ConvTransposition:
+    def __init__(self, attributes: dict[str, Any]):
+        self.auto_pad = _auto_pad(attributes.get("auto_pad"))
+        self.dilations = attributes.get("dilations")
+        self.group = int(attributes.get("group", 1))
+        self.output_padding = attributes.get("output_padding")
+        self.output_shape = attributes.get("output_shape")
+        self.pads = attributes.get("pads")
+        self.strides = attributes.get("strides")
+        self._plans = _ShapeCache(lambda xs, ws: _ConvTransposePlan(self, xs, ws))
+
+    def prepare_weight(self, w: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, tuple[int, ...]]:
+        """W (C, M/group, *k) as (group, M/group * K, C/group): the GEMM's left operand."""
+        g = self.group
+        c = w.shape[0]
+        wt = w.reshape(g, c // g, -1).transpose(0, 2, 1)
+        return np.ascontiguousarray(wt, dtype=dtype), w.shape
+
+    def __call__(self, x: np.ndarray, wt: np.ndarray, w_shape: tuple[int, ...], b: np.ndarray | None) -> np.ndarray:
+        n, c = x.shape[:2]
+        if c != w_shape[0] or c % self.group:
+            raise ValueError(f"ConvTranspose: input {x.shape} and weight {w_shape} do not match group={self.group}")
+        plan: _ConvTransposePlan = self._plans(x.shape, w_shape)
+        g = self.group
+        m = w_shape[1] * g
+        ksize = math.prod(plan.kernel)
+        in_size = math.prod(x.shape[2:])
+        if g == 1:
+            cols = np.matmul(wt[0], x.reshape(n, c, in_size))
+        else:
+            cols = np.matmul(wt, x.reshape(n, g, c // g, in_size))
+        cols = cols.reshape(n, m, ksize, *x.shape[2:])
+        y = np.zeros((n, m, *plan.out), dtype=x.dtype)
+        _scatter_columns(cols, y, plan.kernel, plan.strides, plan.dilations, plan.pads_begin)
+        if b is not None:
+            y += b.astype(x.dtype, copy=False).reshape(m, *([1] * len(plan.out)))
+        return y
+
+
+@kernel_builder("ConvTranspose", 1)
+def conv_transpose(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """ConvTranspose: one GEMM from input channels to columns, then a scatter-add per tap."""
+    op = _ConvTransposition(ctx.attributes)
+    w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
+    if w_const is not None:
+        w_prepared = op.prepare_weight(w_const, _compute_dtype(w_const.dtype))
+
+    def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        dtype = _compute_dtype(x.dtype)
+        wt, w_shape = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
+        y = op(x.astype(dtype, copy=False), wt, w_shape, b)
+        return y.astype(x.dtype, copy=False)
+
+    return run
+
+
+@kernel("Col2Im", 18)
+def col2im(
+    x: np.ndarray,
+    image_shape: np.ndarray,
+    block_shape: np.ndarray,
+    *,
+    dilations: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Col2Im: sum the sliding blocks (N, C*K, L) back into images (N, C, *image_shape)."""
+    image = [int(v) for v in np.asarray(image_shape).reshape(-1)]
+    kernel = [int(v) for v in np.asarray(block_shape).reshape(-1)]
+    rank = len(image)
+    if len(kernel) != rank:
+        raise ValueError(f"Col2Im: image_shape {image} and block_shape {kernel} differ in rank")
+    stride_list = _ints(strides, rank, 1)
+    dilation_list = _ints(dilations, rank, 1)
+    pb, pe = _pads(pads, rank)
+    blocks, _, _ = _window_geometry(image, kernel, stride_list, dilation_list, pb, pe, "NOTSET")
+    n, ck, length = x.shape
+    ksize = math.prod(kernel)
+    if ck % ksize or length != math.prod(blocks):
+        raise ValueError(
+            f"Col2Im: input {x.shape} does not hold C*{ksize} rows of {math.prod(blocks)} blocks {blocks}"
+        )
+    c = ck // ksize
+    dtype = _compute_dtype(x.dtype)
+    cols = x.astype(dtype, copy=False).reshape(n, c, ksize, *blocks)
+    y = np.zeros((n, c, *image), dtype=dtype)
+    _scatter_columns(cols, y, kernel, stride_list, dilation_list, pb)
+    return y.astype(x.dtype, copy=False)
+
+
+@kernel("DeformConv", 19)
+def deform_conv(
+    x: np.ndarray,
+    w: np.ndarray,
+    offset: np.ndarray,
+    b: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    *,
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    offset_group: int = 1,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """DeformConv: sample every tap at its offset position (multilinear, zero outside), then GEMM."""
+    n, c = x.shape[:2]
+    spatial = list(x.shape[2:])
+    rank = len(spatial)
+    kernel = list(w.shape[2:])
+    m = w.shape[0]
+    if c != w.shape[1] * group or m % group or c % offset_group:
+        raise ValueError(f"DeformConv: input {x.shape}, weight {w.shape}, group={group}, offset_group={offset_group}")
+    stride_list = _ints(strides, rank, 1)
+    dilation_list = _ints(dilations, rank, 1)
+    pb, pe = _pads(pads, rank)
+    out, _, _ = _window_geometry(spatial, kernel, stride_list, dilation_list, pb, pe, "NOTSET")
+    ksize = math.prod(kernel)
+    size = math.prod(out)
+    if tuple(offset.shape) != (n, offset_group * ksize * rank, *out):
+        raise ValueError(f"DeformConv: offset shape {offset.shape} != {(n, offset_group * ksize * rank, *out)}")
+    dtype = _compute_dtype(x.dtype)
+    pos_dtype = np.result_type(dtype, offset.dtype, np.float32)
+    off = offset.astype(pos_dtype, copy=False).reshape(n, offset_group, ksize, rank, size)
+    # Undisplaced sample position of every (tap, output) pair on each axis.
+    taps = np.array(list(itertools.product(*(range(k) for k in kernel))), dtype=np.int64).reshape(ksize, rank)
+    grids = np.meshgrid(*(np.arange(o) for o in out), indexing="ij")
+    base = [
+        (taps[:, i, None] * dilation_list[i] + grids[i].reshape(1, size) * stride_list[i] - pb[i]).astype(pos_dtype)
+        for i in range(rank)
+    ]
+    pos = [base[i] + off[:, :, :, i] for i in range(rank)]  # each (n, og, K, P)
+    floor = [np.floor(p) for p in pos]
+    frac = [p - f for p, f in zip(pos, floor)]
+    floor = [f.astype(np.int64) for f in floor]
+    cog = c // offset_group
+    xf = x.astype(dtype, copy=False).reshape(n, offset_group, cog, math.prod(spatial))
+    cols = np.zeros((n, offset_group, cog, ksize * size), dtype=dtype)
+    plane_strides = [math.prod(spatial[i + 1 :]) for i in range(rank)]
+    for corner in itertools.product((0, 1), repeat=rank):
+        weight = np.ones((n, offset_group, ksize, size), dtype=pos_dtype)
+        flat = np.zeros((n, offset_group, ksize, size), dtype=np.int64)
+        valid = np.ones((n, offset_group, ksize, size), dtype=bool)
+        for i, bit in enumerate(corner):
+            idx = floor[i] + bit
+            weight *= frac[i] if bit else 1 - frac[i]
+            valid &= (idx >= 0) & (idx < spatial[i])
+            flat += np.clip(idx, 0, spatial[i] - 1) * plane_strides[i]
+        weight = np.where(valid, weight, 0).astype(dtype, copy=False)
+        values = np.take_along_axis(xf, flat.reshape(n, offset_group, 1, ksize * size), axis=3)
+        cols += values * weight.reshape(n, offset_group, 1, ksize * size)
+    cols = cols.reshape(n, offset_group, cog, ksize, size)
+    if mask is not None:
+        cols *= mask.astype(dtype, copy=False).reshape(n, offset_group, 1, ksize, size)
+    wg = w.astype(dtype, copy=False).reshape(group, m // group, -1)
+    y = np.matmul(wg, cols.reshape(n, group, (c // group) * ksize, size)).reshape(n, m, size)
+    if b is not None:
+        y += b.astype(dtype, copy=False).reshape(m, 1)
+    return y.reshape(n, m, *out).astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------
+# Pooling: a loop over the (small) kernel window, each tap one strided slice
+# ---------------------------------------------------------------------------
+
+
+class _PoolPlan:
+    """Output size, taps and per-position divisors for one input shape."""
+
+    def __init__(self, pool: "_Pooling", x_shape: tuple[int, ...]):
+        spatial = list(x_shape[2:])
+        rank = len(spatial)
+        kernel = [int(k) for k in pool.kernel_shape]
+        if len(kernel) != rank:
+            raise ValueError(f"{pool.op_type}: kernel_shape {kernel} does not match input rank {len(x_shape)}")
+        strides = _ints(pool.strides, rank, 1)
+        dilations = _ints(pool.dilations, rank, 1)
+        pb, pe = _pads(pool.pads, rank)
+        out, pb, pe = _window_geometry(spatial, kernel, strides, dilations, pb, pe, pool.auto_pad, pool.ceil_mode)
+        self.out = out
+        self.taps = [t for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty]
+        self.counts = None
+        if pool.mode == "avg":
+            # Taps that read the input (or, with count_include_pad, the explicit padding too).
+            counts = np.ones(out, dtype=np.int64)
+            for i in range(rank):
+                start = np.arange(out[i]) * strides[i] - pb[i]
+                hits = start[:, None] + np.arange(kernel[i])[None, :] * dilations[i]
+                lo, hi = (-pb[i], spatial[i] + pe[i]) if pool.count_include_pad else (0, spatial[i])
+                per_axis = ((hits >= lo) & (hits < hi)).sum(axis=1)
+                counts = counts * per_axis.reshape([-1 if j == i else 1 for j in range(rank)])
+            self.counts = counts
+        self.tap_indices = None
+        if pool.want_indices:
+            # Flat index of each tap's source element in the (row- or column-major) image plane.
+            if pool.storage_order == 0:
+                plane = [math.prod(spatial[i + 1 :]) for i in range(rank)]
+            else:
+                plane = [math.prod(spatial[:i]) for i in range(rank)]
+            self.tap_indices = []
+            for tap in self.taps:
+                index = np.zeros([e - b for b, e in tap.bounds], dtype=np.int64)
+                for i, s in enumerate(tap.src):
+                    positions = np.arange(s.start, s.stop, s.step, dtype=np.int64) * plane[i]
+                    index = index + positions.reshape([-1 if j == i else 1 for j in range(rank)])
+                self.tap_indices.append(index)
+            self.plane_size = math.prod(spatial)
+
+
+class _Pooling:
+    """MaxPool / AveragePool / LpPool with their attributes parsed once."""
+
+    def __init__(self, op_type: str, mode: str, attributes: dict[str, Any], want_indices: bool = False):
+        self.op_type = op_type
+        self.mode = mode
+        kernel_shape = attributes.get("kernel_shape")
+        if not kernel_shape:
+            raise ValueError(f"{op_type}: the kernel_shape attribute is required")
+        self.kernel_shape = list(kernel_shape)
+        self.auto_pad = _auto_pad(attributes.get("auto_pad"))
+        self.ceil_mode = bool(attributes.get("ceil_mode", 0))
+        self.count_include_pad = bool(attributes.get("count_include_pad", 0))
+        self.dilations = attributes.get("dilations")
+        self.pads = attributes.get("pads")
+        self.strides = attributes.get("strides")
+        self.storage_order = int(attributes.get("storage_order", 0))
+        self.p = attributes.get("p", 2)
+        self.want_indices = want_indices
+        if self.storage_order not in (0, 1):
+            raise NotImplementedError(f"{op_type}: storage_order={self.storage_order} is not 0 or 1")
+        self._plans = _ShapeCache(lambda shape: _PoolPlan(self, shape))
+
+    def max(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        plan: _PoolPlan = self._plans(x.shape)
+        n, c = x.shape[:2]
+        lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+        y = np.full((n, c, *plan.out), lowest, dtype=x.dtype)
+        lead = (slice(None), slice(None))
+        if not self.want_indices:
+            for tap in plan.taps:
+                dst = y[lead + tap.dst]
+                np.maximum(dst, x[lead + tap.src], out=dst)
+            return y, None
+        index = np.full(y.shape, -1, dtype=np.int64)
+        for tap, tap_index in zip(plan.taps, plan.tap_indices):
+            dst = y[lead + tap.dst]
+            src = x[lead + tap.src]
+            dst_index = index[lead + tap.dst]
+            better = (src > dst) | (dst_index < 0)  # strict: the first maximum in window order wins
+            np.copyto(dst, src, where=better)
+            np.copyto(dst_index, tap_index, where=better)
+        base = np.arange(n * c, dtype=np.int64).reshape(n, c, *([1] * len(plan.out))) * plan.plane_size
+        index += base
+        return y, index
+
+    def sum_pool(self, x: np.ndarray) -> np.ndarray:
+        """AveragePool and LpPool: a sum over the window (of |x|^p for LpPool)."""
+        plan: _PoolPlan = self._plans(x.shape)
+        n, c = x.shape[:2]
+        dtype = _compute_dtype(x.dtype)
+        xs = x.astype(dtype, copy=False)
+        p = self.p
+        if self.mode == "lp":
+            xs = xs * xs if p == 2 else (np.abs(xs) if p == 1 else np.abs(xs) ** dtype.type(p))
+        y = np.zeros((n, c, *plan.out), dtype=dtype)
+        lead = (slice(None), slice(None))
+        for tap in plan.taps:
+            y[lead + tap.dst] += xs[lead + tap.src]
+        if self.mode == "avg":
+            y /= plan.counts.astype(dtype)
+        elif p == 2:
+            np.sqrt(y, out=y)
+        elif p != 1:
+            np.power(y, dtype.type(1.0 / p), out=y)
+        return y.astype(x.dtype, copy=False)
+
+
+@kernel_builder("MaxPool", 1, multi_output=True)
+def max_pool(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | None]]:
+    """MaxPool (Indices output with storage_order, dilations, ceil_mode, auto_pad)."""
+    pool = _Pooling("MaxPool", "max", ctx.attributes, want_indices=ctx.num_outputs > 1)
+    return pool.max
+
+
+@kernel_builder("AveragePool", 1)
+def average_pool(ctx: KernelContext) -> Callable[[np.ndarray], np.ndarray]:
+    """AveragePool (count_include_pad, ceil_mode, dilations)."""
+    return _Pooling("AveragePool", "avg", ctx.attributes).sum_pool
+
+
+@kernel_builder("LpPool", 1)
+def lp_pool(ctx: KernelContext) -> Callable[[np.ndarray], np.ndarray]:
+    """LpPool: (sum |x|^p over the window)^(1/p); padding contributes nothing."""
+    return _Pooling("LpPool", "lp", ctx.attributes).sum_pool
+
+
+@kernel("GlobalAveragePool", 1)
+def global_average_pool(x: np.ndarray) -> np.ndarray:
+    return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=_compute_dtype(x.dtype)).astype(x.dtype, copy=False)
+
+
+@kernel("GlobalMaxPool", 1)
+def global_max_pool(x: np.ndarray) -> np.ndarray:
+    return x.max(axis=tuple(range(2, x.ndim)), keepdims=True)
+
+
+@kernel("GlobalLpPool", 1)
+def global_lp_pool(x: np.ndarray, *, p: float = 2) -> np.ndarray:
+    dtype = _compute_dtype(x.dtype)
+    xs = np.abs(x.astype(dtype, copy=False))
+    axes = tuple(range(2, x.ndim))
+    if p == 2:
+        y = np.sqrt(np.square(xs).sum(axis=axes, keepdims=True))
+    else:
+        y = (xs ** dtype.type(p)).sum(axis=axes, keepdims=True) ** dtype.type(1.0 / p)
+    return y.astype(x.dtype, copy=False)
+
+
+@kernel("MaxUnpool", 9)
+def max_unpool(
+    x: np.ndarray,
+    indices: np.ndarray,
+    output_shape: np.ndarray | None = None,
+    *,
+    kernel_shape: Sequence[int] = (),
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """MaxUnpool: scatter X to the flat MaxPool indices, zeros elsewhere.
+
+    With an explicit ``output_shape`` that differs from the shape the attributes infer,
+    onnx's reference and test data read the indices in the inferred shape and embed that
+    result at the origin of the larger output; onnxruntime and PyTorch read them in
+    ``output_shape`` itself. We follow onnx, unless an index only fits ``output_shape``.
+    """
+    rank = x.ndim - 2
+    if len(kernel_shape) != rank:
+        raise ValueError(f"MaxUnpool: kernel_shape {list(kernel_shape)} does not match input rank {x.ndim}")
+    if indices.shape != x.shape:
+        raise ValueError(f"MaxUnpool: indices shape {indices.shape} differs from input shape {x.shape}")
+    stride_list = _ints(strides, rank, 1)
+    pb, pe = _pads(pads, rank)
+    inferred = [*x.shape[:2]] + [
+        (x.shape[2 + i] - 1) * stride_list[i] - (pb[i] + pe[i]) + int(kernel_shape[i]) for i in range(rank)
+    ]
+    shape = inferred
+    if output_shape is not None:
+        shape = [int(v) for v in np.asarray(output_shape).reshape(-1)]
+        if len(shape) != x.ndim:
+            raise ValueError(f"MaxUnpool: output_shape {shape} does not have rank {x.ndim}")
+    flat_index = indices.reshape(-1)
+    largest = int(flat_index.max()) if flat_index.size else -1
+    scatter_shape = inferred if largest < math.prod(inferred) else shape
+    if largest >= math.prod(scatter_shape) or (flat_index.size and int(flat_index.min()) < 0):
+        raise ValueError(f"MaxUnpool: an index lies outside the output shape {scatter_shape}")
+    flat = np.zeros(math.prod(scatter_shape), dtype=x.dtype)
+    flat[flat_index] = x.reshape(-1)
+    y = flat.reshape(scatter_shape)
+    if scatter_shape == shape:
+        return y
+    result = np.zeros(shape, dtype=x.dtype)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(shape, y.shape))
+    result[common] = y[common]
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Softmax family: opset < 13 flattens to 2-D at `axis`, opset >= 13 works on one axis
+# ---------------------------------------------------------------------------
+
+
+def _softmax_axis(x: np.ndarray, axis: int) -> np.ndarray:
+    y = np.subtract(x, x.max(axis=axis, keepdims=True))
+    np.exp(y, out=y)
+    y /= y.sum(axis=axis, keepdims=True)
+    return y
+
+
+def _log_softmax_axis(x: np.ndarray, axis: int) -> np.ndarray:
+    y = np.subtract(x, x.max(axis=axis, keepdims=True))
+    y -= np.log(np.exp(y).sum(axis=axis, keepdims=True))
+    return y
+
+
+def _hardmax_axis(x: np.ndarray, axis: int) -> np.ndarray:
+    y = np.zeros_like(x)
+    np.put_along_axis(y, np.expand_dims(np.argmax(x, axis=axis), axis), 1, axis=axis)
+    return y
+
+
+def _on_axis(fn: Callable[[np.ndarray, int], np.ndarray], x: np.ndarray, axis: int) -> np.ndarray:
+    if x.size == 0:
+        return x.copy()
+    dtype = _compute_dtype(x.dtype)
+    return fn(x.astype(dtype, copy=False), axis).astype(x.dtype, copy=False)
+
+
+def _on_2d(fn: Callable[[np.ndarray, int], np.ndarray], x: np.ndarray, axis: int) -> np.ndarray:
+    """The opset 1-12 semantics: coerce to (prod(shape[:axis]), prod(shape[axis:]))."""
+    if axis < 0:
+        axis += x.ndim
+    if not 0 <= axis <= x.ndim:
+        raise ValueError(f"axis {axis} is out of range for rank {x.ndim}")
+    rows = math.prod(x.shape[:axis])
+    return _on_axis(fn, x.reshape(rows, -1), 1).reshape(x.shape)
+
+
+@kernel("Softmax", 1)
+def softmax_2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _on_2d(_softmax_axis, x, axis)
+
+
+@kernel("Softmax", 13)
+def softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _on_axis(_softmax_axis, x, axis)
+
+
+@kernel("LogSoftmax", 1)
+def log_softmax_2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _on_2d(_log_softmax_axis, x, axis)
+
+
+@kernel("LogSoftmax", 13)
+def log_softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _on_axis(_log_softmax_axis, x, axis)
+
+
+@kernel("Hardmax", 1)
+def hardmax_2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _on_2d(_hardmax_axis, x, axis)
+
+
+@kernel("Hardmax", 13)
+def hardmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _on_axis(_hardmax_axis, x, axis)
+
+
+# ---------------------------------------------------------------------------
+# Dropout and LRN
+# ---------------------------------------------------------------------------
+
+
+@kernel_builder("Dropout", 1, 7, 10, multi_output=True)
+def dropout_legacy(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | None]]:
+    """Dropout before opset 12: inference is the identity (is_test is not honoured: no training here).
+
+    The mask has the input's type before opset 10 and is boolean from opset 10.
+    """
+    mask_dtype = np.bool_ if ctx.opset >= 10 else None
+    want_mask = ctx.num_outputs > 1
+
+    def run(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        mask = np.ones(x.shape, dtype=mask_dtype or x.dtype) if want_mask else None
+        return x, mask
+
+    return run
+
+
+@kernel_builder("Dropout", 12, multi_output=True)
+def dropout(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | None]]:
+    """Dropout: the identity unless training_mode is true, then a seeded Bernoulli mask."""
+    seed = ctx.attributes.get("seed")
+    want_mask = ctx.num_outputs > 1
+    rng = np.random.default_rng() if seed is None else None
+
+    def run(
+        x: np.ndarray, ratio: np.ndarray | None = None, training_mode: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        drop = 0.5 if ratio is None else float(np.asarray(ratio))
+        training = training_mode is not None and bool(np.asarray(training_mode))
+        if not training or drop == 0:
+            return x, (np.ones(x.shape, dtype=np.bool_) if want_mask else None)
+        if not 0 <= drop < 1:
+            raise ValueError(f"Dropout: ratio {drop} must lie in [0, 1)")
+        # A given seed reproduces numpy's legacy stream, as onnx's test data does.
+        uniform = np.random.RandomState(int(seed)).uniform(0, 1, x.shape) if seed is not None else rng.random(x.shape)
+        mask = uniform >= drop
+        y = (mask * x * (1.0 / (1.0 - drop))).astype(x.dtype, copy=False)
+        return y, (mask if want_mask else None)
+
+    return run
+
+
+@kernel("LRN", 1)
+def lrn(x: np.ndarray, *, alpha: float = 0.0001, beta: float = 0.75, bias: float = 1.0, size: int) -> np.ndarray:
+    """Local response normalisation across channels (axis 1)."""
+    dtype = _compute_dtype(x.dtype)
+    xs = x.astype(dtype, copy=False)
+    square = xs * xs
+    channels = x.shape[1]
+    before = (size - 1) // 2
+    after = size - 1 - before  # ceil((size - 1) / 2)
+    total = square.copy()
+    for shift in range(1, max(before, after) + 1):
+        if shift <= before and shift < channels:
+            total[:, shift:] += square[:, :-shift]
+        if shift <= after and shift < channels:
+            total[:, :-shift] += square[:, shift:]
+    total *= dtype.type(alpha / size)
+    total += dtype.type(bias)
+    np.power(total, dtype.type(beta), out=total)
+    return (xs / total).astype(x.dtype, copy=False)
