@@ -6,40 +6,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from plugrt_cpu import kernels  # noqa: F401  (registers the kernels)
-from plugrt_cpu._registry import KernelContext, lookup
-
-
-def _attribute(attribute: onnx.AttributeProto):
-    value = helper.get_attribute_value(attribute)
-    return value.decode() if isinstance(value, bytes) else value
+import plugrt
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Run the model's single node through the registered CPU kernel."""
-    node = model.graph.node[0]
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    constants = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    values = {**constants, **feeds}
-    inputs = [values[name] if name else None for name in node.input]
-    spec = lookup(node.domain, node.op_type, opset)
-    attributes = {a.name: _attribute(a) for a in node.attribute}
-    if spec.builder:
-        ctx = KernelContext(
-            node.op_type, node.domain, opset, attributes, len(node.input), len(node.output),
-            [None if x is None else x.dtype for x in inputs], [constants.get(n) for n in node.input],
-        )
-        fn, attributes = spec.fn(ctx), {}
-    else:
-        fn = spec.fn
-    while inputs and inputs[-1] is None:
-        inputs.pop()
-    outputs = fn(*inputs, **attributes)
-    outputs = outputs if spec.multi_output else (outputs,)
-    return [np.asarray(o) for o in outputs[: len(node.output)]]
+    return plugrt.InferenceSession(model.SerializeToString()).run(None, feeds)
 
 
 def _model(text: str) -> onnx.ModelProto:
@@ -275,10 +248,10 @@ def test_lp_normalization_maps_all_zero_slices_to_zero(p):
     assert not np.isnan(got).any()
 
 
-def test_lp_normalization_rejects_other_orders():
+def test_lp_normalization_rejects_other_orders_when_the_session_is_built():
     model = _model('<ir_version: 8, opset_import: ["" : 1]> g (float[3,4] x) => (y) { y = LpNormalization<p=3>(x) }')
-    with pytest.raises(NotImplementedError, match="p=3"):
-        _run(model, {"x": _random(3, 4)})
+    with pytest.raises(plugrt.UnsupportedOpError, match="p=3"):
+        plugrt.InferenceSession(model.SerializeToString())
 
 
 @pytest.mark.parametrize("opset", [9, 13])
@@ -292,3 +265,12 @@ def test_mean_variance_normalization_matches_its_function_definition(opset):
     x64 = x.astype(np.float64)
     expected = (x64 - x64.mean((1, 2), keepdims=True)) / (x64.std((1, 2), keepdims=True) + 1e-9)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_normalization_rejects_other_stash_types_when_the_session_is_built():
+    model = _model(
+        '<ir_version: 8, opset_import: ["" : 17]> g (float[2,4] x, float[4] s) => (y)'
+        " { y = LayerNormalization<stash_type=16>(x, s) }"
+    )
+    with pytest.raises(plugrt.UnsupportedOpError, match="stash_type=16"):
+        plugrt.InferenceSession(model.SerializeToString())

@@ -5,11 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from plugrt_cpu import kernels  # noqa: F401  (registers the kernels)
-from plugrt_cpu._registry import KernelContext, lookup
+import plugrt
 
 REDUCE_OPS = [
     "ReduceSum",
@@ -25,33 +23,8 @@ REDUCE_OPS = [
 ]
 
 
-def _attribute(attribute: onnx.AttributeProto):
-    value = helper.get_attribute_value(attribute)
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Run the model's single node through the registered CPU kernel."""
-    node = model.graph.node[0]
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    constants = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    values = {**constants, **feeds}
-    inputs = [values[name] if name else None for name in node.input]
-    spec = lookup(node.domain, node.op_type, opset)
-    attributes = {a.name: _attribute(a) for a in node.attribute}
-    if spec.builder:
-        ctx = KernelContext(
-            node.op_type, node.domain, opset, attributes, len(node.input), len(node.output),
-            [None if x is None else x.dtype for x in inputs], [constants.get(n) for n in node.input],
-        )
-        fn, attributes = spec.fn(ctx), {}
-    else:
-        fn = spec.fn
-    while inputs and inputs[-1] is None:
-        inputs.pop()
-    outputs = fn(*inputs, **attributes)
-    outputs = outputs if spec.multi_output else (outputs,)
-    return [np.asarray(o) for o in outputs[: len(node.output)]]
+    return plugrt.InferenceSession(model.SerializeToString()).run(None, feeds)
 
 
 def _model(text: str) -> onnx.ModelProto:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import string
 from typing import Any
 
 import ml_dtypes
@@ -95,22 +97,99 @@ def gemm(ctx: KernelContext):
     return run
 
 
+def _expand_einsum(equation: str, ranks: list[int]) -> tuple[list[str], str]:
+    """The equation's input terms and output term with every ``...`` spelled out in
+    spare letters (right-aligned, as ellipsis dimensions broadcast) and, in implicit
+    mode, the output made explicit."""
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise ValueError(f"Einsum equation {equation!r} names {len(terms)} inputs, got {len(ranks)}")
+    spare = [c for c in string.ascii_letters if c not in equation]
+    ellipsis_ranks = [rank - (len(t) - 3) if "..." in t else 0 for t, rank in zip(terms, ranks)]
+    ellipsis = "".join(spare[: max(ellipsis_ranks, default=0)])
+    expanded = [
+        t.replace("...", ellipsis[len(ellipsis) - n :] if n else "") for t, n in zip(terms, ellipsis_ranks)
+    ]
+    if arrow:
+        output = rhs.replace("...", ellipsis)
+    else:
+        letters = lhs.replace("...", "").replace(",", "")
+        output = ellipsis + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return expanded, output
+
+
+def _pair_contraction(a_term: str, b_term: str, out_term: str, a_shape, b_shape):
+    """einsum(a_term, b_term -> out_term) as one batched np.matmul: returns the function,
+    or None where the equation needs einsum's general machinery (a letter repeated in a
+    term, a contracted dimension that broadcasts)."""
+    if any(len(set(t)) != len(t) for t in (a_term, b_term, out_term)):
+        return None
+    a_sizes, b_sizes = dict(zip(a_term, a_shape)), dict(zip(b_term, b_shape))
+    if any(c not in a_sizes and c not in b_sizes for c in out_term):
+        return None
+    # Letters in one input only and not in the output are summed out first.
+    a_summed = tuple(i for i, c in enumerate(a_term) if c not in b_sizes and c not in out_term)
+    b_summed = tuple(i for i, c in enumerate(b_term) if c not in a_sizes and c not in out_term)
+    batch = [c for c in out_term if c in a_sizes and c in b_sizes]
+    left = [c for c in out_term if c in a_sizes and c not in b_sizes]
+    right = [c for c in out_term if c in b_sizes and c not in a_sizes]
+    contracted = [c for c in a_term if c in b_sizes and c not in out_term]
+    if any(a_sizes[c] != b_sizes[c] for c in contracted):
+        return None
+    a_kept = [c for i, c in enumerate(a_term) if i not in a_summed]
+    b_kept = [c for i, c in enumerate(b_term) if i not in b_summed]
+    a_perm = [a_kept.index(c) for c in batch + left + contracted]
+    b_perm = [b_kept.index(c) for c in batch + contracted + right]
+    depth = math.prod(a_sizes[c] for c in contracted)
+    a_matrix = [a_sizes[c] for c in batch] + [math.prod(a_sizes[c] for c in left), depth]
+    b_matrix = [b_sizes[c] for c in batch] + [depth, math.prod(b_sizes[c] for c in right)]
+    batch_shape = [max(a_sizes[c], b_sizes[c]) for c in batch]  # size-1 batch dims broadcast
+    y_shape = batch_shape + [a_sizes[c] for c in left] + [b_sizes[c] for c in right]
+    y_letters = batch + left + right
+    out_perm = [y_letters.index(c) for c in out_term]
+
+    def run(a, b):
+        if a_summed:
+            a = a.sum(axis=a_summed, dtype=a.dtype)
+        if b_summed:
+            b = b.sum(axis=b_summed, dtype=b.dtype)
+        y = np.matmul(a.transpose(a_perm).reshape(a_matrix), b.transpose(b_perm).reshape(b_matrix))
+        return y.reshape(y_shape).transpose(out_perm)
+
+    return run
+
+
+def _plan_einsum(equation: str, operands: list[np.ndarray]):
+    terms, output = _expand_einsum(equation, [x.ndim for x in operands])
+    if len(operands) == 2:
+        pair = _pair_contraction(terms[0], terms[1], output, operands[0].shape, operands[1].shape)
+        if pair is not None:
+            return pair
+    explicit = ",".join(terms) + "->" + output
+    path: Any = np.einsum_path(explicit, *operands, optimize="greedy")[0] if len(operands) > 1 else False
+    return lambda *xs: np.einsum(explicit, *xs, optimize=path)
+
+
 @kernel_builder("Einsum", 12)
 def einsum(ctx: KernelContext):
-    """np.einsum along a contraction path (pairwise tensordot/BLAS), planned once per
-    combination of input shapes."""
+    """Two operands: one batched np.matmul (BLAS) after transposes and reshapes; otherwise
+    np.einsum along a greedy contraction path. Planned once per set of input shapes."""
     equation = str(ctx.attributes["equation"]).replace(" ", "")
     plans: dict[tuple[tuple[int, ...], ...], Any] = {}
+    max_plans = 64  # bounds the cache when a model's shapes keep changing
 
     def run(*inputs):
         out_dtype = inputs[0].dtype
         operands = [_widen(x) for x in inputs]
         shapes = tuple(x.shape for x in operands)
-        path = plans.get(shapes)
-        if path is None:
-            path = np.einsum_path(equation, *operands, optimize="greedy")[0] if len(operands) > 1 else False
-            plans[shapes] = path
-        result = np.asarray(np.einsum(equation, *operands, optimize=path))
+        contract = plans.get(shapes)
+        if contract is None:
+            contract = _plan_einsum(equation, operands)
+            if len(plans) >= max_plans:
+                plans.clear()
+            plans[shapes] = contract
+        result = np.asarray(contract(*operands))
         return result if result.dtype == out_dtype else result.astype(out_dtype)
 
     return run

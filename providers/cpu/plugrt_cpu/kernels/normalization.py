@@ -17,10 +17,11 @@ def _stats_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype in _HALF_TYPES else dtype
 
 
-def _check_stash_type(op_type: str, stash_type: int) -> None:
+def _check_stash_type(ctx: KernelContext) -> None:
+    stash_type = ctx.attributes.get("stash_type", 1)
     if stash_type != 1:
         raise NotImplementedError(
-            f"{op_type}: stash_type={stash_type} is not supported; only 1 (float32 statistics) is"
+            f"{ctx.op_type}: stash_type={stash_type} is not supported; only 1 (float32 statistics) is"
         )
 
 
@@ -152,74 +153,96 @@ def group_normalization_18(x, scale, bias, *, epsilon=1e-5, num_groups):
     return _affine_channels(normalized, np.repeat(scale, per_group), np.repeat(bias, per_group), x)
 
 
-@kernel("GroupNormalization", 21)
-def group_normalization_21(x, scale, bias, *, epsilon=1e-5, num_groups, stash_type=1):
+@kernel_builder("GroupNormalization", 21)
+def group_normalization_21(ctx: KernelContext):
     # v21: scale and bias hold one value per channel.
-    _check_stash_type("GroupNormalization", stash_type)
-    normalized = _group_statistics_normalize(x, num_groups, epsilon)
-    return _affine_channels(normalized, scale, bias, x)
+    _check_stash_type(ctx)
+    epsilon = float(ctx.attributes.get("epsilon", 1e-5))
+    num_groups = int(ctx.attributes["num_groups"])
+
+    def run(x, scale, bias):
+        normalized = _group_statistics_normalize(x, num_groups, epsilon)
+        return _affine_channels(normalized, scale, bias, x)
+
+    return run
 
 
 # --- LayerNormalization, RMSNormalization
 
 
-def _split_rows(x: np.ndarray, axis: int) -> tuple[int, tuple[int, ...]]:
-    """(axis made non-negative, the reduced statistics' shape)."""
+def _rows_view(x: np.ndarray, axis: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """x in its statistics dtype as a 2-D (outer, normalised) array, and the shape of
+    the per-row statistics as the spec gives it: x.shape[:axis] + (1, ...)."""
     if axis < 0:
         axis += x.ndim
-    return axis, x.shape[:axis] + (1,) * (x.ndim - axis)
-
-
-@kernel("LayerNormalization", 17, multi_output=True)
-def layer_normalization(x, scale, b=None, *, axis=-1, epsilon=1e-5, stash_type=1):
-    _check_stash_type("LayerNormalization", stash_type)
-    axis, stats_shape = _split_rows(x, axis)
     work = x.astype(_stats_dtype(x.dtype), copy=False)
     rows = int(np.prod(x.shape[:axis], dtype=np.int64))
-    normalized, mean, inv_std = _normalize_rows(work.reshape(rows, -1), epsilon)
-    y = normalized.reshape(x.shape)
-    y *= scale
-    if b is not None:
-        y += b
-    stats_dtype = np.float32  # U = stash_type's dtype
-    return (
-        y.astype(x.dtype, copy=False),
-        mean.reshape(stats_shape).astype(stats_dtype, copy=False),
-        inv_std.reshape(stats_shape).astype(stats_dtype, copy=False),
-    )
+    return work.reshape(rows, -1), x.shape[:axis] + (1,) * (x.ndim - axis)
 
 
-@kernel("RMSNormalization", 23)
-def rms_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
-    _check_stash_type("RMSNormalization", stash_type)
-    axis, _ = _split_rows(x, axis)
-    work = x.astype(_stats_dtype(x.dtype), copy=False)
-    rows = work.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
-    mean_square = np.einsum("ij,ij->i", rows, rows).reshape(-1, 1)
-    mean_square /= max(rows.shape[1], 1)
-    mean_square += mean_square.dtype.type(epsilon)
-    inv_rms = np.reciprocal(np.sqrt(mean_square, out=mean_square), out=mean_square)
-    y = (rows * inv_rms).reshape(x.shape)
-    y *= scale
-    return y.astype(x.dtype, copy=False)
+@kernel_builder("LayerNormalization", 17, multi_output=True)
+def layer_normalization(ctx: KernelContext):
+    _check_stash_type(ctx)
+    axis = int(ctx.attributes.get("axis", -1))
+    epsilon = float(ctx.attributes.get("epsilon", 1e-5))
+
+    def run(x, scale, b=None):
+        rows, stats_shape = _rows_view(x, axis)
+        normalized, mean, inv_std = _normalize_rows(rows, epsilon)
+        y = normalized.reshape(x.shape)
+        y *= scale
+        if b is not None:
+            y += b
+        # Mean and InvStdDev have the stash type (float32), whatever X's type.
+        return (
+            y.astype(x.dtype, copy=False),
+            mean.reshape(stats_shape).astype(np.float32, copy=False),
+            inv_std.reshape(stats_shape).astype(np.float32, copy=False),
+        )
+
+    return run
+
+
+@kernel_builder("RMSNormalization", 23)
+def rms_normalization(ctx: KernelContext):
+    _check_stash_type(ctx)
+    axis = int(ctx.attributes.get("axis", -1))
+    epsilon = float(ctx.attributes.get("epsilon", 1e-5))
+
+    def run(x, scale):
+        rows, _ = _rows_view(x, axis)
+        mean_square = np.einsum("ij,ij->i", rows, rows).reshape(-1, 1)
+        mean_square /= max(rows.shape[1], 1)
+        mean_square += mean_square.dtype.type(epsilon)
+        inv_rms = np.reciprocal(np.sqrt(mean_square, out=mean_square), out=mean_square)
+        y = (rows * inv_rms).reshape(x.shape)
+        y *= scale
+        return y.astype(x.dtype, copy=False)
+
+    return run
 
 
 # --- LpNormalization, MeanVarianceNormalization
 
 
-@kernel("LpNormalization", 1)
-def lp_normalization(x, *, axis=-1, p=2):
-    work = x.astype(_stats_dtype(x.dtype), copy=False)
-    if p == 1:
-        norm = np.sum(np.abs(work), axis=axis, keepdims=True)
-    elif p == 2:
-        norm = np.sqrt(np.sum(np.square(work), axis=axis, keepdims=True))
-    else:
+@kernel_builder("LpNormalization", 1)
+def lp_normalization(ctx: KernelContext):
+    axis = int(ctx.attributes.get("axis", -1))
+    p = int(ctx.attributes.get("p", 2))
+    if p not in (1, 2):
         raise NotImplementedError(f"LpNormalization: p={p} is not supported; the spec allows 1 or 2")
-    # An all-zero slice has norm 0 and is defined to normalise to 0.
-    zero = norm == 0
-    norm[zero] = 1
-    return (work / norm).astype(x.dtype, copy=False)
+
+    def run(x):
+        work = x.astype(_stats_dtype(x.dtype), copy=False)
+        if p == 1:
+            norm = np.sum(np.abs(work), axis=axis, keepdims=True)
+        else:
+            norm = np.sqrt(np.sum(np.square(work), axis=axis, keepdims=True))
+        # An all-zero slice has norm 0 and is defined to normalise to 0.
+        norm[norm == 0] = 1
+        return (work / norm).astype(x.dtype, copy=False)
+
+    return run
 
 
 @kernel("MeanVarianceNormalization", 9)
