@@ -10,6 +10,7 @@ from onnx.reference import ReferenceEvaluator
 
 import plugrt_cpu.kernels  # noqa: F401  (registers the kernels)
 from plugrt_cpu._registry import KernelContext, lookup
+from plugrt_cpu.kernels.tensor import squeeze_1
 
 INT_MAX = np.iinfo(np.int64).max
 INT_MIN = np.iinfo(np.int64).min
@@ -138,6 +139,19 @@ def test_squeeze_and_unsqueeze_11_read_the_axes_attribute():
     assert_matches_reference(node("Unsqueeze", ["x"], axes=[-1, 0]), 11, x)
 
 
+def test_squeeze_with_empty_axes_removes_every_size_one_axis():
+    x = rng.standard_normal((1, 3, 1)).astype(np.float32)
+    (y,) = run_kernel(node("Squeeze", ["x", "a"]), 13, x, np.array([], np.int64))
+    assert y.shape == (3,)
+    assert squeeze_1(x, axes=[]).shape == (3,)
+
+
+def test_split_with_an_empty_split_input_splits_equally():
+    x = np.arange(6, dtype=np.float32)
+    parts = run_kernel(node("Split", ["x", "s"], ["a", "b"]), 13, x, np.array([], np.int64))
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5]]
+
+
 def test_pad_2_reads_pads_and_value_attributes():
     x = rng.standard_normal((2, 3)).astype(np.float32)
     assert_matches_reference(node("Pad", ["x"], pads=[1, 0, 2, 3], value=1.5), 2, x)
@@ -185,12 +199,20 @@ def test_depth_to_space_1_uses_dcr_order():
 
 
 @pytest.mark.parametrize("largest", [0, 1])
-def test_topk_breaks_ties_by_lower_index(largest):
-    x = rng.integers(0, 4, size=(5, 40)).astype(np.float32)
+@pytest.mark.parametrize(("n", "k"), [(40, 25), (200, 7), (9, 1)])
+def test_topk_breaks_ties_by_lower_index(largest, n, k):
+    x = rng.integers(0, 4, size=(5, n, 3)).astype(np.float32)
     values, indices = assert_matches_reference(
-        node("TopK", ["x", "k"], ["v", "i"], axis=1, largest=largest), 11, x, np.array([25], np.int64)
+        node("TopK", ["x", "k"], ["v", "i"], axis=1, largest=largest), 11, x, np.array([k], np.int64)
     )
     assert indices.dtype == np.int64
+
+
+@pytest.mark.parametrize("largest", [0, 1])
+def test_topk_orders_nan_above_every_number(largest):
+    x = rng.standard_normal((4, 30)).astype(np.float32)
+    x[:, ::7] = np.nan
+    assert_matches_reference(node("TopK", ["x", "k"], ["v", "i"], largest=largest), 11, x, np.array([3], np.int64))
 
 
 def test_topk_keeps_unsigned_values_on_axis_0():

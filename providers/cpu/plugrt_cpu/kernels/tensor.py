@@ -103,14 +103,17 @@ def transpose(data, *, perm=None):
     return data.transpose(perm)
 
 
+# Squeeze treats empty axes like absent ones (every size-1 axis goes), as onnxruntime does.
+
+
 @kernel("Squeeze", 1)
 def squeeze_1(data, *, axes=None):
-    return np.squeeze(data) if axes is None else np.squeeze(data, axis=tuple(axes))
+    return np.squeeze(data, axis=tuple(axes)) if axes else np.squeeze(data)
 
 
 @kernel("Squeeze", 13)
 def squeeze(data, axes=None):
-    return np.squeeze(data) if axes is None else np.squeeze(data, axis=tuple(axes.tolist()))
+    return np.squeeze(data) if axes is None or axes.size == 0 else np.squeeze(data, axis=tuple(axes.tolist()))
 
 
 def _unsqueeze(data: np.ndarray, axes: list[int]) -> np.ndarray:
@@ -180,11 +183,14 @@ def size(data):
 
 @kernel("Concat", 1)
 def concat_1(*inputs, axis=1):
-    return np.concatenate(inputs, axis=axis)
+    return concat(*inputs, axis=axis)
 
 
 @kernel("Concat", 4)
 def concat(*inputs, axis):
+    if len(inputs) == 1:
+        _axis(axis, inputs[0].ndim)
+        return inputs[0]
     return np.concatenate(inputs, axis=axis)
 
 
@@ -222,7 +228,7 @@ def split(ctx: KernelContext):
     parts = ctx.attributes.get("num_outputs") or ctx.num_outputs
 
     def run(data, split_input=None):
-        if split_input is not None:
+        if split_input is not None and split_input.size:
             sizes = split_input.tolist()
         elif split_attribute:
             sizes = list(split_attribute)
@@ -297,9 +303,6 @@ def tile(data, repeats):
     return np.tile(data, reps)
 
 
-_PAD_MODES = {"reflect": "reflect", "edge": "edge", "wrap": "wrap"}
-
-
 def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | None) -> np.ndarray:
     rank = data.ndim
     axes = list(range(rank)) if axes is None else [_axis(a, rank) for a in axes]
@@ -311,7 +314,7 @@ def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | 
     for i, axis in enumerate(axes):
         begin[axis] = pads[i]
         end[axis] = pads[count + i]
-    if min(begin) < 0 or min(end) < 0:  # negative pads remove elements
+    if any(p < 0 for p in pads):  # negative pads remove elements
         data = data[tuple(slice(max(-b, 0), dim - max(-e, 0)) for b, e, dim in zip(begin, end, data.shape))]
         begin = [max(b, 0) for b in begin]
         end = [max(e, 0) for e in end]
@@ -322,12 +325,11 @@ def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | 
         out = np.full(out_shape, _zero(data.dtype) if value is None else value, dtype=data.dtype)
         out[tuple(slice(b, b + d) for b, d in zip(begin, data.shape))] = data
         return out
-    numpy_mode = _PAD_MODES.get(mode)
-    if numpy_mode is None:
+    if mode not in ("reflect", "edge", "wrap"):  # numpy.pad's modes of the same names
         raise NotImplementedError(f"Pad mode {mode!r} is not supported (constant, reflect, edge, wrap)")
     if data.size == 0:
         raise ValueError(f"Pad mode {mode!r} cannot pad an empty tensor")
-    return np.pad(data, list(zip(begin, end)), mode=numpy_mode)
+    return np.pad(data, list(zip(begin, end)), mode=mode)
 
 
 @kernel("Pad", 1)
@@ -409,14 +411,14 @@ def gather_nd(data, indices, *, batch_dims=0):
         raise ValueError(
             f"GatherND indices address {depth} axes after {batch_dims} batch axes of a rank-{data.ndim} tensor"
         )
-    if batch_dims == 0:
+    if batch_dims == 0 and depth:
         return data[_nd_index(indices)]
     batch_shape = data.shape[:batch_dims]
     if indices.shape[:batch_dims] != batch_shape:
         raise ValueError(f"GatherND batch dims differ: data {batch_shape}, indices {indices.shape[:batch_dims]}")
     batch = math.prod(batch_shape)
     flat_data = data.reshape((batch, *data.shape[batch_dims:]))
-    flat_indices = indices.reshape(batch, -1, depth)
+    flat_indices = indices.reshape(batch, math.prod(indices.shape[batch_dims:-1]), depth)
     rows = np.broadcast_to(np.arange(batch)[:, None], flat_indices.shape[:2])
     gathered = flat_data[(rows, *_nd_index(flat_indices))]
     return gathered.reshape(batch_shape + indices.shape[batch_dims:-1] + data.shape[batch_dims + depth :])
@@ -472,7 +474,8 @@ def compress(data, condition, *, axis=None):
     return np.compress(condition.reshape(-1), data, axis=axis)
 
 
-def _depth_to_space(data: np.ndarray, blocksize: int, mode: str) -> np.ndarray:
+@kernel("DepthToSpace", 1, 11)
+def depth_to_space(data, *, blocksize, mode="DCR"):
     if data.ndim != 4:
         raise ValueError(f"DepthToSpace expects a rank-4 NCHW tensor, got rank {data.ndim}")
     b, c, h, w = data.shape
@@ -484,16 +487,6 @@ def _depth_to_space(data: np.ndarray, blocksize: int, mode: str) -> np.ndarray:
     else:
         raise NotImplementedError(f"DepthToSpace mode {mode!r} is not supported (DCR, CRD)")
     return tmp.reshape(b, depth, h * blocksize, w * blocksize)
-
-
-@kernel("DepthToSpace", 1)
-def depth_to_space_1(data, *, blocksize):
-    return _depth_to_space(data, blocksize, "DCR")
-
-
-@kernel("DepthToSpace", 11)
-def depth_to_space(data, *, blocksize, mode="DCR"):
-    return _depth_to_space(data, blocksize, mode)
 
 
 @kernel("SpaceToDepth", 1, 28)
@@ -618,20 +611,55 @@ def unique(x, *, axis=None, sorted=1):  # noqa: A002 - the ONNX attribute is cal
     )
 
 
+def _sorted_order(values: np.ndarray, largest: int) -> np.ndarray:
+    """Positions that sort ``values`` along the last axis, descending when ``largest``,
+    ties kept in increasing position (the spec's tie-break: lower index first)."""
+    if not largest:
+        return np.argsort(values, axis=-1, kind="stable")
+    # A stable ascending sort of the reversed axis, read backwards, orders values
+    # descending while keeping tied values in increasing position.
+    reversed_order = np.argsort(values[..., ::-1], axis=-1, kind="stable")
+    return (values.shape[-1] - 1) - reversed_order[..., ::-1]
+
+
+def _top_k_candidates(rows: np.ndarray, k: int, largest: int) -> np.ndarray:
+    """The positions of each row's top k, in increasing position, in O(n): a partition
+    finds the k-th value; ties at that value go to the lowest positions."""
+    n = rows.shape[-1]
+    if largest:
+        threshold = np.partition(rows, n - k, axis=-1)[:, n - k : n - k + 1]
+        chosen = rows >= threshold
+    else:
+        threshold = np.partition(rows, k - 1, axis=-1)[:, k - 1 : k]
+        chosen = rows <= threshold
+    if (np.count_nonzero(chosen, axis=-1) != k).any():  # more ties at the threshold than room
+        tied = rows == threshold
+        beyond = chosen & ~tied
+        room = k - np.count_nonzero(beyond, axis=-1, keepdims=True)
+        chosen = beyond | (tied & (np.cumsum(tied, axis=-1) <= room))
+    return np.nonzero(chosen)[1].reshape(rows.shape[0], k)
+
+
 def _top_k(x: np.ndarray, k: int, axis: int, largest: int) -> tuple[np.ndarray, np.ndarray]:
     axis = _axis(axis, x.ndim)
     n = x.shape[axis]
     if not 0 <= k <= n:
         raise ValueError(f"TopK k={k} is out of range for an axis of size {n}")
-    if largest:
-        # A stable ascending sort of the reversed axis, read backwards, orders values
-        # descending with ties kept in increasing original index (the spec's tie-break).
-        reversed_order = np.argsort(np.flip(x, axis), axis=axis, kind="stable")
-        order = (n - 1) - np.flip(reversed_order, axis)
+    moved = np.moveaxis(x, axis, -1)
+    rows = moved.reshape(-1, n)
+    # Partitioning beats a full sort for small k; NaN defeats its comparisons, so inputs
+    # holding NaN take the full sort (which orders NaN above every number, as onnx.reference).
+    if 0 < k and 2 * k <= n and rows.size and not (x.dtype.kind == "f" and np.isnan(rows).any()):
+        candidates = _top_k_candidates(rows, k, largest)
+        order = np.take_along_axis(candidates, _sorted_order(np.take_along_axis(rows, candidates, -1), largest), -1)
     else:
-        order = np.argsort(x, axis=axis, kind="stable")
-    order = np.take(order, np.arange(k), axis=axis)
-    return np.take_along_axis(x, order, axis=axis), order.astype(np.int64, copy=False)
+        order = _sorted_order(rows, largest)[:, :k]
+    values = np.take_along_axis(rows, order, -1)
+    out_shape = moved.shape[:-1] + (k,)
+    return (
+        np.moveaxis(values.reshape(out_shape), -1, axis),
+        np.moveaxis(order.astype(np.int64, copy=False).reshape(out_shape), -1, axis),
+    )
 
 
 @kernel("TopK", 1, multi_output=True)
