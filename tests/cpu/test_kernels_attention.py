@@ -3,6 +3,8 @@ checked against onnx.reference and independently written numpy."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import onnx
 import pytest
@@ -255,7 +257,7 @@ def test_flex_attention_passes_outer_scope_values_to_its_score_modifier():
 
     def compile_subgraph(graph):
         compiled.append(graph)
-        return lambda values, outer: [values[0] + outer["bias"]]
+        return SimpleNamespace(run=lambda values, outer: [values[0] + outer["bias"]])
 
     ctx = KernelContext(
         "FlexAttention", "ai.onnx.preview", 1, {"score_mod": object()}, 3, 1,
@@ -267,3 +269,22 @@ def test_flex_attention_passes_outer_scope_values_to_its_score_modifier():
     exp = np.exp(scores - scores.max(-1, keepdims=True))
     assert len(compiled) == 1
     np.testing.assert_allclose(y, exp / exp.sum(-1, keepdims=True) @ inputs["v"], rtol=1e-5, atol=1e-6)
+
+
+def test_flex_attention_score_modifier_reads_an_outer_scope_value_in_a_session():
+    inputs = _qkv_4d(q_heads=2, kv_heads=1, seed=160)
+    bias = _random(5, 7, seed=161)
+    score_mod = helper.make_graph(
+        [helper.make_node("Add", ["scores", "bias"], ["modified"])],
+        "score_mod",
+        [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("modified", onnx.TensorProto.FLOAT, None)],
+    )
+    model = _model("FlexAttention", dict(inputs, bias=None), ["y"], 26, domain="ai.onnx.preview", score_mod=score_mod)
+    model.graph.input.append(helper.make_tensor_value_info("bias", onnx.TensorProto.FLOAT, bias.shape))
+    (y,) = plugrt.InferenceSession(model.SerializeToString()).run(None, dict(inputs, bias=bias))
+    k = np.repeat(inputs["k"], 2, axis=1)
+    v = np.repeat(inputs["v"], 2, axis=1)
+    scores = inputs["q"] @ np.swapaxes(k, -1, -2) / np.sqrt(8) + bias
+    exp = np.exp(scores - scores.max(-1, keepdims=True))
+    np.testing.assert_allclose(y, exp / exp.sum(-1, keepdims=True) @ v, rtol=1e-5, atol=1e-6)

@@ -54,14 +54,19 @@ def _rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return _grouped_matmul(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
 
 
-def _softmax(scores: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis; a row that is entirely -inf gives zeros, not NaN."""
+def _softmax(scores: np.ndarray, overwrite: bool = False) -> np.ndarray:
+    """Softmax over the last axis; a row that is entirely -inf gives zeros, not NaN.
+
+    With ``overwrite`` the result reuses ``scores``' memory.
+    """
     zero, one = scores.dtype.type(0), scores.dtype.type(1)
     row_max = np.max(scores, axis=-1, keepdims=True)
     row_max = np.where(np.isneginf(row_max), zero, row_max)
-    exp = np.exp(scores - row_max)
+    exp = np.subtract(scores, row_max, out=scores if overwrite else None)
+    np.exp(exp, out=exp)
     total = np.sum(exp, axis=-1, keepdims=True)
-    return exp / np.where(total == zero, one, total)
+    exp /= np.where(total == zero, one, total)
+    return exp
 
 
 def _sqrt_scale(scale: float | None, head_size: int, dtype: np.dtype) -> float:
@@ -183,9 +188,10 @@ def attention(ctx: KernelContext):
             scores = scores + bias
         qk = {0: raw, 1: capped, 2: scores}.get(mode)
 
-        if softmax_dtype is not None:
-            scores = scores.astype(softmax_dtype, copy=False)
-        probs = _softmax(scores)
+        if softmax_dtype is not None and softmax_dtype != scores.dtype:
+            scores = scores.astype(softmax_dtype)
+        # The softmax may overwrite the scores unless they are the qk_matmul_output.
+        probs = _softmax(scores, overwrite=scores is not qk or not want_qk)
         if bias is not None:
             # A query row with no attendable key gives a zero row (decided on the bias,
             # so NaN/inf logits in masked positions cannot leak through).
@@ -370,7 +376,7 @@ def flex_attention(ctx: KernelContext):
         modifier = modifiers.get(name)
         if modifier is None:
             return values
-        results = modifier([values], outer)
+        results = modifier.run([values], outer)
         if len(results) != 1:
             raise ValueError(f"FlexAttention's {name} must produce exactly one output, got {len(results)}")
         result = np.asarray(results[0], dtype=values.dtype)

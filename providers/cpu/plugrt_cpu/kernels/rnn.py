@@ -151,10 +151,12 @@ class _Recurrence:
 
     def project_input(self, w: np.ndarray, bias: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
         """X @ W^T (+ bias) for every step and direction: [directions, seq, batch, gates]."""
-        x = self.x.astype(dtype, copy=False)
-        projected = np.matmul(x[None], np.swapaxes(w.astype(dtype, copy=False), 1, 2)[:, None])
+        # One (seq * batch, input) x (input, gates) GEMM per direction.
+        x = self.x.astype(dtype, copy=False).reshape(self.seq_length * self.batch_size, -1)
+        projected = np.matmul(x, np.swapaxes(w.astype(dtype, copy=False), 1, 2))
         if bias is not None:
-            projected += bias.astype(dtype, copy=False)[:, None, None, :]
+            projected += bias.astype(dtype, copy=False)[:, None, :]
+        projected = projected.reshape(w.shape[0], self.seq_length, self.batch_size, -1)
         for d, reverse in enumerate(self.reversed):
             if reverse:
                 projected[d] = self._reverse_time(projected[d])
