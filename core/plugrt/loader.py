@@ -11,6 +11,7 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 from onnx_ir import external_data as ir_external_data
+from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
 from .errors import ModelLimitError, ModelLoadError, UnsafeExternalDataError
 
@@ -261,5 +262,9 @@ def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedM
         ir_logger.setLevel(previous)
     if base_dir:
         ir_external_data.set_base_dir(model.graph, base_dir)
+    if proto.ir_version < 4:
+        # Before IR 4 every initializer had to be listed as an input; like onnxruntime,
+        # treat them as constants rather than as inputs a caller may override.
+        RemoveInitializersFromInputsPass()(model)
     _validate_ir(model, label)
     return LoadedModel(model=model, base_dir=base_dir, source=label)
