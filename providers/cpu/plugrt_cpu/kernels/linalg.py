@@ -80,7 +80,7 @@ def gemm(ctx: KernelContext):
         else:
             y = _matmul(a, b.T if trans_b else b)
         if scale_y:
-            y = _scaled(y, alpha)
+            y = _scaled(y, alpha) if y.dtype.kind in "iu" else np.multiply(y, y.dtype.type(alpha), out=y)
         if c is not None and beta != 0.0:
             if strict_c_shape and c.shape != y.shape:
                 raise ValueError(

@@ -81,17 +81,20 @@ def batch_normalization(ctx: KernelContext):
     folded = None
     if len(constants) == 4 and all(c is not None for c in constants):
         folded = _batch_norm_affine(*constants, epsilon)
-    cache: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+    cache: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # folded affine per (dtype, rank) of x
+
+    def affine_for(x, scale, bias, mean, var) -> tuple[np.ndarray, np.ndarray]:
+        multiplier, shift = folded or _batch_norm_affine(scale, bias, mean, var, epsilon)
+        shape = param_shape(x)
+        return multiplier.astype(x.dtype).reshape(shape), shift.astype(x.dtype).reshape(shape)
 
     def run(x, scale, bias, mean, var):
-        key = (x.dtype, x.ndim)
-        affine = cache.get(key) if folded is not None else None
-        if affine is None:
-            multiplier, shift = folded if folded is not None else _batch_norm_affine(scale, bias, mean, var, epsilon)
-            shape = param_shape(x)
-            affine = (multiplier.astype(x.dtype).reshape(shape), shift.astype(x.dtype).reshape(shape))
-            if folded is not None:
-                cache[key] = affine
+        if folded is None:
+            affine = affine_for(x, scale, bias, mean, var)
+        else:
+            affine = cache.get((x.dtype, x.ndim))
+            if affine is None:
+                affine = cache[x.dtype, x.ndim] = affine_for(x, scale, bias, mean, var)
         y = x * affine[0]
         y += affine[1]
         # In inference v14's optional running statistics pass through unchanged.
