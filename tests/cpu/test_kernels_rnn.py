@@ -183,3 +183,8 @@ def test_unknown_activation_is_rejected():
     inputs = _inputs("RNN", seed=9)
     with pytest.raises(Exception, match="Gelu"):
         _run("RNN", inputs, activations=["Gelu"])
+
+
+def test_one_direction_node_with_both_directions_activations_uses_the_first():
+    inputs = _inputs("RNN", seed=10)
+    _assert_all_close(_run("RNN", inputs, activations=["Relu", "Tanh"]), _run("RNN", inputs, activations=["Relu"]))

@@ -74,6 +74,10 @@ class _Activations:
         if names is None:
             names = defaults * num_directions
         per_direction = len(defaults)
+        if num_directions == 1 and len(names) == 2 * per_direction:
+            # Older exporters write both directions' functions for a one-direction node
+            # (RNN's schema once defaulted to ["Tanh", "Tanh"]); the first set applies.
+            names = names[:per_direction]
         if len(names) != per_direction * num_directions:
             raise ValueError(
                 f"expected {per_direction * num_directions} activation functions "
