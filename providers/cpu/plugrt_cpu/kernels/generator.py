@@ -104,40 +104,37 @@ def _float_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
-def _normal(shape, dtype: np.dtype, mean: float, scale: float, seed: float | None) -> np.ndarray:
+def _sample(method, shape, dtype: np.dtype, scale: float, shift: float, seed: float | None) -> np.ndarray:
+    """``method`` (a standard Generator draw) times ``scale`` plus ``shift``, as ``dtype``."""
     draw = _float_dtype(dtype)
-    sample = _generator(seed).standard_normal(tuple(shape), dtype=draw)
+    sample = method(_generator(seed), tuple(shape), dtype=draw)
     sample *= draw.type(scale)
-    sample += draw.type(mean)
+    sample += draw.type(shift)
     return sample.astype(dtype, copy=False)
 
 
-def _uniform(shape, dtype: np.dtype, low: float, high: float, seed: float | None) -> np.ndarray:
-    draw = _float_dtype(dtype)
-    sample = _generator(seed).random(tuple(shape), dtype=draw)
-    sample *= draw.type(high - low)
-    sample += draw.type(low)
-    return sample.astype(dtype, copy=False)
+_NORMAL = np.random.Generator.standard_normal
+_UNIFORM = np.random.Generator.random
 
 
 @kernel("RandomNormal", 1)
 def random_normal(*, shape, dtype=_FLOAT, mean=0.0, scale=1.0, seed=None):
-    return _normal(shape, numpy_dtype(dtype), mean, scale, seed)
+    return _sample(_NORMAL, shape, numpy_dtype(dtype), scale, mean, seed)
 
 
 @kernel("RandomNormalLike", 1)
 def random_normal_like(x, *, dtype=None, mean=0.0, scale=1.0, seed=None):
-    return _normal(x.shape, x.dtype if dtype is None else numpy_dtype(dtype), mean, scale, seed)
+    return _sample(_NORMAL, x.shape, x.dtype if dtype is None else numpy_dtype(dtype), scale, mean, seed)
 
 
 @kernel("RandomUniform", 1)
 def random_uniform(*, shape, dtype=_FLOAT, low=0.0, high=1.0, seed=None):
-    return _uniform(shape, numpy_dtype(dtype), low, high, seed)
+    return _sample(_UNIFORM, shape, numpy_dtype(dtype), high - low, low, seed)
 
 
 @kernel("RandomUniformLike", 1)
 def random_uniform_like(x, *, dtype=None, low=0.0, high=1.0, seed=None):
-    return _uniform(x.shape, x.dtype if dtype is None else numpy_dtype(dtype), low, high, seed)
+    return _sample(_UNIFORM, x.shape, x.dtype if dtype is None else numpy_dtype(dtype), high - low, low, seed)
 
 
 @kernel("Bernoulli", 15)

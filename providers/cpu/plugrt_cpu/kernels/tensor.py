@@ -117,14 +117,16 @@ def squeeze(data, axes=None):
 
 
 def _unsqueeze(data: np.ndarray, axes: list[int]) -> np.ndarray:
-    rank = data.ndim + len(axes)
-    positions = sorted(_axis(a, rank) for a in axes)
-    if len(set(positions)) != len(positions):
+    inserted = [False] * (data.ndim + len(axes))
+    try:
+        for axis in axes:
+            inserted[axis] = True  # list indexing resolves negative axes as the spec does
+    except IndexError:
+        raise ValueError(f"Unsqueeze axes {axes} are out of range for output rank {len(inserted)}") from None
+    if inserted.count(True) != len(axes):
         raise ValueError(f"Unsqueeze axes {axes} repeat an axis")
-    shape = list(data.shape)
-    for position in positions:
-        shape.insert(position, 1)
-    return data.reshape(shape)
+    dims = iter(data.shape)
+    return data.reshape([1 if new else next(dims) for new in inserted])
 
 
 @kernel("Unsqueeze", 1)
@@ -151,8 +153,21 @@ def flatten(data, *, axis=1):
 
 @kernel("Expand", 8)
 def expand(data, shape):
+    dims = shape.tolist()
+    in_shape = data.shape
+    rank = max(len(dims), len(in_shape))
+    out_shape = []
+    for have, want in zip((1,) * (rank - len(in_shape)) + in_shape, [1] * (rank - len(dims)) + dims):
+        if have == want or want == 1:
+            out_shape.append(have)
+        elif have == 1:
+            out_shape.append(want)
+        else:
+            raise ValueError(f"Expand cannot broadcast shape {in_shape} to {dims}")
+    if len(out_shape) == len(in_shape) and tuple(out_shape) == in_shape:
+        return data
     # A read-only broadcast view: Expand never needs its own memory.
-    return np.broadcast_to(data, np.broadcast_shapes(data.shape, tuple(shape.tolist())))
+    return np.broadcast_to(data, out_shape)
 
 
 @kernel("Identity", 1)
@@ -239,34 +254,32 @@ def split(ctx: KernelContext):
     return run
 
 
-def _slice(data: np.ndarray, starts: list[int], ends: list[int], axes: list[int] | None, steps: list[int] | None):
+def _slice(data: np.ndarray, starts: list[int], ends: list[int], axes, steps) -> np.ndarray:
+    """Slice with the spec's clamping: starts/ends below -dim or above dim are clamped,
+    and for negative steps an end before index 0 becomes ``None``."""
     rank = data.ndim
+    count = len(starts)
     if axes is None:
-        axes = range(len(starts))
+        axes = range(count)
     if steps is None:
-        steps = [1] * len(starts)
-    if not len(starts) == len(ends) == len(axes) == len(steps):
+        steps = (1,) * count
+    if not len(ends) == len(axes) == len(steps) == count:
         raise ValueError("Slice starts, ends, axes and steps must have the same length")
     shape = data.shape
     index = [slice(None)] * rank
     for start, end, axis, step in zip(starts, ends, axes, steps):
-        axis = _axis(axis, rank)
-        dim = shape[axis]
-        if step == 0:
-            raise ValueError("Slice step cannot be 0")
+        dim = shape[axis]  # a negative axis indexes from the back, as the spec asks
         if start < 0:
             start += dim
         if end < 0:
             end += dim
         if step > 0:
-            start = min(max(start, 0), dim)
-            end = min(max(end, 0), dim)
+            index[axis] = slice(min(max(start, 0), dim), min(max(end, 0), dim), step)
+        elif step < 0:
+            end = min(end, dim - 1)
+            index[axis] = slice(min(max(start, 0), dim - 1), end if end >= 0 else None, step)
         else:
-            start = min(max(start, 0), dim - 1)
-            end = min(max(end, -1), dim - 1)
-            if end < 0:  # "before index 0", which a Python slice spells as None
-                end = None
-        index[axis] = slice(start, end, step)
+            raise ValueError("Slice step cannot be 0")
     return data[tuple(index)]
 
 
