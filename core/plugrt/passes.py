@@ -104,7 +104,7 @@ def fold_constants(
         if arrays is None:
             continue
         for value, array in arrays:
-            _replace_with_constant(graph, value, np.ascontiguousarray(array))
+            _replace_with_constant(graph, value, array if array.flags.c_contiguous else array.copy())
         graph.remove(node, safe=True)
         folded += 1
     return folded
