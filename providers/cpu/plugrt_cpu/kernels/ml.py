@@ -138,22 +138,15 @@ class _Lookup:
         self.out_dtype = out_dtype
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.is_text:
-            if x.dtype == object:
-                probe = np.asarray(_texts(x.ravel()), dtype=np.str_).reshape(x.shape) if x.size else x.astype(np.str_)
-            else:
-                probe = x.astype(np.str_)
-        else:
-            probe = x
+        probe = x.astype(np.str_) if self.is_text else x
         out = np.full(x.shape, self.default, dtype=self.out_dtype)
         if not self.keys.size:
             return out
         keys = self.keys if self.is_text else self.keys.astype(np.result_type(self.keys, probe), copy=False)
         position = np.searchsorted(keys, probe, side="right") - 1
         clipped = np.maximum(position, 0)
+        # NaN never equals a key, so NaN inputs take the default (as onnxruntime and onnx.reference do)
         found = (position >= 0) & (keys[clipped] == probe)
-        if not self.is_text and keys.dtype.kind == "f":
-            found |= np.isnan(probe) & np.isnan(keys[clipped])  # NaN keys match NaN inputs
         out[found] = self.values[clipped[found]]
         return out
 

@@ -202,15 +202,16 @@ def _quantize(x, y_scale, y_zero_point, axis, saturate, block_size, output_dtype
         scale = scale.astype(np.float32)
     if precision:
         compute = numpy_dtype(precision)
-        scaled = x.astype(compute) / scale.astype(compute)
+        scaled = np.asarray(x.astype(compute) / scale.astype(compute))
     else:
-        scaled = x / scale
+        scaled = np.asarray(x / scale)
 
     if out_dtype in _INTEGER_RANGES:
         low, high = _INTEGER_RANGES[out_dtype]
-        q = np.rint(scaled)
-        if q.dtype not in (np.float32, np.float64):
-            q = q.astype(np.float32)  # float16/bfloat16 cannot hold the zero-point sum exactly
+        if scaled.dtype in (np.float32, np.float64):
+            q = np.rint(scaled, out=scaled)
+        else:
+            q = np.rint(scaled).astype(np.float32)  # float16/bfloat16 cannot hold the zero-point sum exactly
         if y_zero_point is not None:
             zp = _expand_parameter(y_zero_point, x.shape, axis, block_size)
             q += zp.astype(q.dtype)
@@ -251,7 +252,7 @@ def _dequantize(x, x_scale, x_zero_point, axis, block_size, output_dtype):
     scale = _expand_parameter(x_scale, x.shape, axis, block_size)
     if scale.dtype in _ML_FLOATS:
         scale = scale.astype(np.float32)
-    y = dx * scale
+    y = np.asarray(dx * scale)
     if output_dtype:
         out = numpy_dtype(output_dtype)
     else:
@@ -273,7 +274,7 @@ def dynamic_quantize_linear(x):
     low = np.float32(min(0.0, float(np.min(x)))) if x.size else np.float32(0)
     scale = np.float32(1.0 if high == low else high - low) / qmax
     zero_point = np.rint(np.clip(np.float32(0) - low / scale, 0, qmax))
-    y = np.rint(x / scale)
+    y = np.asarray(np.rint(x / scale))
     y += zero_point
     np.clip(y, 0, qmax, out=y)
     return y.astype(np.uint8), np.array(scale, dtype=x.dtype), np.array(zero_point, dtype=np.uint8)
