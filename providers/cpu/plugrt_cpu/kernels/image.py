@@ -192,6 +192,13 @@ def _resize_axis(
     if mode == "nearest":
         index = _NEAREST_ROUNDING[nearest_mode](x_src, scale).astype(np.int64)
         out = np.take(x, np.clip(index, 0, in_len - 1), axis=axis)
+        if exclude_outside:
+            # The single tap's weight drops to 0 and cannot be renormalised: the sample is 0.
+            outside = (index < 0) | (index >= in_len)
+            if outside.any():
+                shape = [1] * x.ndim
+                shape[axis] = -1
+                out = np.where(outside.reshape(shape), np.zeros((), dtype=out.dtype), out)
     else:
         index, weight = _interpolation_taps(x_src, mode, scale, antialias, cubic_coeff_a)
         if exclude_outside:
@@ -504,7 +511,7 @@ def affine_grid(theta: np.ndarray, size: np.ndarray, *, align_corners: int = 0) 
 # RoiAlign
 # ---------------------------------------------------------------------------
 
-_ROI_CHUNK_ELEMENTS = 1 << 24  # bound on the gathered intermediate per chunk of RoIs
+_ROI_CHUNK_ELEMENTS = 1 << 24  # bound on the gathered taps per chunk of output bins
 
 
 def _roi_axis_samples(
@@ -554,10 +561,9 @@ def _roi_align(
         raise ValueError(f"RoiAlign: unknown mode {mode!r}; expected avg or max")
     _, channels, height, width = x.shape
     count = rois.shape[0]
-    compute = _compute_dtype(x.dtype)
-    out = np.zeros((count, channels, output_height, output_width), dtype=compute)
     if count == 0:
-        return out.astype(x.dtype)
+        return np.zeros((0, channels, output_height, output_width), dtype=x.dtype)
+    compute = _compute_dtype(x.dtype)
     boxes = rois.astype(np.float64) * spatial_scale - (0.5 if half_pixel else 0.0)
     roi_w = boxes[:, 2] - boxes[:, 0]
     roi_h = boxes[:, 3] - boxes[:, 1]
@@ -572,35 +578,47 @@ def _roi_align(
         grid_w = np.maximum(np.ceil(roi_w / output_width), 0).astype(np.int64)
     y_index, y_weight = _roi_axis_samples(boxes[:, 1], roi_h, output_height, grid_h, height)
     x_index, x_weight = _roi_axis_samples(boxes[:, 0], roi_w, output_width, grid_w, width)
-    y_weight = y_weight.astype(compute)
-    x_weight = x_weight.astype(compute)
-    samples = np.maximum(grid_h * grid_w, 1).astype(compute)
-    image = batch_indices.astype(np.int64).reshape(-1)
-    data = np.moveaxis(x.astype(compute, copy=False), 1, -1)  # N, H, W, C
+    if y_index.shape[2] == 0 or x_index.shape[2] == 0:  # no RoI has a sample point
+        return np.zeros((count, channels, output_height, output_width), dtype=x.dtype)
 
-    per_roi = channels * output_height * output_width * y_index.shape[2] * x_index.shape[2] * 4
-    step = max(1, _ROI_CHUNK_ELEMENTS // max(per_roi, 1))
-    for lo in range(0, count, step):
-        r = slice(lo, lo + step)
-        n = image[r][:, None, None, None, None, None, None]
-        yi = y_index[r][:, :, :, :, None, None, None]  # R, PH, GH, 2, 1, 1, 1
-        xi = x_index[r][:, None, None, None, :, :, :]  # R, 1, 1, 1, PW, GW, 2
-        values = data[n, yi, xi]  # R, PH, GH, 2, PW, GW, 2, C
-        weight = y_weight[r][:, :, :, :, None, None, None] * x_weight[r][:, None, None, None, :, :, :]
+    # Per output bin, every (y tap, x tap) pair of its sample grid: [R, PH, PW, T] with
+    # T = GH * 2 * GW * 2, addressed as rows of the channels-last image.
+    image = batch_indices.astype(np.int64).reshape(-1)
+    rows = (image[:, None, None, None] * height + y_index)[:, :, None, :, :, None, None]
+    flat_index = (rows * width + x_index[:, None, :, None, None, :, :]).reshape(count, output_height, output_width, -1)
+    weight = (y_weight[:, :, None, :, :, None, None] * x_weight[:, None, :, None, None, :, :]).reshape(flat_index.shape)
+    weight = weight.astype(compute)
+    pixels = np.moveaxis(x, 1, -1).reshape(-1, channels).astype(compute, copy=False)
+    if mode == "avg":
+        weight /= np.maximum(grid_h * grid_w, 1).astype(compute)[:, None, None, None]
+    else:
+        # Taps of samples past a RoI's own grid repeat its first tap, which leaves the max
+        # unchanged; RoIs with no samples at all give 0.
+        used_y = np.arange(y_index.shape[2]) < grid_h[:, None]
+        used_x = np.arange(x_index.shape[2]) < grid_w[:, None]
+        used = used_y[:, None, None, :, None, None, None] & used_x[:, None, None, None, None, :, None]
+        used = np.broadcast_to(used, (count, 1, 1, *y_index.shape[2:], *x_index.shape[2:])).reshape(count, 1, 1, -1)
+        flat_index = np.where(used, flat_index, flat_index[..., :1])
+        weight = np.where(used, weight, weight[..., :1])
+        weight[grid_h * grid_w == 0] = 0
+
+    # Work through the output bins in chunks so the gathered taps stay bounded in memory.
+    taps = flat_index.shape[-1]
+    flat_index = flat_index.reshape(-1, taps)
+    weight = weight.reshape(-1, taps)
+    pooled = np.empty((flat_index.shape[0], channels), dtype=compute)
+    step = max(1, _ROI_CHUNK_ELEMENTS // max(taps * channels, 1))
+    for lo in range(0, flat_index.shape[0], step):
+        b = slice(lo, lo + step)
+        values = np.take(pixels, flat_index[b], axis=0)  # bins, taps, channels
         if mode == "avg":
-            total = np.einsum("rhyawxbc,rhyawxb->rchw", values, weight)
-            out[r] = total / samples[r][:, None, None, None]
+            pooled[b] = np.matmul(weight[b][:, None, :], values)[:, 0, :]
         else:
             # onnxruntime's (and the reference's) max mode: the max over samples of the
             # largest weighted corner, not of the interpolated value.
-            weighted = values * weight[..., None]
-            valid_y = np.arange(y_index.shape[2])[None, :] < grid_h[r][:, None]
-            valid_x = np.arange(x_index.shape[2])[None, :] < grid_w[r][:, None]
-            valid = valid_y[:, None, :, None, None, None, None] & valid_x[:, None, None, None, None, :, None]
-            weighted = np.where(valid[..., None], weighted, -np.inf)
-            best = weighted.max(axis=(2, 3, 5, 6))  # R, PH, PW, C
-            best = np.where(np.isneginf(best), 0, best)
-            out[r] = np.moveaxis(best, -1, 1)
+            values *= weight[b][..., None]
+            pooled[b] = values.max(axis=1)
+    out = np.moveaxis(pooled.reshape(count, output_height, output_width, channels), -1, 1)
     return out.astype(x.dtype, copy=False)
 
 
