@@ -31,6 +31,11 @@ class PlugrtRep(BackendRep):
             if isinstance(inputs, np.ndarray) or not isinstance(inputs, (list, tuple)):
                 inputs = [inputs]
             feeds = dict(zip(self._input_names, inputs))
+        for info in self.session.inputs:
+            # onnx's runner turns a list input into one stacked array; a sequence input
+            # is a list of its items again
+            if info.kind == "sequence" and isinstance(feeds.get(info.name), np.ndarray):
+                feeds[info.name] = list(feeds[info.name])
         outputs = self.session.run_list(None, feeds)
         return namedtupledict("Outputs", self._output_names)(*outputs)
 

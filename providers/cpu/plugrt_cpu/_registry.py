@@ -40,8 +40,8 @@ class KernelContext:
     input_dtypes: list[Any]  # numpy dtype per input, or None where unknown / absent
     constant_inputs: list[Any]  # numpy array per input when it is a constant, else None
     node: Any = None  # the onnx_ir.Node, for builders that need more
-    # Compiles an onnx_ir.Graph (a subgraph attribute) into a callable
-    # ``run(inputs: list, outer: dict[str, value]) -> list`` — set by the provider.
+    # Compiles an onnx_ir.Graph (a subgraph attribute) once into a SubgraphRunner whose
+    # ``run(inputs: list, outer: dict[str, value]) -> list`` runs it — set by the provider.
     compile_subgraph: Callable[..., Any] | None = None
     # Names of outer-scope values a subgraph reads, in the order the kernel receives
     # them after its declared inputs (implicit inputs).

@@ -138,7 +138,8 @@ def unsqueeze_1(data, *, axes=None):
 
 @kernel("Unsqueeze", 13)
 def unsqueeze(data, axes):
-    return _unsqueeze(data, axes.tolist())
+    # onnxruntime and onnx.reference accept a 0-d axes tensor as one axis
+    return _unsqueeze(data, np.atleast_1d(axes).tolist())
 
 
 @kernel("Flatten", 1)

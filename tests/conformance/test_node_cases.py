@@ -1,0 +1,31 @@
+"""ONNX's node test cases through the onnxruntime-compatible API (plugrt.InferenceSession)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from plugrt.conformance.expectations import match, read_expectations
+from plugrt.conformance.node_cases import iter_node_cases, run_case
+
+XFAILS = read_expectations(os.path.join(os.path.dirname(__file__), "node_xfails.txt"))
+CASES = list(iter_node_cases())
+
+
+def _param(case):
+    expected = match(case.name, XFAILS)
+    marks = [pytest.mark.xfail(reason=expected.reason, strict=True)] if expected else []
+    return pytest.param(case, id=case.name, marks=marks)
+
+
+def test_the_expected_failures_stay_under_two_percent():
+    failing = [c.name for c in CASES if match(c.name, XFAILS)]
+    assert len(CASES) >= 1800
+    assert len(failing) / len(CASES) < 0.02, failing
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_node_case(case):
+    result = run_case(case, timeout=120)
+    assert result.status == "passed", f"{result.status}: {result.detail}"
