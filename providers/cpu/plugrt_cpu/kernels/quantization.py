@@ -10,7 +10,7 @@ import onnx_ir as ir
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .._dtypes import numpy_dtype
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import kernel
 
 _OBJECT = np.dtype(object)
 
@@ -128,12 +128,13 @@ def _cast(x: np.ndarray, dtype: np.dtype, saturate: int, round_mode: str) -> np.
         return x.astype(dtype)
 
 
-@kernel("Cast", 1, 6, 9, 13, 19, 21, 23, 24, 25)
+# later versions only add types
+@kernel("Cast", 1, 6, 19, 24)
 def cast(x, *, to, saturate=1, round_mode="up"):
     return _cast(x, _target_dtype(to), saturate, _as_str(round_mode))
 
 
-@kernel("CastLike", 15, 19, 21, 23, 24, 25)
+@kernel("CastLike", 15, 19, 24)
 def cast_like(x, like, *, saturate=1, round_mode="up"):
     return _cast(x, like.dtype, saturate, _as_str(round_mode))
 
@@ -228,7 +229,8 @@ def _quantize(x, y_scale, y_zero_point, axis, saturate, block_size, output_dtype
     raise NotImplementedError(f"QuantizeLinear: {out_dtype} is not a quantized output type")
 
 
-@kernel("QuantizeLinear", 10, 13, 19, 21, 23, 24, 25)
+# 24, 25 and 28 only add types
+@kernel("QuantizeLinear", 10, 13, 19, 21, 23)
 def quantize_linear(
     x, y_scale, y_zero_point=None, *, axis=1, saturate=1, block_size=0, output_dtype=0, precision=0
 ):
@@ -262,7 +264,7 @@ def _dequantize(x, x_scale, x_zero_point, axis, block_size, output_dtype):
     return y.astype(out, copy=False)
 
 
-@kernel("DequantizeLinear", 10, 13, 19, 21, 23, 24, 25)
+@kernel("DequantizeLinear", 10, 13, 19, 21, 23)
 def dequantize_linear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, output_dtype=0):
     return _dequantize(x, x_scale, x_zero_point, axis, block_size, output_dtype)
 
@@ -403,18 +405,23 @@ def _conv_accumulate(x, w, *, group, kernel_shape, strides, pads, dilations, aut
     return out.transpose(0, 1, 3, 2).reshape((n, m) + out_shape)
 
 
+def _integer_conv(x, x_zero_point, w, w_zero_point, **conv_attributes) -> np.ndarray:
+    """Convolution of (x - x_zero_point) with (w - w_zero_point, per output channel or scalar),
+    exact: integers in a float type wide enough for every accumulated sum."""
+    compute = _exact_float(w.size // w.shape[0], x.dtype, w.dtype)
+    xc = _centered(x, x_zero_point, compute)
+    wc = _centered(w, w_zero_point, compute, shape=(-1,) + (1,) * (w.ndim - 1))
+    return _conv_accumulate(xc, wc, **conv_attributes)
+
+
 @kernel("ConvInteger", 10)
 def conv_integer(
     x, w, x_zero_point=None, w_zero_point=None, *, auto_pad="NOTSET", dilations=None, group=1,
     kernel_shape=None, pads=None, strides=None,
 ):
-    kc = w.size // w.shape[0] if w.ndim else 1
-    compute = _exact_float(kc, x.dtype, w.dtype)
-    xc = _centered(x, x_zero_point, compute)
-    wc = _centered(w, w_zero_point, compute, shape=(-1,) + (1,) * (w.ndim - 1))
-    acc = _conv_accumulate(
-        xc, wc, group=group, kernel_shape=kernel_shape, strides=strides, pads=pads, dilations=dilations,
-        auto_pad=auto_pad,
+    acc = _integer_conv(
+        x, x_zero_point, w, w_zero_point, group=group, kernel_shape=kernel_shape, strides=strides, pads=pads,
+        dilations=dilations, auto_pad=auto_pad,
     )
     return np.rint(acc).astype(np.int32)
 
@@ -424,13 +431,9 @@ def qlinear_conv(
     x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, B=None, *,
     auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None,
 ):
-    kc = w.size // w.shape[0]
-    compute = _exact_float(kc, x.dtype, w.dtype)
-    xc = _centered(x, x_zero_point, compute)
-    wc = _centered(w, w_zero_point, compute, shape=(-1,) + (1,) * (w.ndim - 1))
-    acc = _conv_accumulate(
-        xc, wc, group=group, kernel_shape=kernel_shape, strides=strides, pads=pads, dilations=dilations,
-        auto_pad=auto_pad,
+    acc = _integer_conv(
+        x, x_zero_point, w, w_zero_point, group=group, kernel_shape=kernel_shape, strides=strides, pads=pads,
+        dilations=dilations, auto_pad=auto_pad,
     ).astype(np.float64, copy=False)
     channel_shape = (1, -1) + (1,) * (x.ndim - 2)
     if B is not None:
