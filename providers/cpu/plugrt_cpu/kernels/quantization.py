@@ -217,7 +217,8 @@ def _quantize(x, y_scale, y_zero_point, axis, saturate, block_size, output_dtype
             zp = _expand_parameter(y_zero_point, x.shape, axis, block_size)
             q += zp.astype(q.dtype)
         np.clip(q, low, high, out=q)
-        return q.astype(out_dtype)
+        with np.errstate(invalid="ignore"):  # NaN has no integer value; numpy's cast decides
+            return q.astype(out_dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         if out_dtype in _FLOAT8:
             return _saturate(scaled, out_dtype) if saturate else scaled.astype(out_dtype)
