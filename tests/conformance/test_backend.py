@@ -17,6 +17,11 @@ _backend_test = onnx.backend.test.BackendTest(plugrt.backend, __name__)
 # this project's machines have no network access, so it cannot run here.
 _backend_test.exclude(r"^OnnxBackendRealModelTest")
 
+# onnx's runner compares a sequence output item by item by calling itself, which takes
+# len() of each item and so raises TypeError on a 0-d tensor, whatever the backend
+# returned. test_node_cases.py runs this case with an element-wise comparison.
+_backend_test.exclude(r"^test_loop16_seq_none_cpu$")
+
 for _entry in read_expectations(os.path.join(os.path.dirname(__file__), "node_xfails.txt")):
     # fnmatch pattern on the case name; BackendTest names add the device suffix
     _backend_test.xfail(fnmatch.translate(_entry.pattern + "_cpu").replace(r"\Z", "$"))
