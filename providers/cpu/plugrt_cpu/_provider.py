@@ -81,7 +81,7 @@ class CPUProvider:
     memory = "host"
 
     def devices(self) -> list[Device]:
-        return [Device(DeviceKind.CPU, 0, platform.processor() or platform.machine() or "cpu")]
+        return [Device(DeviceKind.CPU, 0, _cpu_name())]
 
     def supports_op(self, node: ir.Node, ctx: SupportContext) -> Support:
         _load_kernels()
@@ -161,6 +161,17 @@ class CPUProvider:
             domain=domain,
             nodes=(label,),
         )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def _dtype_of(value: ir.Value | None):
