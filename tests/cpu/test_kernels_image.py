@@ -17,7 +17,8 @@ import plugrt
 
 def _model(op: str, opset: int, inputs: dict[str, np.ndarray | None], **attributes) -> onnx.ModelProto:
     """A one-node model; an input given as None is an omitted optional input."""
-    node = helper.make_node(op, [name if value is not None else "" for name, value in inputs.items()], ["y"], **attributes)
+    names = [name if value is not None else "" for name, value in inputs.items()]
+    node = helper.make_node(op, names, ["y"], **attributes)
     graph = helper.make_graph(
         [node],
         "g",
@@ -46,6 +47,10 @@ def _reference(op: str, opset: int, inputs: dict[str, np.ndarray | None], **attr
 
 def _random(*shape, dtype=np.float32, seed=0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _uniform(low: float, high: float, *shape, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(low, high, shape).astype(np.float32)
 
 
 # --------------------------------------------------------------------------- Resize
@@ -146,7 +151,7 @@ def test_resize_rejects_both_scales_and_sizes():
 @pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
 @pytest.mark.parametrize("align_corners", [0, 1])
 def test_grid_sample_matches_reference_including_out_of_range_points(mode, padding_mode, align_corners):
-    inputs = {"x": _random(2, 2, 4, 5), "grid": np.random.default_rng(3).uniform(-1.6, 1.6, (2, 3, 4, 2)).astype(np.float32)}
+    inputs = {"x": _random(2, 2, 4, 5), "grid": _uniform(-1.6, 1.6, 2, 3, 4, 2, seed=3)}
     attributes = {"mode": mode, "padding_mode": padding_mode, "align_corners": align_corners}
     expected = _reference("GridSample", 20, inputs, **attributes)
     np.testing.assert_allclose(_run("GridSample", 20, inputs, **attributes), expected, rtol=1e-5, atol=1e-5)
@@ -154,14 +159,17 @@ def test_grid_sample_matches_reference_including_out_of_range_points(mode, paddi
 
 @pytest.mark.parametrize("mode", ["linear", "nearest"])
 def test_grid_sample_volumetric_matches_reference(mode):
-    inputs = {"x": _random(1, 2, 3, 4, 5), "grid": np.random.default_rng(4).uniform(-1.2, 1.2, (1, 2, 3, 2, 3)).astype(np.float32)}
+    inputs = {"x": _random(1, 2, 3, 4, 5), "grid": _uniform(-1.2, 1.2, 1, 2, 3, 2, 3, seed=4)}
     expected = _reference("GridSample", 20, inputs, mode=mode, padding_mode="border")
-    np.testing.assert_allclose(_run("GridSample", 20, inputs, mode=mode, padding_mode="border"), expected, rtol=1e-5, atol=1e-5)
+    got = _run("GridSample", 20, inputs, mode=mode, padding_mode="border")
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("old_name", "new_name"), [("bilinear", "linear"), ("bicubic", "cubic"), ("nearest", "nearest")])
+@pytest.mark.parametrize(
+    ("old_name", "new_name"), [("bilinear", "linear"), ("bicubic", "cubic"), ("nearest", "nearest")]
+)
 def test_grid_sample_16_mode_names_mean_the_opset_20_modes(old_name, new_name):
-    inputs = {"x": _random(1, 3, 5, 6), "grid": np.random.default_rng(5).uniform(-1, 1, (1, 4, 4, 2)).astype(np.float32)}
+    inputs = {"x": _random(1, 3, 5, 6), "grid": _uniform(-1, 1, 1, 4, 4, 2, seed=5)}
     np.testing.assert_array_equal(
         _run("GridSample", 16, inputs, mode=old_name), _run("GridSample", 20, inputs, mode=new_name)
     )
@@ -185,7 +193,8 @@ def test_grid_sample_reflection_on_a_single_pixel_axis_stays_on_it():
 def test_affine_grid_2d_is_theta_applied_to_pixel_centres(align_corners):
     theta = _random(2, 2, 3)
     height, width = 3, 4
-    got = _run("AffineGrid", 20, {"theta": theta, "size": np.array([2, 1, height, width], np.int64)}, align_corners=align_corners)
+    size = np.array([2, 1, height, width], np.int64)
+    got = _run("AffineGrid", 20, {"theta": theta, "size": size}, align_corners=align_corners)
 
     def centres(n):
         return np.linspace(-1, 1, n) if align_corners else (np.arange(n) * 2 + 1) / n - 1
@@ -197,7 +206,8 @@ def test_affine_grid_2d_is_theta_applied_to_pixel_centres(align_corners):
 
 def test_affine_grid_3d_matches_reference():
     inputs = {"theta": _random(2, 3, 4), "size": np.array([2, 1, 2, 3, 4], np.int64)}
-    np.testing.assert_allclose(_run("AffineGrid", 20, inputs), _reference("AffineGrid", 20, inputs), rtol=1e-5, atol=1e-6)
+    expected = _reference("AffineGrid", 20, inputs)
+    np.testing.assert_allclose(_run("AffineGrid", 20, inputs), expected, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- RoiAlign
@@ -229,16 +239,16 @@ def test_roi_align_matches_reference(mode, coordinate_transformation_mode, sampl
 
 def test_roi_align_10_has_no_half_pixel_shift():
     inputs = _roi_inputs(seed=1)
-    np.testing.assert_array_equal(
-        _run("RoiAlign", 10, inputs, output_height=2, output_width=2),
-        _run("RoiAlign", 16, inputs, output_height=2, output_width=2, coordinate_transformation_mode="output_half_pixel"),
-    )
+    size = {"output_height": 2, "output_width": 2}
+    unshifted = _run("RoiAlign", 16, inputs, coordinate_transformation_mode="output_half_pixel", **size)
+    np.testing.assert_array_equal(_run("RoiAlign", 10, inputs, **size), unshifted)
 
 
 def test_roi_align_averages_a_constant_image_to_that_constant():
     # A RoI so large that its adaptive sampling grid is 60x60 per output bin.
     x = np.full((1, 2, 130, 130), 3.0, np.float32)
-    got = _run("RoiAlign", 16, {"x": x, "rois": np.array([[1, 1, 121, 121]], np.float32), "batch_indices": np.array([0])}, output_height=2, output_width=2)
+    inputs = {"x": x, "rois": np.array([[1, 1, 121, 121]], np.float32), "batch_indices": np.array([0])}
+    got = _run("RoiAlign", 16, inputs, output_height=2, output_width=2)
     np.testing.assert_allclose(got, 3.0, rtol=1e-6)
 
 
@@ -280,9 +290,8 @@ def _png(image: np.ndarray, filters: list[int]) -> bytes:
     pa, pb, pc = np.abs(p - left), np.abs(p - up), np.abs(p - upleft)
     paeth = np.where((pa <= pb) & (pa <= pc), left, np.where(pb <= pc, up, upleft))
     predictors = [np.zeros_like(raw), left, up, (left + up) // 2, paeth]
-    body = b"".join(
-        bytes([kind]) + ((raw[y] - predictors[kind][y]) % 256).astype(np.uint8).tobytes() for y, kind in enumerate(filters)
-    )
+    filtered = [((raw[y] - predictors[kind][y]) % 256).astype(np.uint8) for y, kind in enumerate(filters)]
+    body = b"".join(bytes([kind]) + row.tobytes() for kind, row in zip(filters, filtered))
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))

@@ -12,15 +12,17 @@ from onnx.reference import ReferenceEvaluator
 import plugrt
 
 
+def _element_type(value: np.ndarray) -> int:
+    return onnx.TensorProto.STRING if value.dtype == object else helper.np_dtype_to_tensor_dtype(value.dtype)
+
+
 def _model(op: str, opset: int, inputs: dict[str, np.ndarray], outputs: int = 1, **attributes) -> onnx.ModelProto:
     names = [f"y{i}" for i in range(outputs)]
     graph = helper.make_graph(
         [helper.make_node(op, list(inputs), names, **attributes)],
         "g",
         [
-            helper.make_tensor_value_info(
-                name, onnx.TensorProto.STRING if value.dtype == object else helper.np_dtype_to_tensor_dtype(value.dtype), value.shape
-            )
+            helper.make_tensor_value_info(name, _element_type(value), value.shape)
             for name, value in inputs.items()
         ],
         [helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None) for name in names],
@@ -82,7 +84,8 @@ def test_string_normalizer_drops_stopword_elements_case_insensitively_then_lower
 
 def test_string_normalizer_case_sensitive_keeps_other_cases():
     x = _strings(["Monday", "monday", "Tuesday"])
-    (got,) = _run("StringNormalizer", 10, {"x": x}, stopwords=["monday"], is_case_sensitive=1, case_change_action="UPPER")
+    attributes = {"stopwords": ["monday"], "is_case_sensitive": 1, "case_change_action": "UPPER"}
+    (got,) = _run("StringNormalizer", 10, {"x": x}, **attributes)
     assert got.tolist() == ["MONDAY", "TUESDAY"]
 
 
@@ -105,7 +108,9 @@ TFIDF_INT_POOL = {
 @pytest.mark.parametrize("weighted", [False, True])
 def test_tfidf_vectorizer_on_integers_matches_reference(mode, min_gram, max_gram, skips, weighted):
     x = np.random.default_rng(0).integers(2, 9, (3, 25)).astype(np.int32)
-    attributes = dict(TFIDF_INT_POOL, mode=mode, min_gram_length=min_gram, max_gram_length=max_gram, max_skip_count=skips)
+    attributes = dict(
+        TFIDF_INT_POOL, mode=mode, min_gram_length=min_gram, max_gram_length=max_gram, max_skip_count=skips
+    )
     if weighted:
         attributes["weights"] = [0.5 + i for i in range(10)]
     (got,) = _run("TfIdfVectorizer", 9, {"x": x}, **attributes)

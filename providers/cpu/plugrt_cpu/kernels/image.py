@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import struct
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,9 +48,9 @@ def _keys_cubic(distance: np.ndarray, a: float) -> np.ndarray:
 
 
 def _cubic_taps(t: np.ndarray, a: float) -> np.ndarray:
-    """The four Keys weights for taps at offsets -1, 0, 1, 2 from floor(x), t = x - floor(x).
+    """The four Keys weights for taps at offsets -1, 0, 1, 2 from a base pixel b, t = x - b.
 
-    Written term by term as onnx.reference does, so the float results agree bit for bit.
+    Written term by term as onnx.reference writes them, so the float rounding agrees too.
     """
     s = 1 - t
     return np.stack(
@@ -94,11 +95,11 @@ _NEAREST_ROUNDING = {
     "legacy": lambda x, scale: np.ceil(x) if scale < 1 else np.floor(x),
 }
 
+_COMMON_COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize")
 _RESIZE_COORDINATE_MODES = {
-    10: ("asymmetric",),
-    11: ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_half_pixel_for_nn", "tf_crop_and_resize"),
-    18: ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize"),
-    19: ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize"),
+    11: (*_COMMON_COORDINATE_MODES, "tf_half_pixel_for_nn"),
+    18: _COMMON_COORDINATE_MODES,
+    19: (*_COMMON_COORDINATE_MODES, "half_pixel_symmetric"),
 }
 
 
@@ -280,7 +281,7 @@ def _resize(
         if x.dtype == np.bool_ or x.dtype.kind in "OUS":
             raise NotImplementedError(f"Resize: mode {mode!r} is not supported for {x.dtype} input")
         out = x.astype(_compute_dtype(x.dtype), copy=False)
-    for (axis, roi_axis), (out_len, scale, out_width) in sorted(zip(zip(axes, rois), plan)):
+    for axis, roi_axis, (out_len, scale, out_width) in sorted(zip(axes, rois, plan), key=lambda item: item[0]):
         if out_len == out.shape[axis] and scale == 1.0 and (roi_axis is None or roi_axis == (0.0, 1.0)):
             continue  # identity along this axis: every mode samples the input exactly
         out = _resize_axis(
@@ -516,7 +517,7 @@ _ROI_CHUNK_ELEMENTS = 1 << 24  # bound on the gathered taps per chunk of output 
 
 def _roi_axis_samples(
     start: np.ndarray, extent: np.ndarray, bins: int, grid: np.ndarray, length: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray]:
     """Bilinear taps along one axis for every RoI, bin and sample point.
 
     Returns (index, weight), both shaped [R, bins, G, 2] for the low and high tap, where G

@@ -50,7 +50,9 @@ def string_split(x: np.ndarray, *, delimiter: str = "", maxsplit: int | None = N
     limit = -1 if maxsplit is None else maxsplit
     pieces = np.frompyfunc(lambda s: s.split(sep, limit), 1, 1)(x) if x.size else np.empty(x.shape, dtype=object)
     pieces = _object_result(pieces, x.shape)
-    counts = np.frompyfunc(len, 1, 1)(pieces).astype(np.int64).reshape(x.shape) if x.size else np.zeros(x.shape, np.int64)
+    counts = np.zeros(x.shape, np.int64)
+    if x.size:
+        counts[...] = np.frompyfunc(len, 1, 1)(pieces)
     width = int(counts.max(initial=0))
     out = np.full((*x.shape, width), "", dtype=object)
     flat_out = out.reshape(x.size, width)
@@ -94,7 +96,6 @@ def string_normalizer(
         values = np.frompyfunc(str.upper, 1, 1)(values)
     if values.size == 0:
         values = np.array([""], dtype=object)
-    values = _object_result(values, values.shape)
     return values.reshape(1, -1) if x.ndim == 2 else values
 
 
@@ -103,12 +104,11 @@ def string_normalizer(
 # ---------------------------------------------------------------------------
 
 
-def _pool_ngrams(ctx_attrs: dict, vocab: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Per n-gram length in [min, max]: (token ids [P, n], output column [P]) of the pool."""
-    pool = ctx_attrs.get("pool_strings") or ctx_attrs.get("pool_int64s")
-    counts = list(ctx_attrs.get("ngram_counts", []))
-    indexes = np.asarray(ctx_attrs.get("ngram_indexes", []), dtype=np.int64)
-    lo, hi = ctx_attrs["min_gram_length"], ctx_attrs["max_gram_length"]
+def _pool_ngrams(
+    pool: list, vocab: np.ndarray, counts: list[int], indexes: list[int], lo: int, hi: int
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per n-gram length in [lo, hi]: (token ids [P, n], output column [P]) of the pool."""
+    indexes = np.asarray(indexes, dtype=np.int64)
     pool_ids = _token_ids(np.asarray(pool, dtype=vocab.dtype), vocab)
     grams: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     gram_number = 0  # n-grams are numbered across all lengths, in pool order
@@ -117,7 +117,8 @@ def _pool_ngrams(ctx_attrs: dict, vocab: np.ndarray) -> dict[int, tuple[np.ndarr
         end = counts[i + 1] if i + 1 < len(counts) else len(pool)
         total = (end - start) // n
         if lo <= n <= hi and total:
-            grams[n] = (pool_ids[start : start + total * n].reshape(total, n), indexes[gram_number : gram_number + total])
+            tokens = pool_ids[start : start + total * n].reshape(total, n)
+            grams[n] = (tokens, indexes[gram_number : gram_number + total])
         gram_number += total
     return grams
 
@@ -148,7 +149,7 @@ def tfidf_vectorizer(ctx: KernelContext):
         raise ValueError(f"TfIdfVectorizer: min_gram_length {lo} exceeds max_gram_length {hi}")
     # Sorted vocabulary: strings as fixed-width unicode so searchsorted runs in C.
     vocab = np.unique(np.asarray(pool, dtype=str if strings else np.int64))
-    grams = _pool_ngrams(attrs, vocab)
+    grams = _pool_ngrams(pool, vocab, list(attrs["ngram_counts"]), attrs["ngram_indexes"], lo, hi)
     width = int(max(attrs["ngram_indexes"])) + 1
     weights = np.asarray(attrs.get("weights") or [], dtype=np.float32)
 
