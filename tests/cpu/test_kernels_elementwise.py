@@ -256,6 +256,14 @@ def test_pow_keeps_the_base_dtype():
     np.testing.assert_array_equal(ints, [2, 3, 8])
 
 
+def test_integer_pow_with_a_negative_exponent_truncates():
+    base = np.array([2, 1, -1, -1, 5], dtype=np.int32)
+    exponent = np.array([-1, -3, -3, -2, 0], dtype=np.int32)
+    got = run_kernel("Pow", 15, base, exponent)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, [int(math.pow(a, b)) for a, b in zip(base.tolist(), exponent.tolist())])
+
+
 def test_pow_with_a_constant_exponent_of_two_squares():
     base = random_float32(10)
     exponent = np.array(2.0, dtype=np.float32)

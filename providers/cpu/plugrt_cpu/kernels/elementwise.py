@@ -129,10 +129,20 @@ kernel("Div", 1)(_legacy_binary(_divide_any))
 # Pow: the output has the base's dtype, whatever the exponent's
 
 
+def _power_integer(a, b):
+    try:
+        result = np.power(a, b)
+    except ValueError:  # numpy refuses negative integer exponents; C's pow truncates
+        result = np.power(a.astype(np.float64), b)
+    return result.astype(a.dtype, copy=False)
+
+
 def _power_any(a, b):
+    if _is_integer(a.dtype):
+        return _power_integer(a, b)
     if a.dtype == b.dtype:
         return np.power(a, b)
-    if not _is_integer(a.dtype) and _is_integer(b.dtype):
+    if _is_integer(b.dtype):
         return np.power(a, b.astype(a.dtype))
     return np.power(a, b).astype(a.dtype, copy=False)
 
@@ -153,6 +163,8 @@ def pow_(ctx: KernelContext):
         and (not _is_integer(base) or _is_integer(constant.dtype))
     ):
         return _square_base  # x ** 2 is common (variance, norms) and square is much faster
+    if base is not None and _is_integer(base):
+        return _power_integer
     if base is not None and base == exponent:
         return np.power
     return _power_any
@@ -307,7 +319,12 @@ def _erf_float64(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     tail *= z
     np.subtract(1.0, tail, out=tail)  # erf(|x|) = 1 - erfc(|x|)
     np.copysign(tail, x, out=tail)
-    np.copyto(tail, near_zero, where=np.abs(x) < 0.5)
+    # Both branches are finite, so blending with 0/1 weights is exact (and, unlike a masked
+    # copy, fast on randomly mixed masks).
+    np.abs(x, out=z)
+    near_zero *= z < 0.5
+    tail *= z >= 0.5
+    tail += near_zero
     return tail
 
 
@@ -363,9 +380,22 @@ def leaky_relu(x, *, alpha=0.01):
     return (np.maximum if alpha <= 1 else np.minimum)(x, np.multiply(x, alpha))
 
 
+# Where a mask would pick between two values (Elu, PRelu), the kernels add the negative and
+# positive parts instead: np.where and masked copies mispredict on mixed signs and run
+# ten times slower than a few plain passes.
+
+
+def _scaled_negative_part(x, slope) -> np.ndarray:
+    """min(x, 0) * slope + max(x, 0)."""
+    y = np.minimum(x, 0, out=np.empty_like(x))
+    y *= slope
+    y += np.maximum(x, 0)
+    return y
+
+
 @kernel("PRelu", 7)
 def prelu(x, slope):
-    return np.where(x < 0, x * slope, x)
+    return _scaled_negative_part(x, slope)  # slope broadcasts to x, one way only
 
 
 @kernel("PRelu", 1)
@@ -373,7 +403,7 @@ def prelu_per_channel(x, slope):
     # Before opset 7 a 1-D slope holds one value per channel (axis 1), not per last axis.
     if np.ndim(slope) == 1 and np.size(slope) > 1 and np.ndim(x) > 2:
         slope = np.reshape(slope, (-1,) + (1,) * (np.ndim(x) - 2))
-    return np.where(x < 0, x * slope, x)
+    return prelu(x, slope)
 
 
 def _exponential_below_zero(x, alpha: float, divisor: float = 1.0) -> np.ndarray:
@@ -383,7 +413,7 @@ def _exponential_below_zero(x, alpha: float, divisor: float = 1.0) -> np.ndarray
         y /= divisor
     np.expm1(y, out=y)
     y *= alpha
-    np.copyto(y, x, where=x > 0)
+    y += np.maximum(x, 0)
     return y
 
 
