@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import onnx_ir as ir
 
-from .errors import PlugrtError, UnsupportedOpError
+from .errors import PlugrtError, ProviderUnavailableError, UnsupportedOpError
 from .ir_utils import implicit_inputs, tensor_array
 from .placement import Fallback, PartitionInfo, PlacementReport, Transfer, assign, make_partitions, node_label
 from .plan import Plan, StepInfo
@@ -46,7 +46,7 @@ def _compile_all(
     active = list(providers)
     compile_fallbacks: list[Fallback] = []
     while True:
-        placed, fallbacks = assign(nodes, active, ctx, registry=registry, strict=strict)
+        placed, fallbacks = assign(nodes, active, ctx, registry=registry, strict=strict, pinned=pinned)
         by_name = {p.name: p for p in active}
         compiled: list[CompiledPartition] = []
         failed: tuple[str, BaseException, list[ir.Node]] | None = None
@@ -56,8 +56,15 @@ def _compile_all(
             try:
                 result = provider.compile(partition)
             except Exception as exc:
-                last = provider is active[-1]
-                if last or strict or provider_name in pinned:
+                if provider_name in pinned and not isinstance(exc, PlugrtError):
+                    if registry is not None:
+                        registry.record_failure(provider_name, "compile", exc)
+                    raise ProviderUnavailableError(
+                        provider_name,
+                        f"compile raised {type(exc).__name__}: {exc}",
+                        hint="report this to the provider's maintainers, or choose another device",
+                    ) from exc
+                if provider is active[-1] or strict or provider_name in pinned:
                     raise
                 failed = (provider_name, exc, partition.nodes)
                 break

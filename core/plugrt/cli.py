@@ -108,6 +108,25 @@ def _cmd_providers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from .conformance.expectations import read_expectations
+    from .conformance.suite import run_conformance
+
+    xfails = read_expectations(args.xfails_file) if args.xfails_file else []
+    skips = read_expectations(args.skips_file) if args.skips_file else []
+    ops = [p for p in (args.ops or "").split(",") if p]
+    report = run_conformance(
+        args.provider, ops=ops or None, xfails=xfails, skips=skips, progress=not args.no_progress
+    )
+    markdown = report.to_markdown()
+    print(markdown)
+    for path in args.report:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(report.to_json() if path.endswith(".json") else markdown)
+        print(f"wrote {path}")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plugrt", description="plugrt: ONNX inference, every provider a plugin")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     providers = sub.add_parser("providers", help="list installed providers, their devices and failures")
     providers.set_defaults(func=_cmd_providers)
+
+    conformance = sub.add_parser(
+        "conformance", help="run ONNX's node cases and protocol checks against one provider, fallback off"
+    )
+    conformance.add_argument("--provider", required=True, help="the provider to check, e.g. cpu")
+    conformance.add_argument("--ops", help="comma-separated op patterns (fnmatch), e.g. 'Conv*,Relu'")
+    conformance.add_argument(
+        "--report", action="append", default=[], metavar="FILE.json|FILE.md", help="write the report (repeatable)"
+    )
+    conformance.add_argument("--xfails-file", help="cases expected to fail: a pattern per line, then '# reason'")
+    conformance.add_argument("--skips-file", help="cases not to run: a pattern per line, then '# reason'")
+    conformance.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    conformance.set_defaults(func=_cmd_conformance)
     return parser
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import onnx_ir as ir
 
-from .errors import PlacementError, UnsupportedOpError
+from .errors import PlacementError, ProviderUnavailableError, UnsupportedOpError
 from .ir_utils import implicit_inputs
 from .provider import ExecutionProvider, Partition, Support, SupportContext
 
@@ -82,12 +82,24 @@ def node_label(node: ir.Node) -> str:
     return node.name or f"{node.op_type}<{', '.join(v.name or '' for v in node.outputs if v is not None)}>"
 
 
-def _ask(provider: ExecutionProvider, node: ir.Node, ctx: SupportContext, registry: "ProviderRegistry | None") -> Support:
+def _ask(
+    provider: ExecutionProvider,
+    node: ir.Node,
+    ctx: SupportContext,
+    registry: "ProviderRegistry | None",
+    pinned: frozenset[str] = frozenset(),
+) -> Support:
     try:
         answer = provider.supports_op(node, ctx)
-    except Exception as exc:  # a broken provider never breaks the runtime
+    except Exception as exc:  # a broken provider never breaks the runtime...
         if registry is not None:
             registry.record_failure(provider.name, "supports_op", exc)
+        if provider.name in pinned:  # ...unless the user asked for it by name
+            raise ProviderUnavailableError(
+                provider.name,
+                f"supports_op raised {type(exc).__name__}: {exc}",
+                hint="report this to the provider's maintainers, or choose another device",
+            ) from exc
         return Support.no(f"supports_op raised {type(exc).__name__}: {exc}")
     if not isinstance(answer, Support):
         answer = Support.yes() if answer else Support.no("declined (no reason given)")
@@ -101,6 +113,7 @@ def assign(
     *,
     registry: "ProviderRegistry | None" = None,
     strict: bool = False,
+    pinned: frozenset[str] = frozenset(),
 ) -> tuple[list[str], list[Fallback]]:
     """The provider name for each node, and the fallbacks along the way."""
     placed: list[str] = []
@@ -109,7 +122,7 @@ def assign(
         declined: list[tuple[str, str]] = []
         chosen = None
         for provider in providers:
-            answer = _ask(provider, node, ctx, registry)
+            answer = _ask(provider, node, ctx, registry, pinned)
             if answer.supported:
                 chosen = provider.name
                 break

@@ -200,6 +200,36 @@ class Session:
         return dict(self.selection.devices)
 
     @property
+    def compiled_partitions(self) -> list:
+        """The compiled partitions, in execution order (restored ones included)."""
+        return list(self._built.compiled)
+
+    @property
+    def model(self) -> ir.Model:
+        """The model as built: after inlining, expansion and optimisation passes."""
+        return self._model
+
+    def rebuilt_with(self, replacements: Mapping[str, Any]) -> "Session":
+        """A copy of this session whose partitions named in ``replacements`` are the given
+        compiled partitions (e.g. restored from an EPContext); the rest are reused."""
+        compiled = [replacements.get(cp.partition.name, cp) for cp in self._built.compiled]
+        clone = object.__new__(Session)
+        clone.__dict__.update(self.__dict__)
+        opsets = {("" if d == "ai.onnx" else d): v for d, v in self._model.opset_imports.items()}
+        clone._built = build_graph(
+            self._model.graph,
+            self.selection.providers,
+            opsets,
+            registry=self.registry,
+            precompiled=compiled,
+            profile=self.options["profiling"],
+            devices=self.selection.devices,
+        )
+        clone._plan = clone._built.plan
+        clone._checked = set()
+        return clone
+
+    @property
     def plan_source(self) -> str:
         """The generated Python of the execution plan (for debugging)."""
         return self._plan.source
