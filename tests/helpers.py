@@ -12,3 +12,32 @@ def model_bytes(text: str, check: bool = True) -> bytes:
     if check:
         onnx.checker.check_model(model)
     return model.SerializeToString()
+
+
+NEG_ADD = model_bytes(
+    """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[3] x) => (float[3] y) {
+        n = Neg(x)
+        y = Add(n, x)
+    }
+    """
+)
+
+
+def fake_entry_points(monkeypatch, *extra: tuple[str, str]) -> None:
+    """Make importlib.metadata report the real plugrt entry points plus ``extra``
+    (name, "module:attr") pairs, as if more distributions were installed."""
+    import importlib_metadata
+
+    from plugrt import registry as registry_module
+
+    real = importlib_metadata.entry_points
+
+    def entry_points(**params):
+        found = list(real(**params))
+        if params.get("group") == "plugrt.providers":
+            found += [importlib_metadata.EntryPoint(n, v, "plugrt.providers") for n, v in extra]
+        return found
+
+    monkeypatch.setattr(registry_module.importlib_metadata, "entry_points", entry_points)

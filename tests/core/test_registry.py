@@ -9,31 +9,7 @@ from plugrt import registry as registry_module
 from plugrt.errors import ProviderUnavailableError
 from plugrt.registry import DISABLE_ENV, ProviderRegistry
 
-from helpers import model_bytes
-
-NEG_ADD = model_bytes(
-    """
-    <ir_version: 8, opset_import: ["" : 17]>
-    g (float[3] x) => (float[3] y) {
-        n = Neg(x)
-        y = Add(n, x)
-    }
-    """
-)
-
-
-def _fake_entry_points(monkeypatch, *extra: tuple[str, str]):
-    """Make importlib.metadata report the real plugrt entry points plus ``extra``."""
-    real = importlib_metadata.entry_points
-
-    def entry_points(**params):
-        found = list(real(**params))
-        if params.get("group") == "plugrt.providers":
-            found += [importlib_metadata.EntryPoint(n, v, "plugrt.providers") for n, v in extra]
-        return found
-
-    monkeypatch.setattr(registry_module.importlib_metadata, "entry_points", entry_points)
-
+from helpers import NEG_ADD, fake_entry_points
 
 def test_cpu_provider_is_found_through_its_entry_point():
     names = [ep.name for ep in importlib_metadata.entry_points(group="plugrt.providers")]
@@ -53,7 +29,7 @@ def test_registry_is_not_created_at_import():
 
 
 def test_provider_from_a_faked_distribution_is_discovered(monkeypatch):
-    _fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
+    fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
     registry = ProviderRegistry()
     assert list(registry.providers()) == ["fakeaccel", "cpu"]  # priority order
     session = plugrt.load(NEG_ADD, registry=registry)
@@ -64,7 +40,7 @@ def test_provider_from_a_faked_distribution_is_discovered(monkeypatch):
 
 
 def test_plugin_that_fails_to_import_is_recorded_not_raised(monkeypatch):
-    _fake_entry_points(monkeypatch, ("ghost", "no_such_module_for_plugrt_tests:plugin"))
+    fake_entry_points(monkeypatch, ("ghost", "no_such_module_for_plugrt_tests:plugin"))
     registry = ProviderRegistry()
     assert "cpu" in registry.providers()
     failure = registry.failures()["ghost"]
@@ -79,7 +55,7 @@ def test_plugin_that_fails_to_import_is_recorded_not_raised(monkeypatch):
 
 
 def test_disabled_provider_is_skipped(monkeypatch):
-    _fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
+    fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
     monkeypatch.setenv(DISABLE_ENV, "fakeaccel")
     registry = ProviderRegistry()
     assert list(registry.providers()) == ["cpu"]
