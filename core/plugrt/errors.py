@@ -23,6 +23,9 @@ __all__ = [
     "ProviderUnavailableError",
     "PlacementError",
     "KernelError",
+    "CaptureError",
+    "NoCaptureError",
+    "StaleCaptureError",
     "EpContextError",
 ]
 
@@ -252,6 +255,32 @@ class KernelError(PlugrtError):
         super().__init__(
             f"node {node!r} ({op_type}) failed on provider {provider!r}: "
             f"{type(cause).__name__}: {cause}"
+        )
+
+
+class CaptureError(PlugrtError):
+    """A capture cannot be replayed."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class NoCaptureError(CaptureError):
+    def __init__(self) -> None:
+        super().__init__(
+            "there is no capture to replay (never captured, or reset()); call try_capture() first",
+            reason="no capture",
+        )
+
+
+class StaleCaptureError(CaptureError):
+    """What a capture was recorded with has changed (a shape, a freed binding)."""
+
+    def __init__(self, what: str, *, name: str | None = None):
+        self.name = name
+        super().__init__(
+            f"the capture is stale: {what}; call reset() and try_capture() again", reason=what
         )
 
 

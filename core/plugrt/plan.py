@@ -65,6 +65,11 @@ class Plan:
         self._constants = constants
         self._fn, self._line_to_step, self.source = self._generate(profile)
 
+    @property
+    def constants(self) -> dict[ir.Value, Any]:
+        """Values with a fixed array (initializers), as the plan binds them."""
+        return dict(self._constants)
+
     # -- code generation -------------------------------------------------------------------
 
     def _generate(self, profile: bool) -> tuple[Callable[..., list], dict[int, int], str]:

@@ -27,6 +27,10 @@ __all__ = [
     "CompiledPartition",
     "ExecutionProvider",
     "CAPABILITIES",
+    "CaptureMiss",
+    "CaptureContext",
+    "CapturedPartition",
+    "NotCapturable",
 ]
 
 PROTOCOL_VERSION = 1
@@ -132,6 +136,59 @@ class CompiledPartition:
     state: Any = None  # provider-private data, e.g. for save_context
 
 
+class CaptureMiss(Exception):
+    """Raised by a replay callable when what it captured no longer holds (e.g. an
+    eagerly run step produced a different shape); the session then runs eagerly."""
+
+
+class CaptureContext:
+    """The persistent arrays of a capture: every value's buffer lives here.
+
+    A provider's ``capture`` reads its inputs with :meth:`array` and registers each
+    output's persistent buffer with :meth:`set`; replay callables must write into those
+    buffers and never rebind them.
+    """
+
+    def __init__(self, arrays: dict["ir.Value", Any]):
+        self._arrays = dict(arrays)
+
+    def array(self, value: "ir.Value | None") -> Any:
+        return None if value is None else self._arrays[value]
+
+    def set(self, value: "ir.Value | None", array: Any) -> None:
+        if value is not None:
+            self._arrays[value] = array
+
+    def is_persistent(self, array: Any) -> bool:
+        """True when ``array`` is (a view of) a buffer this capture owns or was given."""
+        import numpy as np
+
+        if not isinstance(array, np.ndarray):
+            return False
+        return any(isinstance(b, np.ndarray) and np.shares_memory(array, b) for b in self._arrays.values())
+
+
+@dataclasses.dataclass
+class CapturedPartition:
+    """A provider's capture of one compiled partition.
+
+    ``runs`` are zero-argument callables run in order on every replay; ``nodes`` says,
+    per step, whether it was captured and, if not, why (it then runs eagerly inside a
+    run, copying into its persistent buffer, and raises CaptureMiss if that no longer fits).
+    """
+
+    runs: list[Callable[[], None]]
+    nodes: list[tuple[str, bool, str]]  # (node label, captured, reason when not)
+
+
+@dataclasses.dataclass
+class NotCapturable:
+    """Capture declined, with each node that declined and why."""
+
+    report: list[tuple[str, str]]  # (node label, reason)
+    captured: bool = False
+
+
 @runtime_checkable
 class ExecutionProvider(Protocol):
     """What every provider implements. Optional capabilities are listed in CAPABILITIES
@@ -160,7 +217,7 @@ CAPABILITIES: dict[str, str] = {
     "allocate": "allocate(shape, dtype, device) -> device array (device memory)",
     "to_device": "to_device(array, device) -> device array",
     "to_host": "to_host(array) -> numpy.ndarray",
-    "capture": "capture(compiled, bindings) -> Captured | NotCapturable",
+    "capture": "capture(compiled, ctx: CaptureContext) -> CapturedPartition | NotCapturable",
     "save_context": "save_context(compiled) -> bytes (EPContext export)",
     "load_context": "load_context(blob, meta) -> CompiledPartition (EPContext restore)",
     "context_source_keys": "tuple[str, ...]: EPContext 'source' values this provider restores",

@@ -12,13 +12,16 @@ import onnx_ir as ir
 
 from . import passes
 from ._dtypes import numpy_dtype
+from .bindings import DeviceBinding
 from .build import BuiltGraph, build_graph
+from .capture import Captured, CapturedPlan, CaptureReport
 from .errors import (
     InputDtypeError,
     InputRankError,
     InputShapeError,
     InvalidInputError,
     MissingInputError,
+    NoCaptureError,
     OptionError,
     SymbolConflictError,
     UnknownInputError,
@@ -28,7 +31,7 @@ from .ir_utils import tensor_array
 from .loader import LoadLimits, ModelSource, load_model
 from .options import SessionOptions, parse_options
 from .placement import PlacementReport
-from .provider import Device
+from .provider import Device, NotCapturable
 from .registry import ProviderRegistry, default_registry
 
 __all__ = ["TensorInfo", "ModelMetadata", "Session", "SessionBuilder", "load"]
@@ -181,6 +184,7 @@ class Session:
         self._all_tensors = all(s.is_tensor for s in self._specs)
         self._output_index = {info.name: i for i, info in enumerate(self.outputs)}
         self._checked: set = set()
+        self._capture: CapturedPlan | None = None
         self.build_seconds = time.perf_counter() - started
 
     # -- introspection ---------------------------------------------------------------------
@@ -260,12 +264,140 @@ class Session:
         self,
         feeds: Mapping[str, Any] | None = None,
         output_names: Iterable[str] | None = None,
+        *,
+        bindings: Sequence[DeviceBinding] = (),
     ) -> dict[str, Any]:
-        """Run the model. ``feeds`` maps input names to arrays; returns outputs by name."""
+        """Run the model. ``feeds`` maps input names to arrays; returns outputs by name.
+
+        With ``bindings``, bound inputs are read from their buffers and bound outputs are
+        stored into theirs and returned as None (their bytes stay on the device).
+        """
+        if bindings:
+            return self._run_bound(dict(feeds or {}), bindings)
         values = self._run_plan(feeds or {})
         if output_names is None:
             return {info.name: _deliver(v) for info, v in zip(self.outputs, values)}
         return {name: _deliver(values[self._output_index_of(name)]) for name in output_names}
+
+    # -- device bindings ---------------------------------------------------------------
+
+    def allocate_binding(
+        self,
+        input: str | None = None,
+        output: str | None = None,
+        *,
+        dtype: Any = None,
+        shape: Sequence[int] | None = None,
+        capacity: Sequence[int] | None = None,
+    ) -> DeviceBinding:
+        """A persistent buffer on the session's device bound to ``input``, ``output`` or
+        both (one buffer carrying state across runs). ``capacity`` (default ``shape``)
+        may exceed the logical ``shape``; both default to the declared ones."""
+        info = self._info_for(input, output)
+        dtype = np.dtype(dtype if dtype is not None else info.dtype)
+        if shape is None:
+            if info.shape is None or not all(isinstance(d, int) for d in info.shape):
+                raise InvalidInputError(
+                    f"binding {info.name!r} has symbolic dims {info.shape}; pass shape=", input_name=input
+                )
+            shape = info.shape
+        capacity = tuple(capacity) if capacity is not None else tuple(shape)
+        provider, device = self._binding_provider()
+        allocate = getattr(provider, "allocate", None) if provider is not None else None
+        buffer = allocate(capacity, dtype, device) if allocate is not None else np.zeros(capacity, dtype)
+        return DeviceBinding(
+            input=input,
+            output=output,
+            buffer=buffer,
+            shape=shape,
+            device=device,
+            upload=(lambda host, target: provider.upload(host, target)) if hasattr(provider, "upload") else None,
+            download=getattr(provider, "to_host", None) if allocate is not None else None,
+        )
+
+    def bind_array(self, array: np.ndarray, *, input: str | None = None, output: str | None = None) -> DeviceBinding:
+        """Bind caller-owned host memory (a numpy array) to an input and/or output."""
+        self._info_for(input, output)
+        if not isinstance(array, np.ndarray):
+            raise InvalidInputError("bind_array needs a numpy array", input_name=input)
+        return DeviceBinding(
+            input=input, output=output, buffer=array, shape=array.shape, device=self.devices.get(self.providers[-1]),
+            caller_owned=True,
+        )
+
+    def _info_for(self, input: str | None, output: str | None) -> TensorInfo:
+        if input is None and output is None:
+            raise InvalidInputError("name an input, an output, or both")
+        if input is not None and input not in self._input_names:
+            raise UnknownInputError(input, self._input_names)
+        if output is not None and output not in self._output_index:
+            raise InvalidInputError(f"unknown output {output!r}; the model's outputs are {list(self._output_index)}")
+        return self.inputs[self._input_names.index(input)] if input is not None else self.outputs[self._output_index[output]]
+
+    def _binding_provider(self):
+        """The provider whose memory bindings live in: the first one with its own memory."""
+        for provider in self.selection.providers:
+            if getattr(provider, "memory", "host") != "host" and hasattr(provider, "allocate"):
+                return provider, self.selection.devices.get(provider.name)
+        return None, self.selection.devices.get(self.providers[-1]) if self.providers else None
+
+    def _run_bound(self, feeds: dict[str, Any], bindings: Sequence[DeviceBinding]) -> dict[str, Any]:
+        for binding in bindings:
+            if binding.input is not None:
+                feeds[binding.input] = binding.view()
+        values = self._run_plan(feeds)
+        return self._store_bound(values, bindings)
+
+    def _store_bound(self, values: list, bindings: Sequence[DeviceBinding]) -> dict[str, Any]:
+        bound = {b.output: b for b in bindings if b.output is not None}
+        result = {}
+        for info, value in zip(self.outputs, values):
+            binding = bound.get(info.name)
+            if binding is None:
+                result[info.name] = _deliver(value)
+            else:
+                binding.store(value)
+                result[info.name] = None
+        return result
+
+    # -- capture and replay --------------------------------------------------------------
+
+    def try_capture(
+        self, feeds: Mapping[str, Any] | None = None, *, bindings: Sequence[DeviceBinding] = ()
+    ) -> "Captured | NotCapturable":
+        """Record the plan for these input shapes (and bindings) so ``replay`` can re-run
+        it without checks or allocation. Returns Captured (with a report of captured
+        segments and eager seams) or NotCapturable (every node declined, with reasons)."""
+        self.reset()
+        captured = CapturedPlan(self, dict(feeds or {}), bindings)
+        if not captured.report.segments:
+            return NotCapturable(captured.report.seams)
+        self._capture = captured
+        return Captured(captured.report)
+
+    def replay(
+        self, feeds: Mapping[str, Any] | None = None, *, bindings: Sequence[DeviceBinding] | None = None
+    ) -> dict[str, Any]:
+        """Re-run the capture. ``feeds`` refill the captured input buffers (same shapes);
+        bound inputs are read from their buffers as they are now."""
+        captured = self._capture
+        if captured is None:
+            raise NoCaptureError()
+        captured.check(bindings)
+        if feeds:
+            captured.load_feeds(dict(feeds))
+        values = captured.replay()
+        if values is None:  # an eager seam changed shape: this run goes the plain way
+            return self.run(captured.current_feeds(), bindings=captured.bindings)
+        return self._store_bound(values, captured.bindings)
+
+    def reset(self) -> None:
+        """Drop the capture (required before shapes change or bindings are freed)."""
+        self._capture = None
+
+    @property
+    def capture_report(self) -> "CaptureReport | None":
+        return self._capture.report if self._capture is not None else None
 
     def run_list(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list:
         values = self._run_plan(feeds)

@@ -12,9 +12,20 @@ from plugrt.build import build_graph
 from plugrt.errors import UnsupportedOpError
 from plugrt.ir_utils import constant_array, graph_free_values, implicit_inputs, tensor_array
 from plugrt.placement import node_label
-from plugrt.provider import CompiledPartition, Device, DeviceKind, Partition, Step, Support, SupportContext
+from plugrt.provider import (
+    CaptureContext,
+    CapturedPartition,
+    CompiledPartition,
+    Device,
+    DeviceKind,
+    Partition,
+    Step,
+    Support,
+    SupportContext,
+)
 
 from . import _registry
+from ._capture import capture_partition
 from ._dtypes import numpy_dtype
 
 __all__ = ["CPUProvider"]
@@ -99,14 +110,24 @@ class CPUProvider:
 
     def compile(self, partition: Partition) -> CompiledPartition:
         _load_kernels()
-        steps = [self.bind(node, partition.opset_imports) for node in partition.nodes]
-        return CompiledPartition(partition, steps, self.name)
+        bound = [self._bind(node, partition.opset_imports) for node in partition.nodes]
+        steps = [step for step, _ in bound]
+        # per step: (KernelSpec, attributes), for capture to find out= variants
+        return CompiledPartition(partition, steps, self.name, state=[meta for _, meta in bound])
+
+    def capture(self, compiled: CompiledPartition, ctx: CaptureContext) -> CapturedPartition:
+        """Bind every step to preallocated outputs (see plugrt_cpu._capture)."""
+        metadata = compiled.state if isinstance(compiled.state, list) else [None] * len(compiled.steps)
+        return capture_partition(compiled, ctx, metadata)
 
     def compile_subgraph(self, graph: ir.Graph, opset_imports: dict[str, int]) -> SubgraphRunner:
         return SubgraphRunner(graph, self, opset_imports)
 
     def bind(self, node: ir.Node, opset_imports: dict[str, int]) -> Step:
         """The step that runs ``node``: its kernel with attributes bound once."""
+        return self._bind(node, opset_imports)[0]
+
+    def _bind(self, node: ir.Node, opset_imports: dict[str, int]) -> tuple[Step, tuple]:
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
         opset = opset_imports.get(domain, 1 if domain else 0)
         spec = _registry.lookup(domain, node.op_type, opset)
@@ -151,7 +172,7 @@ class CPUProvider:
         outputs = list(node.outputs)
         while len(outputs) > 1 and outputs[-1] is None:
             outputs.pop()
-        return Step(
+        step = Step(
             fn,
             inputs + implicit,
             outputs,
@@ -161,6 +182,7 @@ class CPUProvider:
             domain=domain,
             nodes=(label,),
         )
+        return step, (spec, attributes)
 
 
 def _cpu_name() -> str:

@@ -25,6 +25,7 @@ class KernelSpec:
     builder: bool = False
     multi_output: bool = False
     attribute_names: frozenset[str] | None = None  # None: accepts any attribute (**kwargs)
+    data_dependent: bool = False  # output shape depends on input values: never captured
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ def kernel(
     *since_versions: int,
     domain: str = "",
     multi_output: bool = False,
+    data_dependent: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a plain kernel for ``op_type`` at each of ``since_versions`` (default 1).
 
@@ -90,7 +92,9 @@ def kernel(
         names = _attribute_names(fn)
         for version in since_versions or (1,):
             _register(
-                KernelSpec(_normalise_domain(domain), op_type, version, fn, False, multi_output, names)
+                KernelSpec(
+                    _normalise_domain(domain), op_type, version, fn, False, multi_output, names, data_dependent
+                )
             )
         return fn
 
@@ -102,12 +106,15 @@ def kernel_builder(
     *since_versions: int,
     domain: str = "",
     multi_output: bool = False,
+    data_dependent: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a builder: ``fn(ctx: KernelContext) -> kernel`` runs once at compile."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         for version in since_versions or (1,):
-            _register(KernelSpec(_normalise_domain(domain), op_type, version, fn, True, multi_output, None))
+            _register(
+                KernelSpec(_normalise_domain(domain), op_type, version, fn, True, multi_output, None, data_dependent)
+            )
         return fn
 
     return decorate

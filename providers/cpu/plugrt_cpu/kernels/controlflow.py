@@ -61,7 +61,7 @@ def _subgraph(ctx: KernelContext, name: str):
 # -- If ---------------------------------------------------------------------------------
 
 
-@kernel_builder("If", 1, multi_output=True)
+@kernel_builder("If", 1, multi_output=True, data_dependent=True)
 def if_(ctx: KernelContext):
     then_runner = _subgraph(ctx, "then_branch")
     else_runner = _subgraph(ctx, "else_branch")
@@ -78,7 +78,7 @@ def if_(ctx: KernelContext):
 # -- Loop -------------------------------------------------------------------------------
 
 
-@kernel_builder("Loop", 1, multi_output=True)
+@kernel_builder("Loop", 1, multi_output=True, data_dependent=True)
 def loop(ctx: KernelContext):
     body = _subgraph(ctx, "body")
     names = ctx.implicit_inputs
@@ -143,7 +143,7 @@ def _scan_attr(values: list[int] | None, count: int, default: int, what: str) ->
     return values
 
 
-@kernel_builder("Scan", 9, multi_output=True)
+@kernel_builder("Scan", 9, multi_output=True, data_dependent=True)
 def scan(ctx: KernelContext):
     body = _subgraph(ctx, "body")
     names = ctx.implicit_inputs
@@ -213,7 +213,7 @@ def scan(ctx: KernelContext):
     return run
 
 
-@kernel_builder("Scan", 8, multi_output=True)
+@kernel_builder("Scan", 8, multi_output=True, data_dependent=True)
 def scan8(ctx: KernelContext):
     body = _subgraph(ctx, "body")
     names = ctx.implicit_inputs

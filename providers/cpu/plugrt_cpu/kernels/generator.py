@@ -117,34 +117,34 @@ _NORMAL = np.random.Generator.standard_normal
 _UNIFORM = np.random.Generator.random
 
 
-@kernel("RandomNormal", 1)
+@kernel("RandomNormal", 1, data_dependent=True)
 def random_normal(*, shape, dtype=_FLOAT, mean=0.0, scale=1.0, seed=None):
     return _sample(_NORMAL, shape, numpy_dtype(dtype), scale, mean, seed)
 
 
-@kernel("RandomNormalLike", 1)
+@kernel("RandomNormalLike", 1, data_dependent=True)
 def random_normal_like(x, *, dtype=None, mean=0.0, scale=1.0, seed=None):
     return _sample(_NORMAL, x.shape, x.dtype if dtype is None else numpy_dtype(dtype), scale, mean, seed)
 
 
-@kernel("RandomUniform", 1)
+@kernel("RandomUniform", 1, data_dependent=True)
 def random_uniform(*, shape, dtype=_FLOAT, low=0.0, high=1.0, seed=None):
     return _sample(_UNIFORM, shape, numpy_dtype(dtype), high - low, low, seed)
 
 
-@kernel("RandomUniformLike", 1)
+@kernel("RandomUniformLike", 1, data_dependent=True)
 def random_uniform_like(x, *, dtype=None, low=0.0, high=1.0, seed=None):
     return _sample(_UNIFORM, x.shape, x.dtype if dtype is None else numpy_dtype(dtype), high - low, low, seed)
 
 
-@kernel("Bernoulli", 15)
+@kernel("Bernoulli", 15, data_dependent=True)
 def bernoulli(x, *, dtype=None, seed=None):
     out_dtype = x.dtype if dtype is None else numpy_dtype(dtype)
     draw = _float_dtype(x.dtype)
     return (_generator(seed).random(x.shape, dtype=draw) < x).astype(out_dtype)
 
 
-@kernel("Multinomial", 7)
+@kernel("Multinomial", 7, data_dependent=True)
 def multinomial(x, *, dtype=_INT32, sample_size=1, seed=None):
     """Draw ``sample_size`` class indices per row of unnormalised log-probabilities."""
     if x.ndim != 2:

@@ -676,7 +676,7 @@ def _box_corners(boxes: np.ndarray, center_point_box: int) -> tuple[np.ndarray, 
     return np.minimum(y1, y2), np.minimum(x1, x2), np.maximum(y1, y2), np.maximum(x1, x2)
 
 
-@kernel("NonMaxSuppression", 10)
+@kernel("NonMaxSuppression", 10, data_dependent=True)
 def non_max_suppression(
     boxes: np.ndarray,
     scores: np.ndarray,

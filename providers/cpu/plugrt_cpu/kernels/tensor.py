@@ -483,7 +483,7 @@ def tensor_scatter(past_cache, update, write_indices=None, *, mode="linear", axi
 # ---------------------------------------------------------------------------
 
 
-@kernel("Compress", 9)
+@kernel("Compress", 9, data_dependent=True)
 def compress(data, condition, *, axis=None):
     return np.compress(condition.reshape(-1), data, axis=axis)
 
@@ -589,14 +589,14 @@ def one_hot(indices, depth, values, *, axis=-1):
     return np.where(hot, on_value, off_value).astype(values.dtype, copy=False)
 
 
-@kernel("NonZero", 9)
+@kernel("NonZero", 9, data_dependent=True)
 def non_zero(x):
     if x.ndim == 0:
         return np.zeros((0, int(bool(x))), dtype=np.int64)
     return np.stack(np.nonzero(x)).astype(np.int64, copy=False)
 
 
-@kernel("Unique", 11, multi_output=True)
+@kernel("Unique", 11, multi_output=True, data_dependent=True)
 def unique(x, *, axis=None, sorted=1):  # noqa: A002 - the ONNX attribute is called sorted
     if axis is None:
         values, first, inverse, counts = np.unique(

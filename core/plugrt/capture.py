@@ -1,0 +1,213 @@
+"""Capture and replay: record a shape-specialised plan once, replay it without checks.
+
+Each compiled partition is captured by its provider's ``capture`` hook (the CPU
+provider binds every kernel to preallocated outputs); a provider without one, and any
+step a provider declines, runs eagerly between captured segments and copies its result
+into a persistent buffer. A replay whose eager step changes shape falls back to an
+eager run: a capture never gives a wrong answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from .bindings import DeviceBinding
+from .errors import InvalidInputError, KernelError, MissingInputError, PlugrtError, StaleCaptureError
+from .provider import CaptureContext, CaptureMiss, CompiledPartition, NotCapturable, Step
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["CaptureReport", "Captured", "CapturedPlan", "eager_replay", "outputs_of"]
+
+
+@dataclasses.dataclass
+class CaptureReport:
+    """Captured segments (node names) and the seams run eagerly between them, with why."""
+
+    segments: list[list[str]]
+    seams: list[tuple[str, str]]
+
+    def summary(self) -> str:
+        lines = [f"capture: {len(self.segments)} segment(s), {len(self.seams)} seam(s)"]
+        for index, segment in enumerate(self.segments):
+            lines.append(f"  segment {index}: {len(segment)} node(s)")
+        for node, reason in self.seams:
+            lines.append(f"  seam {node}: {reason}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class Captured:
+    """``try_capture`` succeeded (perhaps in segments; see ``report``)."""
+
+    report: CaptureReport
+    captured: bool = True
+
+
+def outputs_of(step: Step, result: Any) -> list:
+    """A step's result as a list with one entry per step output."""
+    if step.multi_output:
+        return list(result[: len(step.outputs)])
+    return [result]
+
+
+def _persistent_copy(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, np.generic):
+        return np.array(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
+
+
+def eager_replay(step: Step, inputs: list, recorded: list, ctx: CaptureContext) -> Callable[[], None]:
+    """Register copies of ``recorded`` as the step's buffers; the returned callable runs
+    the step eagerly and copies its result into them (CaptureMiss when it no longer fits)."""
+    buffers = [_persistent_copy(r) for r in recorded]
+    for value, buffer in zip(step.outputs, buffers):
+        ctx.set(value, buffer)
+    fn = step.fn
+
+    def run() -> None:
+        results = outputs_of(step, fn(*inputs))
+        for buffer, new in zip(buffers, results):
+            if isinstance(buffer, np.ndarray):
+                new = np.asarray(new)
+                if new.shape != buffer.shape or new.dtype != buffer.dtype:
+                    raise CaptureMiss(f"{step.name}: output became {new.dtype}{list(new.shape)}")
+                np.copyto(buffer, new)
+            elif isinstance(buffer, list) and isinstance(new, list):
+                buffer[:] = new
+            elif buffer is not new and not (buffer is None and new is None):
+                raise CaptureMiss(f"{step.name}: output changed kind")
+
+    return run
+
+
+def _eager_partition(compiled: CompiledPartition, ctx: CaptureContext, reason: str):
+    runs, nodes = [], []
+    for step in compiled.steps:
+        inputs = [ctx.array(v) for v in step.inputs]
+        recorded = outputs_of(step, step.fn(*inputs))
+        runs.append(eager_replay(step, inputs, recorded, ctx))
+        nodes.append((step.name, False, reason))
+    return runs, nodes
+
+
+class CapturedPlan:
+    """What ``Session.try_capture`` recorded; replayed by ``Session.replay``."""
+
+    def __init__(self, session: "Session", feeds: dict[str, Any], bindings: Sequence[DeviceBinding]):
+        self.bindings = list(bindings)
+        self._generations = [b.generation for b in self.bindings]
+        self.bound_inputs = {b.input: b for b in self.bindings if b.input}
+        self.bound_outputs = {b.output: b for b in self.bindings if b.output}
+        self.replays = 0
+        self.misses = 0
+        plan = session._plan
+        self._input_buffers: dict[str, np.ndarray] = {}
+        arrays: dict[Any, Any] = dict(plan.constants)
+        for spec, value in zip(session._specs, plan.inputs):
+            if spec.name in self.bound_inputs:
+                arrays[value] = self.bound_inputs[spec.name].view()
+            elif spec.name in feeds:
+                buffer = np.array(feeds[spec.name], copy=True) if spec.is_tensor else feeds[spec.name]
+                arrays[value] = buffer
+                self._input_buffers[spec.name] = buffer
+            elif spec.default is not None:
+                arrays[value] = spec.default
+            elif spec.info.kind == "optional":
+                arrays[value] = None
+            else:
+                raise MissingInputError(spec.name, [s.name for s in session._specs])
+        tensors = [arrays[v] for s, v in zip(session._specs, plan.inputs) if s.is_tensor]
+        session._check_signature(tensors, tensors_only=True)
+
+        ctx = CaptureContext(arrays)
+        providers = {p.name: p for p in session.selection.providers}
+        runs: list[Callable[[], None]] = []
+        nodes: list[tuple[str, bool, str]] = []
+        for compiled in session._built.compiled:
+            provider = providers.get(compiled.provider)
+            capture = getattr(provider, "capture", None)
+            try:
+                result = capture(compiled, ctx) if capture is not None else None
+                if result is None or isinstance(result, NotCapturable):
+                    why = (
+                        f"provider {compiled.provider!r} does not offer capture"
+                        if result is None
+                        else "; ".join(f"{n}: {r}" for n, r in result.report) or "declined"
+                    )
+                    part_runs, part_nodes = _eager_partition(compiled, ctx, why)
+                else:
+                    part_runs, part_nodes = result.runs, result.nodes
+            except PlugrtError:
+                raise
+            except Exception as exc:
+                raise KernelError(compiled.partition.name, "capture", compiled.provider, exc) from exc
+            runs.extend(part_runs)
+            nodes.extend(part_nodes)
+        self._runs = runs
+        self._outputs = [ctx.array(v) for v in plan.outputs]
+        self._output_names = [o.name for o in session.outputs]
+        segments: list[list[str]] = []
+        seams: list[tuple[str, str]] = []
+        previous_captured = False
+        for name, captured, reason in nodes:
+            if captured:
+                if not previous_captured:
+                    segments.append([])
+                segments[-1].append(name)
+            else:
+                seams.append((name, reason))
+            previous_captured = captured
+        self.report = CaptureReport(segments, seams)
+
+    def check(self, bindings: Sequence[DeviceBinding] | None) -> None:
+        if bindings is not None and [id(b) for b in bindings] != [id(b) for b in self.bindings]:
+            raise StaleCaptureError("replay was given other bindings than the capture")
+        for binding, generation in zip(self.bindings, self._generations):
+            if binding.freed:
+                raise StaleCaptureError(f"binding {binding.name!r} was freed", name=binding.name)
+            if binding.generation != generation:
+                raise StaleCaptureError(
+                    f"binding {binding.name!r} changed shape to {binding.shape}", name=binding.name
+                )
+
+    def load_feeds(self, feeds: dict[str, Any]) -> None:
+        for name, value in feeds.items():
+            buffer = self._input_buffers.get(name)
+            if buffer is None:
+                if name in self.bound_inputs:
+                    raise InvalidInputError(f"input {name!r} is bound; write to its binding instead", input_name=name)
+                raise InvalidInputError(f"input {name!r} was not fed when the capture was made", input_name=name)
+            if not isinstance(buffer, np.ndarray):
+                raise StaleCaptureError(f"input {name!r} is not a tensor and cannot be refilled", name=name)
+            value = np.asarray(value)
+            if value.shape != buffer.shape or value.dtype != buffer.dtype:
+                raise StaleCaptureError(
+                    f"input {name!r} is {value.dtype}{list(value.shape)}, captured as "
+                    f"{buffer.dtype}{list(buffer.shape)}",
+                    name=name,
+                )
+            np.copyto(buffer, value)
+
+    def replay(self) -> list | None:
+        """Run the captured steps; None when an eager seam missed (caller runs eagerly)."""
+        try:
+            for run in self._runs:
+                run()
+        except CaptureMiss:
+            self.misses += 1
+            return None
+        self.replays += 1
+        return self._outputs
+
+    def current_feeds(self) -> dict[str, Any]:
+        """The inputs as the capture's buffers hold them now (for an eager fallback)."""
+        return dict(self._input_buffers)
