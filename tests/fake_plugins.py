@@ -66,3 +66,37 @@ def _failing(stage: str):
 failing_devices = _failing("devices")
 failing_supports_op = _failing("supports_op")
 failing_compile = _failing("compile")
+
+
+class ContextProvider(NegProvider):
+    """Neg only, with EPContext export/restore: the blob names the op it runs."""
+
+    name = "ctxaccel"
+    context_source_keys = ("ctxaccel",)
+
+    def save_context(self, compiled):
+        return b"neg:" + str(len(compiled.steps)).encode()
+
+    def load_context(self, blob, meta):
+        assert blob.startswith(b"neg:"), blob
+        partition = meta["partition"]
+        step = Step(np.negative, list(partition.inputs), list(partition.outputs), name=partition.name, op_type="Neg")
+        return CompiledPartition(partition, [step], self.name)
+
+
+class ContextTwin(ContextProvider):
+    name = "ctxtwin"
+
+
+class with_context:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [ContextProvider()]
+
+
+class with_context_twin:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [ContextTwin()]

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["BuiltGraph", "build_graph", "HOST"]
 
 HOST = "host"
+_RESTORED = "\0restored:"
 
 
 @dataclasses.dataclass
@@ -41,16 +42,24 @@ def _compile_all(
     strict: bool,
     pinned: frozenset[str],
     devices: dict,
+    restored: dict,
 ) -> tuple[list[CompiledPartition], list[Fallback]]:
     ctx = SupportContext(dict(opset_imports), graph)
     active = list(providers)
     compile_fallbacks: list[Fallback] = []
+    placeable = [n for n in nodes if n not in restored]
     while True:
-        placed, fallbacks = assign(nodes, active, ctx, registry=registry, strict=strict, pinned=pinned)
+        placed_some, fallbacks = assign(placeable, active, ctx, registry=registry, strict=strict, pinned=pinned)
+        by_node = dict(zip(placeable, placed_some))
+        # each restored EPContext node is a partition of its own
+        placed = [by_node[n] if n in by_node else f"{_RESTORED}{i}" for i, n in enumerate(nodes)]
         by_name = {p.name: p for p in active}
         compiled: list[CompiledPartition] = []
         failed: tuple[str, BaseException, list[ir.Node]] | None = None
         for provider_name, partition in make_partitions(nodes, placed, graph.outputs, opset_imports):
+            if provider_name.startswith(_RESTORED):
+                compiled.append(restored[partition.nodes[0]])
+                continue
             provider = by_name[provider_name]
             partition.device = devices.get(provider_name)
             try:
@@ -107,6 +116,7 @@ def build_graph(
     profile: bool = False,
     precompiled: Sequence[CompiledPartition] | None = None,
     devices: dict | None = None,
+    restored: dict | None = None,
 ) -> BuiltGraph:
     """Place, partition and compile ``graph`` on ``providers`` (priority order, fallback
     last) and return its plan. ``extra_inputs`` are outer-scope values a subgraph reads;
@@ -117,7 +127,7 @@ def build_graph(
         compiled, fallbacks = list(precompiled), []
     else:
         compiled, fallbacks = _compile_all(
-            nodes, providers, graph, opset_imports, registry, strict, pinned, devices or {}
+            nodes, providers, graph, opset_imports, registry, strict, pinned, devices or {}, restored or {}
         )
     by_name = {p.name: p for p in providers}
 

@@ -27,6 +27,10 @@ __all__ = [
     "NoCaptureError",
     "StaleCaptureError",
     "EpContextError",
+    "EpContextSourceError",
+    "EpContextAmbiguousError",
+    "EpContextMissingPrimaryError",
+    "EpContextPathError",
 ]
 
 
@@ -286,3 +290,57 @@ class StaleCaptureError(CaptureError):
 
 class EpContextError(PlugrtError):
     """An EPContext node cannot be exported or restored."""
+
+    def __init__(self, message: str, *, node: str | None = None, source: str | None = None):
+        super().__init__(message)
+        self.node = node
+        self.source = source
+
+
+class EpContextSourceError(EpContextError):
+    """No installed provider declares the node's ``source`` key."""
+
+    def __init__(self, source: str, node: str, installed: dict[str, tuple[str, ...]]):
+        self.installed = dict(installed)
+        keys = "; ".join(f"{name}: {', '.join(k) or 'no keys'}" for name, k in self.installed.items()) or "none"
+        super().__init__(
+            f"EPContext node {node!r} was made by source {source!r}, which no installed provider "
+            f"restores (providers and their context source keys: {keys}); install the provider "
+            "that produced this model, or use the original model",
+            node=node,
+            source=source,
+        )
+
+
+class EpContextAmbiguousError(EpContextError):
+    """Two providers declare the same ``source`` key."""
+
+    def __init__(self, source: str, node: str, providers: Sequence[str]):
+        self.providers = tuple(providers)
+        super().__init__(
+            f"EPContext node {node!r} has source {source!r}, which providers {list(self.providers)} "
+            "all declare; uninstall or disable one of them (PLUGRT_DISABLE_PROVIDERS)",
+            node=node,
+            source=source,
+        )
+
+
+class EpContextMissingPrimaryError(EpContextError):
+    """A ``main_context=0`` node has no ``main_context=1`` node to take its context from."""
+
+    def __init__(self, source: str, node: str):
+        super().__init__(
+            f"EPContext node {node!r} (source {source!r}) has main_context=0 but the model has no "
+            "main_context=1 node of that source holding the shared context; the model is "
+            "incomplete, export it again",
+            node=node,
+            source=source,
+        )
+
+
+class EpContextPathError(EpContextError):
+    """An ``embed_mode=0`` context path is unusable (outside the model folder, missing)."""
+
+    def __init__(self, path: str, node: str, why: str):
+        self.path = path
+        super().__init__(f"EPContext node {node!r}: context file {path!r} {why}", node=node)

@@ -77,7 +77,9 @@ def resolve_device(
     intent = (device or "auto").strip().lower() if isinstance(device, str) else device
     if not isinstance(intent, str):
         raise InvalidOptionValueError("device", device, _DEVICE_CHOICES)
-    available = registry.available()
+    # A negative priority marks an opt-in provider (an example, a simulator): used only
+    # when asked for by name or in an explicit provider list, never picked by intent.
+    available = [p for p in registry.available() if int(getattr(p, "priority", 0)) >= 0]
     if intent in ("auto", "max_performance"):
         chosen = list(available)  # already highest priority first
     elif intent in _KIND_ORDER:

@@ -49,6 +49,12 @@ def _names(key: str, value: Any) -> tuple[str, ...]:
     return tuple(v.strip() for v in value)
 
 
+def _embed_mode(key: str, value: Any) -> int:
+    if value in (0, 1, "0", "1") and not isinstance(value, bool):
+        return int(value)
+    raise InvalidOptionValueError(key, value, "0 (blob file beside the model) or 1 (embedded)")
+
+
 def _optional_str(key: str, value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -80,9 +86,9 @@ OPTIONS: dict[str, _Option] = {
     "ep.context_enable": _Option(_boolean, False, "export compiled partitions as EPContext nodes"),
     "ep.context_file_path": _Option(_optional_str, None, "where the EPContext model goes (default <model>_ctx.onnx)"),
     "ep.context_embed_mode": _Option(
-        lambda k, v: int(_choice("0", "1")(k, str(v)) if v in (0, 1, "0", "1") else _choice("0", "1")(k, v)),
-        1,
-        "1 embeds the compiled blob in the EPContext node; 0 writes it to a file beside the model",
+        _embed_mode,
+        0,
+        "0 writes each compiled blob to a file beside the context model; 1 embeds it in the node",
     ),
 }
 

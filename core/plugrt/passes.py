@@ -12,7 +12,7 @@ from onnx_ir.passes import common as common_passes
 from .ir_utils import is_constant, subgraphs, tensor_array
 from .provider import ExecutionProvider, Partition, SupportContext
 
-__all__ = ["inline_functions", "expand_unsupported_functions", "fold_constants", "remove_dead_nodes", "optimize"]
+__all__ = ["name_nodes", "infer_types", "inline_functions", "expand_unsupported_functions", "fold_constants", "remove_dead_nodes", "optimize"]
 
 logger = logging.getLogger("plugrt.passes")
 
@@ -23,6 +23,36 @@ _NOT_FOLDABLE = frozenset(
         "Multinomial", "Dropout", "If", "Loop", "Scan", "SequenceMap", "ImageDecoder",
     }
 )
+
+
+def name_nodes(model: ir.Model) -> int:
+    """Give every node a unique name (``<op_type>_<n>`` for unnamed ones), subgraphs included;
+    placement reports, errors and EPContext export refer to nodes by name."""
+    seen: set[str] = set()
+    renamed = 0
+    counters: dict[str, int] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        name = node.name
+        if not name or name in seen:
+            base = name or node.op_type
+            while True:
+                counters[base] = counters.get(base, -1) + 1
+                candidate = f"{base}_{counters[base]}"
+                if candidate not in seen:
+                    break
+            node.name = candidate
+            renamed += 1
+        seen.add(node.name)
+    return renamed
+
+
+def infer_types(model: ir.Model) -> bool:
+    """Record value types and shapes with onnx's shape inference (best effort)."""
+    try:
+        return common_passes.ShapeInferencePass()(model).modified
+    except Exception as exc:  # a model onnx cannot infer still runs; providers see fewer types
+        logger.debug("shape inference failed: %s", exc)
+        return False
 
 
 def inline_functions(model: ir.Model, providers: Sequence[ExecutionProvider]) -> bool:
@@ -191,10 +221,7 @@ def expand_unsupported_functions(model: ir.Model, providers: Sequence[ExecutionP
     if not unsupported:
         return 0
     if any(v is not None and v.type is None for n in unsupported for v in n.inputs):
-        try:  # context-dependent bodies need input types
-            common_passes.ShapeInferencePass()(model)
-        except Exception as exc:
-            logger.debug("shape inference failed: %s", exc)
+        infer_types(model)  # context-dependent bodies need input types
     expanded = 0
     for node in unsupported:
         function = _function_body(node, ctx.opset(node.domain))

@@ -195,7 +195,7 @@ class ExecutionProvider(Protocol):
     and discovered with ``hasattr``."""
 
     name: str
-    priority: int  # auto mode prefers higher; the CPU provider is 0
+    priority: int  # auto mode prefers higher; the CPU provider is 0; < 0: only when asked by name
 
     def devices(self) -> list[Device]:
         """The devices this provider can use now; [] when none (then ``unavailable_reason``

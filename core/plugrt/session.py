@@ -15,11 +15,13 @@ from ._dtypes import numpy_dtype
 from .bindings import DeviceBinding
 from .build import BuiltGraph, build_graph
 from .capture import Captured, CapturedPlan, CaptureReport
+from .epcontext import export_context_model, required_providers, restore_context_nodes
 from .errors import (
     InputDtypeError,
     InputRankError,
     InputShapeError,
     InvalidInputError,
+    InvalidOptionValueError,
     MissingInputError,
     NoCaptureError,
     OptionError,
@@ -156,11 +158,25 @@ class Session:
             opset_imports={d or "ai.onnx": v for d, v in ir_model.opset_imports.items()},
         )
 
+        opsets = {("" if d == "ai.onnx" else d): v for d, v in ir_model.opset_imports.items()}
+        context_dir = loaded.base_dir or os.path.dirname(os.path.abspath(self.options["ep.context_file_path"] or "."))
+        restored = restore_context_nodes(ir_model.graph, registry, context_dir, opsets)
+        if restored:
+            needed = [p for p in required_providers(ir_model.graph, registry) if p not in self.selection.providers]
+            # a context node runs only on the provider that made it: add it ahead of the fallback
+            self.selection.providers[-1:-1] = needed
+            for provider in needed:
+                self.selection.devices.setdefault(provider.name, registry.devices(provider.name)[0])
+
         chosen = self.selection.providers
         passes.inline_functions(ir_model, chosen)
         passes.expand_unsupported_functions(ir_model, chosen)
+        if len(chosen) > 1:
+            passes.infer_types(ir_model)  # providers decide on dtypes; values need them
         fold_provider = chosen[-1] if chosen else None
         self.optimization_stats = passes.optimize(ir_model, self.options["optimization"], fold_provider, chosen)
+        # Unique node names: placement reports, errors and EPContext export refer to them.
+        passes.name_nodes(ir_model)
         opsets = {("" if d == "ai.onnx" else d): v for d, v in ir_model.opset_imports.items()}
         self._built: BuiltGraph = build_graph(
             ir_model.graph,
@@ -171,6 +187,7 @@ class Session:
             pinned=self.selection.pinned,
             profile=self.options["profiling"],
             devices=self.selection.devices,
+            restored=restored,
         )
         self._plan = self._built.plan
         self._specs = [
@@ -185,7 +202,22 @@ class Session:
         self._output_index = {info.name: i for i, info in enumerate(self.outputs)}
         self._checked: set = set()
         self._capture: CapturedPlan | None = None
+        self.context_model_path: str | None = None
+        if self.options["ep.context_enable"]:
+            self.context_model_path = self._export_context(model)
         self.build_seconds = time.perf_counter() - started
+
+    def _export_context(self, source: ModelSource) -> str:
+        path = self.options["ep.context_file_path"]
+        if path is None:
+            if self.model_path is None:
+                raise InvalidOptionValueError(
+                    "ep.context_file_path", None, "a file path when the model is given as bytes"
+                )
+            stem, _ = os.path.splitext(self.model_path)
+            path = f"{stem}_ctx.onnx"
+        written, _ = export_context_model(self, path, self.options["ep.context_embed_mode"])
+        return written
 
     # -- introspection ---------------------------------------------------------------------
 

@@ -125,7 +125,7 @@ def test_strict_placement_turns_fallback_into_an_error(monkeypatch):
         plugrt.load(NEG_ADD, device="fakeaccel", strict=True, registry=registry)
     err = info.value
     assert err.provider == "fakeaccel"
-    assert err.fallbacks == (("Add<y>", "Add", "fakeaccel only runs Neg, not Add"),)
+    assert err.fallbacks == (("Add_0", "Add", "fakeaccel only runs Neg, not Add"),)
 
 
 def test_placement_report_lists_partitions_and_fallbacks(monkeypatch):

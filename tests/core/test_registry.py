@@ -31,7 +31,8 @@ def test_registry_is_not_created_at_import():
 def test_provider_from_a_faked_distribution_is_discovered(monkeypatch):
     fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
     registry = ProviderRegistry()
-    assert list(registry.providers()) == ["fakeaccel", "cpu"]  # priority order
+    names = list(registry.providers())
+    assert names.index("fakeaccel") < names.index("cpu")  # priority order
     session = plugrt.load(NEG_ADD, registry=registry)
     assert session.providers == ["fakeaccel", "cpu"]
     assert session.placement.nodes_per_provider == {"fakeaccel": 1, "cpu": 1}
@@ -58,6 +59,6 @@ def test_disabled_provider_is_skipped(monkeypatch):
     fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
     monkeypatch.setenv(DISABLE_ENV, "fakeaccel")
     registry = ProviderRegistry()
-    assert list(registry.providers()) == ["cpu"]
+    assert "fakeaccel" not in registry.providers() and "cpu" in registry.providers()
     with pytest.raises(ProviderUnavailableError, match="disabled"):
         registry.get("fakeaccel")

@@ -1,0 +1,185 @@
+"""EPContext export and restore: com.microsoft::EPContext nodes dispatched by source key."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import plugrt
+from plugrt.errors import (
+    EpContextAmbiguousError,
+    EpContextMissingPrimaryError,
+    EpContextPathError,
+    EpContextSourceError,
+)
+from plugrt.registry import ProviderRegistry
+
+from helpers import NEG_ADD, fake_entry_points
+
+X = np.array([1, -2, 3], np.float32)
+
+
+def _context_model(folder, *nodes_attrs) -> str:
+    """x -> EPContext(...) -> ... -> y, one EPContext node per attribute dict."""
+    nodes = []
+    previous = "x"
+    for index, attrs in enumerate(nodes_attrs):
+        out = "y" if index == len(nodes_attrs) - 1 else f"t{index}"
+        nodes.append(helper.make_node("EPContext", [previous], [out], name=f"ctx{index}", domain="com.microsoft", **attrs))
+        previous = out
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    path = os.path.join(folder, "model_ctx.onnx")
+    onnx.save(model, path)
+    return path
+
+
+def _embedded(**extra):
+    return {"main_context": 1, "embed_mode": 1, "ep_cache_context": b"neg:1", "source": "ctxaccel", **extra}
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    fake_entry_points(monkeypatch, ("ctxaccel", "fake_plugins:with_context"))
+    return ProviderRegistry()
+
+
+def test_export_then_restore_skips_compilation(tmp_path, registry):
+    source = tmp_path / "m.onnx"
+    source.write_bytes(NEG_ADD)
+    session = plugrt.load(source, device="ctxaccel", registry=registry, **{"ep.context_enable": 1, "ep.context_embed_mode": 1})
+    assert session.context_model_path == str(tmp_path / "m_ctx.onnx")
+    exported = onnx.load(session.context_model_path)
+    (node,) = [n for n in exported.graph.node if n.op_type == "EPContext"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert node.domain == "com.microsoft"
+    assert attrs["source"] == b"ctxaccel" and attrs["main_context"] == 1 and attrs["embed_mode"] == 1
+    assert attrs["ep_cache_context"] == b"neg:1"
+    assert {"partition_name", "ep_sdk_version", "notes"} <= set(attrs)
+    restored = plugrt.load(session.context_model_path, registry=registry)
+    assert [p.restored for p in restored.placement.partitions] == [True, False]
+    np.testing.assert_array_equal(restored.run({"x": X})["y"], session.run({"x": X})["y"])
+
+
+def test_unknown_source_key_names_the_key_and_installed_providers(tmp_path, registry):
+    path = _context_model(tmp_path, _embedded(source="acme-npu"))
+    with pytest.raises(EpContextSourceError) as info:
+        plugrt.load(path, registry=registry)
+    err = info.value
+    assert err.source == "acme-npu" and err.node == "ctx0"
+    assert err.installed["ctxaccel"] == ("ctxaccel",) and "cpu" in err.installed
+
+
+def test_secondary_context_without_primary_is_an_error(tmp_path, registry):
+    path = _context_model(tmp_path, {"main_context": 0, "source": "ctxaccel", "partition_name": "p1"})
+    with pytest.raises(EpContextMissingPrimaryError) as info:
+        plugrt.load(path, registry=registry)
+    assert (info.value.source, info.value.node) == ("ctxaccel", "ctx0")
+
+
+def test_secondary_context_takes_the_primary_blob(tmp_path, registry):
+    path = _context_model(tmp_path, _embedded(), {"main_context": 0, "source": "ctxaccel", "partition_name": "p1"})
+    session = plugrt.load(path, registry=registry)
+    np.testing.assert_array_equal(session.run({"x": X})["y"], X)  # negated twice
+
+
+def test_two_providers_claiming_one_key_is_an_error(tmp_path, monkeypatch):
+    fake_entry_points(monkeypatch, ("ctxaccel", "fake_plugins:with_context"), ("ctxtwin", "fake_plugins:with_context_twin"))
+    path = _context_model(tmp_path, _embedded())
+    with pytest.raises(EpContextAmbiguousError) as info:
+        plugrt.load(path, registry=ProviderRegistry())
+    assert sorted(info.value.providers) == ["ctxaccel", "ctxtwin"] and info.value.source == "ctxaccel"
+
+
+@pytest.mark.parametrize("location", ["../outside.bin", "/etc/passwd"])
+def test_context_file_may_not_leave_the_model_folder(tmp_path, registry, location):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "outside.bin").write_bytes(b"neg:1")
+    path = _context_model(folder, {"main_context": 1, "embed_mode": 0, "ep_cache_context": location, "source": "ctxaccel"})
+    with pytest.raises(EpContextPathError) as info:
+        plugrt.load(path, registry=registry)
+    assert info.value.path == location and info.value.node == "ctx0"
+
+
+def test_context_file_through_a_link_out_of_the_folder_is_refused(tmp_path, registry):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "outside.bin").write_bytes(b"neg:1")
+    os.symlink(tmp_path / "outside.bin", folder / "blob.bin")
+    path = _context_model(folder, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
+    with pytest.raises(EpContextPathError, match="outside"):
+        plugrt.load(path, registry=registry)
+
+
+def test_context_file_beside_the_model_is_read(tmp_path, registry):
+    (tmp_path / "blob.bin").write_bytes(b"neg:1")
+    path = _context_model(tmp_path, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
+    np.testing.assert_array_equal(plugrt.load(path, registry=registry).run({"x": X})["y"], -X)
+
+
+template = pytest.importorskip("plugrt_provider_template")
+
+PARTIAL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 8] x) => (float[N, 4] y)
+<float[8, 16] w1 = {0.1, -0.2, 0.3, 0.4, -0.5, 0.6, 0.7, -0.8, 0.9, 1.0, -1.1, 1.2, 0.1, -0.2, 0.3, 0.4,
+                    0.5, 0.6, -0.7, 0.8, 0.9, -1.0, 1.1, 1.2, -0.1, 0.2, 0.3, -0.4, 0.5, 0.6, 0.7, -0.8,
+                    0.9, -1.0, 1.1, 1.2, 0.1, 0.2, -0.3, 0.4, 0.5, -0.6, 0.7, 0.8, -0.9, 1.0, 1.1, -1.2,
+                    0.1, 0.2, 0.3, -0.4, 0.5, 0.6, -0.7, 0.8, 0.9, 1.0, -1.1, 1.2, 0.1, -0.2, 0.3, 0.4,
+                    -0.5, 0.6, 0.7, 0.8, -0.9, 1.0, 1.1, 1.2, 0.1, 0.2, -0.3, 0.4, 0.5, 0.6, 0.7, -0.8,
+                    0.9, 1.0, -1.1, 1.2, -0.1, 0.2, 0.3, 0.4, 0.5, -0.6, 0.7, 0.8, 0.9, 1.0, 1.1, -1.2,
+                    0.1, -0.2, 0.3, 0.4, 0.5, 0.6, -0.7, 0.8, 0.9, -1.0, 1.1, 1.2, 0.1, 0.2, 0.3, -0.4,
+                    0.5, 0.6, 0.7, -0.8, 0.9, 1.0, 1.1, 1.2, -0.1, 0.2, 0.3, 0.4, -0.5, 0.6, 0.7, 0.8},
+ float[16] b = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7, -0.8},
+ int64[1] starts = {0}, int64[1] ends = {4}, int64[1] axes = {1}>
+{
+    m1 = MatMul(x, w1)
+    a1 = Add(m1, b)
+    r1 = Relu(a1)
+    s1 = Softmax <axis = -1> (r1)
+    t1 = Transpose <perm = [1, 0]> (s1)
+    u1 = Transpose <perm = [1, 0]> (t1)
+    e1 = Exp(u1)
+    h1 = Tanh(e1)
+    y = Slice(h1, starts, ends, axes)
+}
+"""
+
+
+@pytest.mark.parametrize("embed_mode", [0, 1])
+def test_template_partitions_round_trip_in_a_fresh_process(tmp_path, embed_mode):
+    from helpers import model_bytes
+
+    data = model_bytes(PARTIAL)
+    source = tmp_path / "partial.onnx"
+    source.write_bytes(data)
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    options = {"ep.context_enable": 1, "ep.context_embed_mode": embed_mode}
+    session = plugrt.load(source, device="template", **options)
+    template_parts = [p for p in session.placement.partitions if p.provider == "template"]
+    assert len(template_parts) >= 2
+    expected = session.run({"x": x})["y"]
+    np.testing.assert_allclose(expected, plugrt.load(source, device="cpu").run({"x": x})["y"], rtol=1e-6)
+    bins = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".bin")
+    assert len(bins) == (len(template_parts) if embed_mode == 0 else 0)
+    np.save(tmp_path / "x.npy", x)
+    code = (
+        "import sys, numpy as np, plugrt\n"
+        f"s = plugrt.load({str(tmp_path / 'partial_ctx.onnx')!r})\n"
+        f"np.save({str(tmp_path / 'y.npy')!r}, s.run({{'x': np.load({str(tmp_path / 'x.npy')!r})}})['y'])\n"
+        "print(sorted((p.provider, p.restored) for p in s.placement.partitions))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected)
+    restored = eval(out.strip())
+    assert [r for r in restored if r[0] == "template"] == [("template", True)] * len(template_parts)
