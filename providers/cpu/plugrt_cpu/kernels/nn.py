@@ -92,18 +92,35 @@ def _tap_range(size: int, offset: int, stride: int, lo: int, hi: int) -> tuple[i
 
 
 class _Tap:
-    """One kernel tap: where it reads the input and where it writes the output."""
+    """One kernel tap: where it reads the input and where it writes the output.
 
-    __slots__ = ("index", "dst", "src", "empty", "bounds")
+    ``src`` slices the input itself (step = stride). For strided windows ``phase`` names
+    the stride phase the tap reads and ``phase_src`` slices that phase plane,
+    ``input[..., phase::stride]``, with unit steps.
+    """
 
-    def __init__(self, index: int, bounds: list[tuple[int, int]], src_starts: list[int], strides: Sequence[int]):
+    __slots__ = ("index", "dst", "src", "empty", "bounds", "phase", "phase_src")
+
+    def __init__(
+        self,
+        index: int,
+        bounds: list[tuple[int, int]],
+        offsets: list[int],
+        strides: Sequence[int],
+        firsts: list[int],
+    ):
         self.index = index
         self.bounds = bounds  # per spatial axis: [first, last) of output positions, relative
         self.empty = any(b >= e for b, e in bounds)
         self.dst = tuple(slice(b, e) for b, e in bounds)
+        counts = [max(0, e - b) for b, e in bounds]
         self.src = tuple(
-            slice(s, s + (e - b - 1) * st + 1, st) if e > b else slice(0, 0)
-            for (b, e), s, st in zip(bounds, src_starts, strides)
+            slice(f * st + off, f * st + off + (n - 1) * st + 1, st) if n else slice(0, 0)
+            for f, off, st, n in zip(firsts, offsets, strides, counts)
+        )
+        self.phase = tuple(off % st for off, st in zip(offsets, strides))
+        self.phase_src = tuple(
+            slice(f + off // st, f + off // st + n) for f, off, st, n in zip(firsts, offsets, strides, counts)
         )
 
 
@@ -118,14 +135,15 @@ def _taps(
 ) -> list[_Tap]:
     """The taps of a window sliding over ``in_shape``, restricted to output box [out_lo, out_hi)."""
     taps = []
-    for index, offsets in enumerate(itertools.product(*(range(k) for k in kernel))):
-        bounds, starts = [], []
-        for i, t in enumerate(offsets):
+    for index, tap in enumerate(itertools.product(*(range(k) for k in kernel))):
+        bounds, offsets, firsts = [], [], []
+        for i, t in enumerate(tap):
             off = t * dilations[i] - pads_begin[i]
             first, last = _tap_range(in_shape[i], off, strides[i], out_lo[i], out_hi[i])
             bounds.append((first - out_lo[i], last - out_lo[i]))
-            starts.append(first * strides[i] + off)
-        taps.append(_Tap(index, bounds, starts, strides))
+            offsets.append(off)
+            firsts.append(first)
+        taps.append(_Tap(index, bounds, offsets, strides, firsts))
     return taps
 
 
@@ -180,20 +198,24 @@ _WORKSPACE = threading.local()
 _CHUNK_BYTES = 8 << 20  # im2col block size: big enough for an efficient GEMM, small enough for cache
 
 
-def _workspace(shape: tuple[int, ...], dtype: np.dtype, layout: Any) -> tuple[np.ndarray, bool]:
-    """A scratch array of ``shape``; the flag says its zero padding must be rewritten.
+def _workspace(slot: str, shape: tuple[int, ...], dtype: np.dtype, layout: Any = None) -> tuple[np.ndarray, bool]:
+    """A scratch array of ``shape`` from this thread's buffer ``slot``; the flag says its
+    zero padding must be rewritten.
 
     Consecutive calls with the same ``layout`` (shape, dtype and zeroed regions) find the
     padding still zero, since only the covered regions are ever written.
     """
+    slots = getattr(_WORKSPACE, "slots", None)
+    if slots is None:
+        slots = _WORKSPACE.slots = {}
     nbytes = math.prod(shape) * dtype.itemsize
-    buf = getattr(_WORKSPACE, "buf", None)
+    buf, last_layout = slots.get(slot, (None, None))
     if buf is None or buf.nbytes < nbytes:
-        buf = _WORKSPACE.buf = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
-        _WORKSPACE.layout = None
-    stale = _WORKSPACE.layout != layout
-    _WORKSPACE.layout = layout
-    return buf[:nbytes].view(dtype).reshape(shape), stale
+        buf = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+        last_layout = None
+    key = (shape, dtype, layout)
+    slots[slot] = (buf, key)
+    return buf[:nbytes].view(dtype).reshape(shape), layout is None or last_layout != key
 
 
 # ---------------------------------------------------------------------------
@@ -236,6 +258,14 @@ class _ConvPlan:
             self.taps = [t for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty]
             return
         self.kind = "im2col"
+        # A strided window reads each stride phase of the input with unit steps once that
+        # phase is copied out contiguously: one gather instead of one per tap.
+        self.phase_slices = None
+        if any(st > 1 for st in strides):
+            phases = {t.phase for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty}
+            self.phase_slices = {
+                phase: (slice(None),) + tuple(slice(p, None, st) for p, st in zip(phase, strides)) for phase in phases
+            }
         # Blocks of whole rows of the first output axis, each small enough to stay in cache.
         rest = math.prod(out[1:])
         row_bytes = max(1, c * ksize * rest * itemsize)
@@ -252,6 +282,15 @@ class _ConvPlan:
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
 
 
+class _ConvWeight:
+    """A Conv weight prepared for the GEMM: (group, M/group, C/group * kernel)."""
+
+    def __init__(self, w: np.ndarray, group: int, dtype: np.dtype):
+        self.shape = tuple(w.shape)
+        m = w.shape[0]
+        self.gemm = np.ascontiguousarray(w.reshape(group, m // group, -1), dtype=dtype)
+
+
 class _Convolution:
     """A Conv node: attributes parsed once, weights reshaped once when constant."""
 
@@ -263,21 +302,18 @@ class _Convolution:
         self.strides = attributes.get("strides")
         self._plans = _ShapeCache(lambda xs, ws, item: _ConvPlan(self, xs, ws, item))
 
-    def prepare_weight(self, w: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, tuple[int, ...]]:
-        """The weight as (group, M/group, C/group * kernel) in the compute dtype."""
-        g = self.group
-        m = w.shape[0]
-        wg = np.ascontiguousarray(w.reshape(g, m // g, -1), dtype=dtype)
-        return wg, w.shape
+    def prepare_weight(self, w: np.ndarray, dtype: np.dtype) -> "_ConvWeight":
+        return _ConvWeight(w, self.group, dtype)
 
     def prepare_bias(self, b: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
         return None if b is None else np.ascontiguousarray(b, dtype=dtype).reshape(-1, 1)
 
-    def __call__(self, x: np.ndarray, wg: np.ndarray, w_shape: tuple[int, ...], bias: np.ndarray | None) -> np.ndarray:
+    def __call__(self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None) -> np.ndarray:
         n, c = x.shape[:2]
-        plan: _ConvPlan = self._plans(x.shape, w_shape, x.dtype.itemsize)
+        plan: _ConvPlan = self._plans(x.shape, weight.shape, x.dtype.itemsize)
         g = self.group
         m = plan.m
+        wg = weight.gemm
         if plan.kind == "pointwise":
             xs = x[plan.src] if plan.copy_input else x
             if g == 1:
@@ -313,15 +349,22 @@ class _Convolution:
         g = self.group
         y = np.empty((n, plan.m, plan.out_size), dtype=x.dtype)
         whole = (slice(None),)
-        for p0, p1, shape, taps, zeros, layout_key in plan.blocks:
-            for image in range(n):
-                cols, stale = _workspace(shape, x.dtype, layout_key)
+        for image in range(n):
+            xi = x[image]
+            planes = None
+            if plan.phase_slices is not None:
+                planes = {phase: np.ascontiguousarray(xi[index]) for phase, index in plan.phase_slices.items()}
+            for p0, p1, shape, taps, zeros, layout_key in plan.blocks:
+                cols, stale = _workspace("im2col", shape, x.dtype, layout_key)
                 if stale:
                     for index, region in zeros:
                         cols[(slice(None), index) + region] = 0
-                xi = x[image]
-                for tap in taps:
-                    cols[(slice(None), tap.index) + tap.dst] = xi[whole + tap.src]
+                if planes is None:
+                    for tap in taps:
+                        cols[(slice(None), tap.index) + tap.dst] = xi[whole + tap.src]
+                else:
+                    for tap in taps:
+                        cols[(slice(None), tap.index) + tap.dst] = planes[tap.phase][whole + tap.phase_src]
                 out = y[image, :, p0:p1]
                 if g == 1:
                     np.matmul(wg[0], cols.reshape(c * shape[1], p1 - p0), out=out)
@@ -346,9 +389,9 @@ def conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
 
     def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         dtype = _compute_dtype(x.dtype)
-        wg, w_shape = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
+        weight = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
         bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
-        y = op(x.astype(dtype, copy=False), wg, w_shape, bias)
+        y = op(x.astype(dtype, copy=False), weight, bias)
         return y.astype(x.dtype, copy=False)
 
     return run
@@ -627,6 +670,17 @@ class _PoolPlan:
         out, pb, pe = _window_geometry(spatial, kernel, strides, dilations, pb, pe, pool.auto_pad, pool.ceil_mode)
         self.out = out
         self.taps = [t for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty]
+        # A box window is separable: pool one axis at a time, the outer axes first, whose taps
+        # read whole contiguous rows; each pass also shrinks what the next one reads.
+        self.axis_passes = []
+        for i in range(rank):
+            if kernel[i] == 1 and strides[i] == 1 and out[i] == spatial[i] and pb[i] == 0:
+                continue
+            axis_taps = [t for t in _taps([spatial[i]], [kernel[i]], [strides[i]], [dilations[i]], [pb[i]], [0], [out[i]])]
+            lead = (slice(None),) * (2 + i)
+            full = next((t for t in axis_taps if t.bounds[0] == (0, out[i])), None)
+            others = [(lead + t.dst, lead + t.src) for t in axis_taps if not t.empty and t is not full]
+            self.axis_passes.append((2 + i, out[i], lead + full.src if full is not None else None, others))
         self.counts = None
         if pool.mode == "avg":
             # Taps that read the input (or, with count_include_pad, the explicit padding too).
@@ -653,6 +707,23 @@ class _PoolPlan:
                     index = index + positions.reshape([-1 if j == i else 1 for j in range(rank)])
                 self.tap_indices.append(index)
             self.plane_size = math.prod(spatial)
+
+
+def _separable_pool(x: np.ndarray, plan: _PoolPlan, combine: np.ufunc, identity: Any) -> np.ndarray:
+    """Max or sum over the window, one spatial axis after another; always a fresh array."""
+    y = x
+    for axis, size, full_src, others in plan.axis_passes:
+        if full_src is not None:
+            acc = np.array(y[full_src])  # a tap that covers every output starts the result
+        else:
+            shape = list(y.shape)
+            shape[axis] = size
+            acc = np.full(shape, identity, dtype=y.dtype)
+        for dst_index, src_index in others:
+            dst = acc[dst_index]
+            combine(dst, y[src_index], out=dst)
+        y = acc
+    return np.array(y) if y is x else y
 
 
 class _Pooling:
@@ -682,13 +753,10 @@ class _Pooling:
         plan: _PoolPlan = self._plans(x.shape)
         n, c = x.shape[:2]
         lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+        if not self.want_indices:
+            return _separable_pool(x, plan, np.maximum, lowest), None
         y = np.full((n, c, *plan.out), lowest, dtype=x.dtype)
         lead = (slice(None), slice(None))
-        if not self.want_indices:
-            for tap in plan.taps:
-                dst = y[lead + tap.dst]
-                np.maximum(dst, x[lead + tap.src], out=dst)
-            return y, None
         index = np.full(y.shape, -1, dtype=np.int64)
         for tap, tap_index in zip(plan.taps, plan.tap_indices):
             dst = y[lead + tap.dst]
@@ -710,10 +778,7 @@ class _Pooling:
         p = self.p
         if self.mode == "lp":
             xs = xs * xs if p == 2 else (np.abs(xs) if p == 1 else np.abs(xs) ** dtype.type(p))
-        y = np.zeros((n, c, *plan.out), dtype=dtype)
-        lead = (slice(None), slice(None))
-        for tap in plan.taps:
-            y[lead + tap.dst] += xs[lead + tap.src]
+        y = _separable_pool(xs, plan, np.add, 0)
         if self.mode == "avg":
             y /= plan.counts.astype(dtype)
         elif p == 2:
@@ -934,20 +999,33 @@ def dropout(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | 
 
 @kernel("LRN", 1)
 def lrn(x: np.ndarray, *, alpha: float = 0.0001, beta: float = 0.75, bias: float = 1.0, size: int) -> np.ndarray:
-    """Local response normalisation across channels (axis 1)."""
+    """Local response normalisation across channels (axis 1), in cache-sized spatial blocks."""
     dtype = _compute_dtype(x.dtype)
-    xs = x.astype(dtype, copy=False)
-    square = xs * xs
-    channels = x.shape[1]
+    n, channels = x.shape[:2]
+    flat = x.astype(dtype, copy=False).reshape(n, channels, -1)
+    y = np.empty(flat.shape, dtype=dtype)
     before = (size - 1) // 2
     after = size - 1 - before  # ceil((size - 1) / 2)
-    total = square.copy()
-    for shift in range(1, max(before, after) + 1):
-        if shift <= before and shift < channels:
-            total[:, shift:] += square[:, :-shift]
-        if shift <= after and shift < channels:
-            total[:, :-shift] += square[:, shift:]
-    total *= dtype.type(alpha / size)
-    total += dtype.type(bias)
-    np.power(total, dtype.type(beta), out=total)
-    return (xs / total).astype(x.dtype, copy=False)
+    span = flat.shape[2]
+    block = max(1, (256 << 10) // max(1, n * channels * dtype.itemsize))
+    for start in range(0, span, block):
+        xs = flat[:, :, start : start + block]
+        square = xs * xs
+        total = square.copy()
+        for shift in range(1, max(before, after) + 1):
+            if shift <= before and shift < channels:
+                total[:, shift:] += square[:, :-shift]
+            if shift <= after and shift < channels:
+                total[:, :-shift] += square[:, shift:]
+        total *= dtype.type(alpha / size)
+        total += dtype.type(bias)
+        if beta == 0.75:  # the usual value: sqrt(t) * sqrt(sqrt(t)) is far cheaper than pow
+            np.sqrt(total, out=square)
+            np.sqrt(square, out=total)
+            total *= square
+        elif beta == 0.5:
+            np.sqrt(total, out=total)
+        elif beta != 1:
+            np.power(total, dtype.type(beta), out=total)
+        np.divide(xs, total, out=y[:, :, start : start + block])
+    return y.reshape(x.shape).astype(x.dtype, copy=False)
