@@ -63,6 +63,11 @@ CONV_CASES = {
     "3d": ((1, 3, 5, 6, 7), (4, 3, 2, 3, 2), dict(pads=[1, 0, 1, 0, 1, 1], strides=[1, 2, 2])),
     "depthwise_multiplier": ((2, 6, 9, 9), (12, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1], strides=[2, 2])),
     "depthwise_same_upper_dilated": ((2, 6, 9, 9), (6, 1, 3, 3), dict(group=6, auto_pad="SAME_UPPER", dilations=[2, 2])),
+    # many channels on a small image: the channels-last depthwise layout
+    "depthwise_many_channels": ((2, 40, 5, 6), (40, 1, 3, 3), dict(group=40, pads=[1, 1, 1, 1])),
+    "depthwise_many_channels_strided": ((1, 40, 7, 6), (80, 1, 3, 2), dict(group=40, pads=[1, 0, 1, 1], strides=[2, 2])),
+    "depthwise_1d": ((2, 4, 13), (8, 1, 3), dict(group=4, pads=[2, 1], strides=[2])),
+    "depthwise_3d_dilated": ((1, 4, 5, 6, 7), (4, 1, 3, 2, 3), dict(group=4, pads=[1, 0, 1, 1, 1, 0], dilations=[1, 2, 1])),
     "pointwise": ((2, 6, 9, 9), (5, 6, 1, 1), {}),
     "pointwise_grouped_strided": ((2, 6, 9, 9), (6, 3, 1, 1), dict(group=2, strides=[2, 2])),
     "same_lower_strided": ((1, 6, 10, 9), (4, 6, 3, 3), dict(auto_pad="SAME_LOWER", strides=[2, 2])),

@@ -255,7 +255,7 @@ class _ConvPlan:
             return
         if w_shape[1] == 1 and group > 1:
             self.kind = "depthwise"
-            self.taps = [t for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty]
+            self._plan_depthwise(spatial, kernel, strides, dilations, pb, out)
             return
         self.kind = "im2col"
         # A strided window reads each stride phase of the input with unit steps once that
@@ -280,6 +280,46 @@ class _ConvPlan:
             )
             layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
+
+
+    def _plan_depthwise(self, spatial, kernel, strides, dilations, pb, out) -> None:
+        """Depthwise taps as flat shifts of stride-phase planes.
+
+        Every tap reads one phase plane (``padded[..., phase::stride]``) at a fixed
+        offset, so on planes flattened to one axis it is a contiguous run: the output is
+        computed on a grid as wide as the planes and cropped once.
+        """
+        rank = len(spatial)
+        phases, shifts = [], []
+        for tap in itertools.product(*(range(k) for k in kernel)):
+            offsets = [t * d for t, d in zip(tap, dilations)]
+            phases.append(tuple(o % st for o, st in zip(offsets, strides)))
+            shifts.append([o // st for o, st in zip(offsets, strides)])
+        most = [max(sh[i] for sh in shifts) for i in range(rank)]
+        plane = [out[i] + most[i] + (1 if i == 0 and rank > 1 else 0) for i in range(rank)]
+        plane_strides = [math.prod(plane[i + 1 :]) for i in range(rank)]
+        self.plane_shape = plane
+        self.grid = out[0] * plane_strides[0]  # outputs (and junk columns) per channel
+        self.phase_fill = {}  # phase -> (plane region, input region)
+        for phase in sorted(set(phases)):
+            dst, src = [], []
+            for i in range(rank):
+                first, last = _tap_range(spatial[i], phase[i] - pb[i], strides[i], 0, plane[i])
+                start = first * strides[i] + phase[i] - pb[i]
+                dst.append(slice(first, last))
+                src.append(slice(start, start + (last - first - 1) * strides[i] + 1, strides[i]) if last > first else slice(0, 0))
+            self.phase_fill[phase] = ((slice(None),) + tuple(dst), (slice(None),) + tuple(src))
+        self.depthwise_taps = [
+            (index, phase, sum(sh * ps for sh, ps in zip(shift, plane_strides)))
+            for index, (phase, shift) in enumerate(zip(phases, shifts))
+        ]
+        self.crop = (slice(None),) + tuple(slice(0, o) for o in out)
+        # Without strides every tap reads the one plane at offsets that form a grid, so all
+        # taps are one strided view (grid position, *kernel, channel) of a channels-last plane.
+        self.tap_grid_steps = None
+        if all(st == 1 for st in strides):
+            self.tap_grid_steps = [d * ps for d, ps in zip(dilations, plane_strides)]
+        self.kernel = list(kernel)
 
 
 class _ConvWeight:
@@ -330,19 +370,83 @@ class _Convolution:
         return y.reshape(n, m, *plan.out)
 
     def _depthwise(self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None) -> np.ndarray:
+        """Per (image, channel) row: the sum over taps of weight * shifted phase plane.
+
+        With more rows than grid positions the planes are laid out channels-last, so that
+        every elementwise step runs along the long axis.
+        """
         n, g = x.shape[:2]
         mult = wg.shape[1]
+        rows = n * g
         rank = len(plan.out)
-        y = np.zeros((n, g, mult, *plan.out), dtype=x.dtype)
-        if bias is not None:
-            y += bias.reshape(g, mult, *([1] * rank))
-        lead = (slice(None), slice(None))
-        xe = x[:, :, None]  # (n, g, 1, *spatial): broadcasts against the channel multiplier
-        for tap in plan.taps:
-            wt = wg[:, :, tap.index].reshape(g, mult, *([1] * rank))
-            dst = y[lead + (slice(None),) + tap.dst]
-            dst += xe[lead + (slice(None),) + tap.src] * wt
+        xr = x.reshape(rows, *x.shape[2:])
+        weights = np.broadcast_to(wg, (n, g, mult, wg.shape[2])).reshape(rows, mult, -1)
+        biases = None if bias is None else np.broadcast_to(bias.reshape(g, mult), (n, g, mult)).reshape(rows, mult)
+        length = plan.grid
+        channels_last = rows * 8 >= length  # measured: channels-last wins unless the planes are much longer
+        planes = {}
+        for phase, (dst, src) in plan.phase_fill.items():
+            if channels_last:
+                buf = np.zeros((*plan.plane_shape, rows), dtype=x.dtype)
+                buf[dst[1:]] = np.moveaxis(xr[src], 0, -1)
+                planes[phase] = buf.reshape(-1, rows)
+            else:
+                buf = np.zeros((rows, *plan.plane_shape), dtype=x.dtype)
+                buf[dst] = xr[src]
+                planes[phase] = buf.reshape(rows, -1)
+        y = np.empty((n, g, mult, *plan.out), dtype=x.dtype)
+        yr = y.reshape(rows, mult, *plan.out)
+        grid_shape = (plan.out[0], *plan.plane_shape[1:])
+        for j in range(mult):
+            wj = np.ascontiguousarray(weights[:, j].T) if channels_last else weights[:, j]
+            if channels_last and plan.tap_grid_steps is not None:
+                plane = planes[next(iter(planes))]
+                item = plane.itemsize
+                windows = np.lib.stride_tricks.as_strided(
+                    plane,
+                    shape=(length, *plan.kernel, rows),
+                    strides=(rows * item, *(st * rows * item for st in plan.tap_grid_steps), item),
+                    writeable=False,
+                )
+                taps = list(range(1, rank + 1))
+                channel = rank + 1
+                kernel_weights = wj.reshape(*plan.kernel, rows)
+                acc = np.einsum(windows, [0, *taps, channel], kernel_weights, [*taps, channel], [0, channel])
+            elif channels_last:
+                acc = self._taps_sum(planes, plan, lambda p, off: p[off : off + length], lambda i: wj[i], length, rows, False)
+            if channels_last:
+                if biases is not None:
+                    acc += biases[:, j]
+                grid = acc.reshape(*grid_shape, rows)
+                yr[:, j] = np.moveaxis(grid[plan.crop[1:]], -1, 0)
+            else:
+                acc = self._taps_sum(
+                    planes, plan, lambda p, off: p[:, off : off + length], lambda i: wj[:, i, None], rows, length, True
+                )
+                if biases is not None:
+                    acc += biases[:, j, None]
+                yr[:, j] = acc.reshape(rows, *grid_shape)[plan.crop]
         return y.reshape(n, g * mult, plan.out_size)
+
+    @staticmethod
+    def _taps_sum(planes, plan, window, weight, outer: int, inner: int, weight_per_outer: bool) -> np.ndarray:
+        """Sum over the depthwise taps of weight(tap) * window(plane, offset), an (outer, inner)
+        array, in blocks of the outer axis that stay in cache."""
+        acc = np.empty((outer, inner), dtype=next(iter(planes.values())).dtype)
+        block = max(1, (64 << 10) // max(1, inner))
+        tmp = np.empty((min(block, outer), inner), dtype=acc.dtype)
+        for o0 in range(0, outer, block):
+            o1 = min(outer, o0 + block)
+            a, t = acc[o0:o1], tmp[: o1 - o0]
+            for k, (index, phase, offset) in enumerate(plan.depthwise_taps):
+                src = window(planes[phase], offset)[o0:o1]
+                w = weight(index)[o0:o1] if weight_per_outer else weight(index)
+                if k == 0:
+                    np.multiply(src, w, out=a)
+                else:
+                    np.multiply(src, w, out=t)
+                    a += t
+        return acc
 
     def _im2col(self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None) -> np.ndarray:
         n, c = x.shape[:2]
