@@ -140,6 +140,23 @@ def fold_constants(
     return folded
 
 
+#: Node metadata key: the name of the highest-priority provider that claims the node.
+CLAIMED_BY = "plugrt.claimed_by"
+
+
+def _mark_claims(model: ir.Model, providers: Sequence[ExecutionProvider]) -> None:
+    """Mark each node with the first provider (priority order) that supports it, so a
+    provider's own passes (fusions) only rewrite nodes that will run on that provider."""
+    if len(providers) < 2:
+        return
+    ctx = SupportContext({d or "": v for d, v in model.opset_imports.items()}, model.graph)
+    for node in model.graph:
+        for provider in providers:
+            if _supported(provider, node, ctx):
+                node.meta[CLAIMED_BY] = provider.name
+                break
+
+
 def optimize(
     model: ir.Model,
     level: str,
@@ -154,6 +171,7 @@ def optimize(
         stats["folded"] = fold_constants(model, fold_provider)
     stats["dead_removed"] = int(remove_dead_nodes(model))
     if level == "all":
+        _mark_claims(model, providers)
         for provider in providers:
             make = getattr(provider, "passes", None)
             if make is None:

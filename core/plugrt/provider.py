@@ -221,6 +221,11 @@ CAPABILITIES: dict[str, str] = {
     "save_context": "save_context(compiled) -> bytes (EPContext export)",
     "load_context": "load_context(blob, meta) -> CompiledPartition (EPContext restore)",
     "context_source_keys": "tuple[str, ...]: EPContext 'source' values this provider restores",
-    "passes": "passes(model) -> list of onnx_ir passes the provider wants run before placement",
+    "passes": "passes(model) -> onnx_ir passes run before placement at optimization='all'; they must "
+    "leave alone nodes whose meta['plugrt.claimed_by'] names a higher-priority provider",
+    "memory": "str: 'host' (default) when the provider's arrays are numpy arrays in host memory; "
+    "anything else makes the session insert transfers (to_host/to_device)",
+    "default_device": "the device to_device targets when a value moves onto this provider",
+    "sdk_version": "str: written as ep_sdk_version in exported EPContext nodes",
     "supports_function": "supports_function(domain, name, ctx) -> Support: keep a model-local function un-inlined",
 }

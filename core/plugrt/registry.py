@@ -90,7 +90,8 @@ class ProviderRegistry:
             except Exception as exc:
                 self._failures[ep.name] = ProviderFailure(ep.name, "init", _describe(exc))
         for plugin in self._extra_plugins:
-            pm.register(plugin)
+            if not pm.is_registered(plugin):  # may also be installed through its entry point
+                pm.register(plugin)
 
         providers: dict[str, ExecutionProvider] = {}
         for impl in pm.hook.plugrt_providers.get_hookimpls():
