@@ -288,12 +288,12 @@ def _check_capture(provider, registry, cases, outcomes) -> dict[str, Any]:
         try:
             session = _session_for(provider, registry, case.model.SerializeToString())
             feeds = _feeds(case, case.data_sets[0][0])
-            eager = session.run_list(None, feeds)
+            eager = session.run(feeds)
             captured = session.try_capture(feeds)
             if not getattr(captured, "captured", False):
                 continue
-            replayed = session.replay_list(feeds)
-            if not all(_same(a, b) for a, b in zip(eager, replayed)):
+            replayed = session.replay(feeds)
+            if not all(_same(eager[k], replayed[k]) for k in eager):
                 failed.append(case.name)
             checked += 1
         except Exception as exc:

@@ -1,0 +1,52 @@
+"""`plugrt conformance` as CI runs it: exit status 0 and both report formats written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+
+
+def _conformance(provider: str, tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict, str]:
+    report_json = tmp_path / f"{provider}.json"
+    report_md = tmp_path / f"{provider}.md"
+    done = subprocess.run(
+        [sys.executable, "-m", "plugrt", "conformance", "--provider", provider, "--no-progress",
+         "--report", str(report_json), "--report", str(report_md), *extra],
+        capture_output=True, text=True, timeout=600,
+    )
+    return done, json.loads(report_json.read_text()), report_md.read_text()
+
+
+def test_cpu_provider_conforms(tmp_path):
+    done, report, markdown = _conformance(
+        "cpu", tmp_path,
+        "--xfails-file", os.path.join(HERE, "node_xfails.txt"),
+        "--skips-file", os.path.join(HERE, "node_skips.txt"),
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert report["ok"] and report["totals"].get("failed", 0) == 0
+    assert report["totals"]["passed"] >= 1850
+    assert all(check["status"] != "failed" for check in report["protocol"].values())
+    assert "| **total** |" in markdown
+
+
+def test_template_provider_conforms_for_every_op_it_claims(tmp_path):
+    pytest.importorskip("plugrt_provider_template")
+    done, report, _ = _conformance("template", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    totals = report["totals"]
+    assert totals["claimed"] > 0 and totals["passed"] == totals["claimed"]
+    assert totals.get("failed", 0) == 0 and totals.get("error", 0) == 0
+    assert report["protocol"]["save_context/load_context round-trip"]["status"] == "passed"
+
+
+def test_installed_template_is_listed_by_plugrt_providers():
+    pytest.importorskip("plugrt_provider_template")
+    out = subprocess.run([sys.executable, "-m", "plugrt", "providers"], capture_output=True, text=True, check=True).stdout
+    assert "template" in out and "[available]" in out
