@@ -444,3 +444,12 @@ def test_unknown_auto_pad_is_rejected():
     model = _model([helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], auto_pad="SAME")], {"x": x}, ["y"], 12)
     with pytest.raises(Exception, match="auto_pad"):
         _run(model, {"x": x})
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 7), (1, 2, 80, 80)])  # a short and a long (> 4096) window
+def test_average_pool_over_the_whole_input_is_the_spatial_mean(shape):
+    x = _random(*shape)
+    model = _model([helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=list(shape[2:]))], {"x": x}, ["y"], 19)
+    (got,) = _run(model, {"x": x})
+    assert got.shape == (*shape[:2], 1, 1) and got.dtype == np.float32
+    np.testing.assert_allclose(got, x.astype(np.float64).mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)

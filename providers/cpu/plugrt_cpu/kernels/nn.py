@@ -180,6 +180,9 @@ class _ShapeCache:
         return plan
 
 
+_FLOAT_BLAS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype arithmetic runs in: float32 for narrow floats numpy cannot multiply fast."""
     dtype = np.dtype(dtype)
@@ -784,7 +787,20 @@ class _PoolPlan:
             lead = (slice(None),) * (2 + i)
             full = next((t for t in axis_taps if t.bounds[0] == (0, out[i])), None)
             others = [(lead + t.dst, lead + t.src) for t in axis_taps if not t.empty and t is not full]
-            self.axis_passes.append((2 + i, out[i], lead + full.src if full is not None else None, others))
+            flat = None
+            if strides[i] == 1 and 0 < out[i] <= spatial[i]:
+                # Short rows make per-row work dominate: shift the whole flattened array at
+                # once and redo the few border positions the shift gets wrong.
+                offsets = [t * dilations[i] - pb[i] for t in range(kernel[i])]
+                bounds = [(max(0, -o), min(out[i], spatial[i] - o)) for o in offsets]
+                inner = (max(b[0] for b in bounds), min(b[1] for b in bounds))
+                border = [o for o in range(out[i]) if not inner[0] <= o < inner[1]]
+                flat = (offsets, [(o, [off for off, (b, e) in zip(offsets, bounds) if b <= o < e]) for o in border])
+            self.axis_passes.append((2 + i, out[i], lead + full.src if full is not None else None, others, flat))
+        # One window over the whole unpadded input, as at the end of many CNNs.
+        self.whole_window = all(o == 1 for o in out) and list(kernel) == spatial and not any(pb) and not any(pe) and all(
+            d == 1 for d in dilations
+        )
         self.counts = None
         if pool.mode == "avg":
             # Taps that read the input (or, with count_include_pad, the explicit padding too).
@@ -816,7 +832,10 @@ class _PoolPlan:
 def _separable_pool(x: np.ndarray, plan: _PoolPlan, combine: np.ufunc, identity: Any) -> np.ndarray:
     """Max or sum over the window, one spatial axis after another; always a fresh array."""
     y = x
-    for axis, size, full_src, others in plan.axis_passes:
+    for axis, size, full_src, others, flat in plan.axis_passes:
+        if flat is not None and y.flags.c_contiguous:
+            y = _pool_axis_flat(y, axis, size, flat, combine, identity)
+            continue
         if full_src is not None:
             acc = np.array(y[full_src])  # a tap that covers every output starts the result
         else:
@@ -828,6 +847,44 @@ def _separable_pool(x: np.ndarray, plan: _PoolPlan, combine: np.ufunc, identity:
             combine(dst, y[src_index], out=dst)
         y = acc
     return np.array(y) if y is x else y
+
+
+def _pool_axis_flat(
+    y: np.ndarray,
+    axis: int,
+    size: int,
+    flat: tuple[list[int], list[tuple[int, list[int]]]],
+    combine: np.ufunc,
+    identity: Any,
+) -> np.ndarray:
+    """A stride-1 pass along ``axis`` done on the flattened array (``y`` is C-contiguous)."""
+    offsets, border = flat
+    inner = math.prod(y.shape[axis + 1 :])
+    acc = np.empty(y.shape, dtype=y.dtype)  # as long as the input on ``axis``; cropped at the end
+    src, dst = y.reshape(-1), acc.reshape(-1)
+    total = src.size
+    for k, off in enumerate(offsets):
+        shift = off * inner
+        lo, hi = max(0, -shift), total - max(0, shift)
+        if k == 0:
+            dst[:lo] = identity
+            dst[hi:] = identity
+            dst[lo:hi] = src[lo + shift : hi + shift]
+        else:
+            combine(dst[lo:hi], src[lo + shift : hi + shift], out=dst[lo:hi])
+    # The shifts mixed neighbouring rows into the border positions: redo those exactly.
+    lead = (slice(None),) * axis
+    for position, valid in border:
+        out = acc[lead + (position,)]
+        if not valid:
+            out[...] = identity
+            continue
+        out[...] = y[lead + (position + valid[0],)]
+        for off in valid[1:]:
+            combine(out, y[lead + (position + off,)], out=out)
+    if size == y.shape[axis]:
+        return acc
+    return np.ascontiguousarray(acc[lead + (slice(0, size),)])
 
 
 class _Pooling:
@@ -876,6 +933,8 @@ class _Pooling:
     def sum_pool(self, x: np.ndarray) -> np.ndarray:
         """AveragePool and LpPool: a sum over the window (of |x|^p for LpPool)."""
         plan: _PoolPlan = self._plans(x.shape)
+        if self.mode == "avg" and plan.whole_window:
+            return _spatial_mean(x)
         n, c = x.shape[:2]
         dtype = _compute_dtype(x.dtype)
         xs = x.astype(dtype, copy=False)
@@ -911,9 +970,24 @@ def lp_pool(ctx: KernelContext) -> Callable[[np.ndarray], np.ndarray]:
     return _Pooling("LpPool", "lp", ctx.attributes).sum_pool
 
 
+_GEMV_MEAN_MAX = 4096  # longer rows are summed pairwise (np.mean) for accuracy
+
+
+def _spatial_mean(x: np.ndarray) -> np.ndarray:
+    """Mean over every axis after the first two, kept as size-1 axes."""
+    dtype = _compute_dtype(x.dtype)
+    size = math.prod(x.shape[2:])
+    shape = (*x.shape[:2], *([1] * (x.ndim - 2)))
+    if x.dtype in _FLOAT_BLAS and 0 < size <= _GEMV_MEAN_MAX and x.flags.c_contiguous:
+        # A matrix-vector product with ones is one BLAS call; a per-row reduction is slow on short rows.
+        ones = np.full(size, 1.0 / size, dtype=x.dtype)
+        return np.matmul(x.reshape(-1, size), ones).reshape(shape)
+    return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=dtype).astype(x.dtype, copy=False)
+
+
 @kernel("GlobalAveragePool", 1)
 def global_average_pool(x: np.ndarray) -> np.ndarray:
-    return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=_compute_dtype(x.dtype)).astype(x.dtype, copy=False)
+    return _spatial_mean(x)
 
 
 @kernel("GlobalMaxPool", 1)
