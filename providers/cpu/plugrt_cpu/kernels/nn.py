@@ -382,8 +382,10 @@ class _Convolution:
         mult = wg.shape[1]
         rows = n * g
         rank = len(plan.out)
+        if rows == 0 or plan.out_size == 0:
+            return np.zeros((n, g * mult, plan.out_size), dtype=x.dtype)
         xr = x.reshape(rows, *x.shape[2:])
-        weights = np.broadcast_to(wg, (n, g, mult, wg.shape[2])).reshape(rows, mult, -1)
+        weights = np.broadcast_to(wg, (n, g, mult, wg.shape[2])).reshape(rows, mult, wg.shape[2])
         biases = None if bias is None else np.broadcast_to(bias.reshape(g, mult), (n, g, mult)).reshape(rows, mult)
         length = plan.grid
         channels_last = rows * 8 >= length  # measured: channels-last wins unless the planes are much longer
