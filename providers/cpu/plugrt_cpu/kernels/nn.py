@@ -337,12 +337,13 @@ class _ConvWeight:
 class _Convolution:
     """A Conv node: attributes parsed once, weights reshaped once when constant."""
 
-    def __init__(self, attributes: dict[str, Any]):
+    def __init__(self, attributes: dict[str, Any], relu: bool = False):
         self.auto_pad = _auto_pad(attributes.get("auto_pad"))
         self.dilations = attributes.get("dilations")
         self.group = int(attributes.get("group", 1))
         self.pads = attributes.get("pads")
         self.strides = attributes.get("strides")
+        self.relu = relu  # a fused Relu, applied to each output block while it is in cache
         self._plans = _ShapeCache(lambda xs, ws, item: _ConvPlan(self, xs, ws, item))
 
     def prepare_weight(self, w: np.ndarray, dtype: np.dtype) -> "_ConvWeight":
@@ -366,6 +367,8 @@ class _Convolution:
             y = y.reshape(n, m, plan.out_size)
             if bias is not None:
                 y += bias
+            if self.relu:
+                np.maximum(y, 0, out=y)
         elif plan.kind == "depthwise":
             y = self._depthwise(x, wg, plan, bias)
         else:
@@ -422,6 +425,8 @@ class _Convolution:
             if channels_last:
                 if biases is not None:
                     acc += biases[:, j]
+                if self.relu:
+                    np.maximum(acc, 0, out=acc)
                 grid = acc.reshape(*grid_shape, rows)
                 yr[:, j] = np.moveaxis(grid[plan.crop[1:]], -1, 0)
             else:
@@ -430,6 +435,8 @@ class _Convolution:
                 )
                 if biases is not None:
                     acc += biases[:, j, None]
+                if self.relu:
+                    np.maximum(acc, 0, out=acc)
                 yr[:, j] = acc.reshape(rows, *grid_shape)[plan.crop]
         return y.reshape(n, g * mult, plan.out_size)
 
@@ -481,13 +488,21 @@ class _Convolution:
                     np.matmul(wg, cols.reshape(g, -1, p1 - p0), out=out.reshape(g, -1, p1 - p0))
                 if bias is not None:
                     out += bias
+                if self.relu:
+                    np.maximum(out, 0, out=out)
         return y
 
 
 @kernel_builder("Conv", 1)
 def conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """Conv: im2col in cache-sized blocks and one GEMM per block (per group batch)."""
-    op = _Convolution(ctx.attributes)
+    return build_conv(ctx)
+
+
+def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarray]:
+    """The Conv kernel for ``ctx``; with ``relu`` it also applies a Relu block by block
+    (for a fused Conv + Relu node: the output is clamped while still in cache)."""
+    op = _Convolution(ctx.attributes, relu)
     w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
     b_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
     if w_const is not None:
