@@ -184,17 +184,18 @@ _FLOAT_BLAS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype arithmetic runs in: float32 for narrow floats numpy cannot multiply fast."""
+    """The dtype arithmetic runs in: float32 for float16 and ml_dtypes' narrow floats
+    (bfloat16, float8: numpy kind 'V'), which have no BLAS and slow ufuncs."""
     dtype = np.dtype(dtype)
-    if dtype in (np.float32, np.float64):
+    if dtype in _FLOAT_BLAS:
         return dtype
-    if dtype.kind == "f" or dtype.itemsize <= 2:
+    if dtype.kind in "fV":
         return np.dtype(np.float32)
     return dtype
 
 
 # ---------------------------------------------------------------------------
-# Im2col workspace: one growing scratch buffer per thread, shared by every Conv
+# Scratch buffers: per thread, shared by every Conv node, grown on demand
 # ---------------------------------------------------------------------------
 
 _WORKSPACE = threading.local()
@@ -284,8 +285,15 @@ class _ConvPlan:
             layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
 
-
-    def _plan_depthwise(self, spatial, kernel, strides, dilations, pb, out) -> None:
+    def _plan_depthwise(
+        self,
+        spatial: list[int],
+        kernel: list[int],
+        strides: list[int],
+        dilations: list[int],
+        pb: list[int],
+        out: list[int],
+    ) -> None:
         """Depthwise taps as flat shifts of stride-phase planes.
 
         Every tap reads one phase plane (``padded[..., phase::stride]``) at a fixed
@@ -384,7 +392,6 @@ class _Convolution:
         n, g = x.shape[:2]
         mult = wg.shape[1]
         rows = n * g
-        rank = len(plan.out)
         if rows == 0 or plan.out_size == 0:
             return np.zeros((n, g * mult, plan.out_size), dtype=x.dtype)
         xr = x.reshape(rows, *x.shape[2:])
@@ -406,39 +413,44 @@ class _Convolution:
         yr = y.reshape(rows, mult, *plan.out)
         grid_shape = (plan.out[0], *plan.plane_shape[1:])
         for j in range(mult):
-            wj = np.ascontiguousarray(weights[:, j].T) if channels_last else weights[:, j]
-            if channels_last and plan.tap_grid_steps is not None:
-                plane = planes[next(iter(planes))]
-                item = plane.itemsize
-                windows = np.lib.stride_tricks.as_strided(
-                    plane,
-                    shape=(length, *plan.kernel, rows),
-                    strides=(rows * item, *(st * rows * item for st in plan.tap_grid_steps), item),
-                    writeable=False,
-                )
-                taps = list(range(1, rank + 1))
-                channel = rank + 1
-                kernel_weights = wj.reshape(*plan.kernel, rows)
-                acc = np.einsum(windows, [0, *taps, channel], kernel_weights, [*taps, channel], [0, channel])
-            elif channels_last:
-                acc = self._taps_sum(planes, plan, lambda p, off: p[off : off + length], lambda i: wj[i], length, rows, False)
             if channels_last:
+                wj = np.ascontiguousarray(weights[:, j].T)  # (K, rows)
+                if plan.tap_grid_steps is not None:
+                    acc = self._grid_taps_sum(planes[next(iter(planes))], wj, plan, length, rows)
+                else:
+                    acc = self._taps_sum(planes, plan, lambda p, off: p[off : off + length], lambda i: wj[i], length, rows, False)
                 if biases is not None:
                     acc += biases[:, j]
-                if self.relu:
-                    np.maximum(acc, 0, out=acc)
-                grid = acc.reshape(*grid_shape, rows)
-                yr[:, j] = np.moveaxis(grid[plan.crop[1:]], -1, 0)
             else:
+                wj = weights[:, j]  # (rows, K)
                 acc = self._taps_sum(
                     planes, plan, lambda p, off: p[:, off : off + length], lambda i: wj[:, i, None], rows, length, True
                 )
                 if biases is not None:
                     acc += biases[:, j, None]
-                if self.relu:
-                    np.maximum(acc, 0, out=acc)
+            if self.relu:
+                np.maximum(acc, 0, out=acc)
+            if channels_last:
+                yr[:, j] = np.moveaxis(acc.reshape(*grid_shape, rows)[plan.crop[1:]], -1, 0)
+            else:
                 yr[:, j] = acc.reshape(rows, *grid_shape)[plan.crop]
         return y.reshape(n, g * mult, plan.out_size)
+
+    @staticmethod
+    def _grid_taps_sum(plane: np.ndarray, weights: np.ndarray, plan: _ConvPlan, length: int, rows: int) -> np.ndarray:
+        """All taps at once: one einsum over a strided (position, *kernel, channel) view of a
+        channels-last plane, against weights (K, rows)."""
+        rank = len(plan.kernel)
+        item = plane.itemsize
+        windows = np.lib.stride_tricks.as_strided(
+            plane,
+            shape=(length, *plan.kernel, rows),
+            strides=(rows * item, *(step * rows * item for step in plan.tap_grid_steps), item),
+            writeable=False,
+        )
+        taps = list(range(1, rank + 1))
+        channel = rank + 1
+        return np.einsum(windows, [0, *taps, channel], weights.reshape(*plan.kernel, rows), [*taps, channel], [0, channel])
 
     @staticmethod
     def _taps_sum(planes, plan, window, weight, outer: int, inner: int, weight_per_outer: bool) -> np.ndarray:
@@ -549,7 +561,8 @@ def causal_conv_with_state(
     if b is not None:
         y += b.astype(dtype, copy=False)[:, None]
     if activation != "none":
-        y *= 1.0 / (1.0 + np.exp(-y))
+        with np.errstate(over="ignore"):  # exp(-y) overflows to inf for very negative y: silu -> 0
+            y *= 1.0 / (1.0 + np.exp(-y))
     return y.astype(x.dtype, copy=False), padded[:, :, length:]
 
 
@@ -558,25 +571,25 @@ def causal_conv_with_state(
 # ---------------------------------------------------------------------------
 
 
-def _scatter_columns(
-    cols: np.ndarray,
-    out: np.ndarray,
+def _scatter_taps(
+    image: Sequence[int],
+    blocks: Sequence[int],
     kernel: Sequence[int],
     strides: Sequence[int],
     dilations: Sequence[int],
     pads_begin: Sequence[int],
-) -> None:
-    """Add columns (N, C, K, *blocks) into image ``out`` (N, C, *image): the adjoint of im2col.
+) -> list[_Tap]:
+    """Taps for adding columns (N, C, K, *blocks) into images (N, C, *image), the adjoint of
+    im2col: block position ``i`` of tap ``t`` lands on image position
+    ``i * stride + t * dilation - pad``, the im2col ranges with image and blocks swapped
+    (``tap.src`` slices the image, ``tap.dst`` the blocks)."""
+    taps = _taps(image, kernel, strides, dilations, pads_begin, [0] * len(blocks), blocks)
+    return [t for t in taps if not t.empty]
 
-    Block position ``i`` of tap ``t`` lands on image position ``i * stride + t * dilation - pad``;
-    the taps are the same valid ranges as im2col with image and blocks swapped.
-    """
-    blocks = cols.shape[3:]
-    image = out.shape[2:]
+
+def _scatter_columns(cols: np.ndarray, out: np.ndarray, taps: list[_Tap]) -> None:
     lead = (slice(None), slice(None))
-    for tap in _taps(image, kernel, strides, dilations, pads_begin, [0] * len(blocks), blocks):
-        if tap.empty:
-            continue
+    for tap in taps:
         out[lead + tap.src] += cols[lead + (tap.index,) + tap.dst]
 
 
@@ -608,9 +621,7 @@ class _ConvTransposePlan:
             out = [full[i] - pb[i] - pe[i] for i in range(rank)]
         self.out = out
         self.kernel = kernel
-        self.strides = strides
-        self.dilations = dilations
-        self.pads_begin = pb
+        self.taps = _scatter_taps(out, spatial, kernel, strides, dilations, pb)
 
 
 class _ConvTransposition:
@@ -646,7 +657,7 @@ class _ConvTransposition:
             cols = np.matmul(wt, x.reshape(n, g, c // g, in_size))
         cols = cols.reshape(n, m, ksize, *x.shape[2:])
         y = np.zeros((n, m, *plan.out), dtype=x.dtype)
-        _scatter_columns(cols, y, plan.kernel, plan.strides, plan.dilations, plan.pads_begin)
+        _scatter_columns(cols, y, plan.taps)
         if b is not None:
             y += b.astype(x.dtype, copy=False).reshape(m, *([1] * len(plan.out)))
         return y
@@ -699,7 +710,7 @@ def col2im(
     dtype = _compute_dtype(x.dtype)
     cols = x.astype(dtype, copy=False).reshape(n, c, ksize, *blocks)
     y = np.zeros((n, c, *image), dtype=dtype)
-    _scatter_columns(cols, y, kernel, stride_list, dilation_list, pb)
+    _scatter_columns(cols, y, _scatter_taps(image, blocks, kernel, stride_list, dilation_list, pb))
     return y.astype(x.dtype, copy=False)
 
 
