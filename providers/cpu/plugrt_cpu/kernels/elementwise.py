@@ -4,13 +4,45 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any, Callable
 
 import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder
 
-__all__ = ["erf", "sigmoid"]
+__all__ = ["erf", "sigmoid", "scratch"]
+
+
+# ---------------------------------------------------------------------------------------
+# Work arrays for `into` variants (capture): allocated on a variant's first call, reused on
+# every later one. They are kept per output buffer, so steps and captures never share one
+# (two sessions replaying in two threads stay apart), and freed with that buffer.
+
+_SCRATCH: dict[int, dict[Any, np.ndarray]] = {}
+
+
+def scratch(out: Any, slot: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """The work array ``slot`` of shape ``shape`` for the ``into`` call writing ``out``
+    (an array, or the tuple of a multi-output kernel's arrays)."""
+    anchor = out[0] if isinstance(out, tuple) else out
+    arrays = _SCRATCH.get(id(anchor))
+    if arrays is None:
+        arrays = _SCRATCH[id(anchor)] = {}
+        weakref.finalize(anchor, _SCRATCH.pop, id(anchor), None)
+    key = (slot, shape, dtype)
+    array = arrays.get(key)
+    if array is None:
+        array = arrays[key] = np.empty(shape, dtype)
+    return array
+
+
+def _call_into(fn: Callable[..., Any], out: np.ndarray, *args: Any) -> None:
+    """Runs kernel ``fn`` into ``out``: a ufunc takes ``out=``, anything else its ``into``."""
+    if isinstance(fn, np.ufunc):
+        fn(*args, out=out)
+    else:
+        fn.into(out, *args)
 
 # The ops whose kernel is the numpy function itself.
 _UFUNCS: dict[str, tuple[int, Callable[..., Any]]] = {
@@ -55,11 +87,23 @@ _UFUNCS: dict[str, tuple[int, Callable[..., Any]]] = {
     "BitwiseAnd": (18, np.bitwise_and),
     "BitwiseOr": (18, np.bitwise_or),
     "BitwiseXor": (18, np.bitwise_xor),
-    "Where": (9, np.where),
 }
 
 for _op, (_version, _ufunc) in _UFUNCS.items():
     kernel(_op, _version)(_ufunc)
+
+
+@kernel("Where", 9)
+def where(condition, x, y):
+    return np.where(condition, x, y)
+
+
+def _where_into(out, condition, x, y):
+    np.copyto(out, y)
+    np.copyto(out, x, where=condition)
+
+
+where.into = _where_into
 
 
 def _is_integer(dtype: np.dtype) -> bool:
@@ -86,7 +130,11 @@ def _legacy_binary(op: Callable[[Any, Any], Any]) -> Callable[..., Any]:
     def run(a, b, *, broadcast=0, axis=None):
         return op(a, _legacy_broadcast(a, b, broadcast, axis))
 
+    def run_into(out, a, b, *, broadcast=0, axis=None):
+        _call_into(op, out, a, _legacy_broadcast(a, b, broadcast, axis))
+
     run.__name__ = f"legacy_{getattr(op, '__name__', 'binary')}"
+    run.into = run_into
     return run
 
 
@@ -103,6 +151,15 @@ def _divide_signed(a, b):
     return np.floor_divide(np.subtract(a, np.fmod(a, b)), b)
 
 
+def _divide_signed_into(out, a, b):
+    np.fmod(a, b, out=out)
+    np.subtract(a, out, out=out)
+    np.floor_divide(out, b, out=out)
+
+
+_divide_signed.into = _divide_signed_into
+
+
 def _divide_for(dtype: np.dtype | None) -> Callable[..., Any]:
     if dtype is None:
         return _divide_any
@@ -115,6 +172,13 @@ def _divide_for(dtype: np.dtype | None) -> Callable[..., Any]:
 
 def _divide_any(a, b):
     return _divide_for(a.dtype)(a, b)
+
+
+def _divide_any_into(out, a, b):
+    _call_into(_divide_for(a.dtype), out, a, b)
+
+
+_divide_any.into = _divide_any_into
 
 
 @kernel_builder("Div", 7)
@@ -137,6 +201,20 @@ def _power_integer(a, b):
     return result.astype(a.dtype, copy=False)
 
 
+def _power_integer_into(out, a, b):
+    if np.result_type(a, b) == out.dtype:
+        try:
+            np.power(a, b, out=out)
+            return
+        except ValueError:
+            pass
+    # Mixed integer types, or negative exponents (rare): as the kernel, through a temporary.
+    np.copyto(out, _power_integer(a, b), casting="unsafe")
+
+
+_power_integer.into = _power_integer_into
+
+
 def _power_any(a, b):
     if _is_integer(a.dtype):
         return _power_integer(a, b)
@@ -147,8 +225,33 @@ def _power_any(a, b):
     return np.power(a, b).astype(a.dtype, copy=False)
 
 
+def _power_any_into(out, a, b):
+    if _is_integer(a.dtype):
+        _power_integer_into(out, a, b)
+    elif a.dtype == b.dtype:
+        np.power(a, b, out=out)
+    elif _is_integer(b.dtype):
+        exponent = scratch(out, "exponent", b.shape, a.dtype)
+        np.copyto(exponent, b, casting="unsafe")
+        np.power(a, exponent, out=out)
+    else:
+        wide = scratch(out, "power", out.shape, np.result_type(a, b))
+        np.power(a, b, out=wide)
+        np.copyto(out, wide, casting="unsafe")
+
+
+_power_any.into = _power_any_into
+
+
 def _square_base(a, b):
     return np.square(a)
+
+
+def _square_base_into(out, a, b):
+    np.square(a, out=out)
+
+
+_square_base.into = _square_base_into
 
 
 @kernel_builder("Pow", 7)
@@ -202,9 +305,22 @@ def bit_shift(ctx: KernelContext):
 # Variadic ops (numpy broadcasting; opset < 8 required equal shapes, a subset)
 
 
+def _fold_into(ufunc: np.ufunc, out: np.ndarray, inputs: tuple) -> None:
+    """functools.reduce(ufunc, inputs) into ``out``: the same pairwise steps, in order."""
+    if len(inputs) == 1:
+        np.copyto(out, inputs[0])
+        return
+    ufunc(inputs[0], inputs[1], out=out)
+    for x in inputs[2:]:
+        ufunc(out, x, out=out)
+
+
 @kernel("Max", 1)
 def max_(*inputs):
     return functools.reduce(np.maximum, inputs)
+
+
+max_.into = lambda out, *inputs: _fold_into(np.maximum, out, inputs)
 
 
 @kernel("Min", 1)
@@ -212,14 +328,28 @@ def min_(*inputs):
     return functools.reduce(np.minimum, inputs)
 
 
+min_.into = lambda out, *inputs: _fold_into(np.minimum, out, inputs)
+
+
 @kernel("Sum", 1)
 def sum_(*inputs):
     return functools.reduce(np.add, inputs)
 
 
+sum_.into = lambda out, *inputs: _fold_into(np.add, out, inputs)
+
+
 @kernel("Mean", 1)
 def mean(*inputs):
     return np.true_divide(functools.reduce(np.add, inputs), len(inputs))
+
+
+def _mean_into(out, *inputs):
+    _fold_into(np.add, out, inputs)
+    np.true_divide(out, len(inputs), out=out)
+
+
+mean.into = _mean_into
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,12 +375,33 @@ def clip_with_attributes(x, *, min=-_FLOAT32_MAX, max=_FLOAT32_MAX):  # noqa: A0
     return np.clip(x, low, high)
 
 
+def _clip_with_attributes_into(out, x, *, min=-_FLOAT32_MAX, max=_FLOAT32_MAX):  # noqa: A002
+    low, high = _within_range(min, x.dtype), _within_range(max, x.dtype)
+    if low is None and high is None:
+        np.copyto(out, x)
+    else:
+        np.clip(x, low, high, out=out)
+
+
+clip_with_attributes.into = _clip_with_attributes_into
+
+
 @kernel("Clip", 11)
 def clip(x, min=None, max=None):  # noqa: A002 (ONNX names)
     # When min > max every value becomes max, as np.clip (maximum, then minimum) gives.
     if min is None and max is None:
         return x
     return np.clip(x, min, max)
+
+
+def _clip_into(out, x, min=None, max=None):  # noqa: A002 (ONNX names)
+    if min is None and max is None:
+        np.copyto(out, x)
+    else:
+        np.clip(x, min, max, out=out)
+
+
+clip.into = _clip_into
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,19 +445,21 @@ def _polynomial(t: np.ndarray, coefficients: tuple[float, ...], out: np.ndarray)
     return out
 
 
-def _erf_float32(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    z = np.clip(x, -4.0, 4.0, out=np.empty_like(x))
-    t = np.multiply(z, z, out=np.empty_like(z))
-    numerator = _polynomial(t, _ERF32_P, np.empty_like(z))
+def _erf_float32(x: np.ndarray, out: np.ndarray, work: list[np.ndarray]) -> np.ndarray:
+    """erf(x) into ``out``; ``work`` holds three float32 arrays shaped like x."""
+    z = np.clip(x, -4.0, 4.0, out=work[0])
+    t = np.multiply(z, z, out=work[1])
+    numerator = _polynomial(t, _ERF32_P, work[2])
     numerator *= z
     np.divide(numerator, _polynomial(t, _ERF32_Q, out=z), out=out)
     return np.clip(out, -1.0, 1.0, out=out)  # the fit overshoots 1 by an ulp at 4
 
 
-def _erf_float64(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    small = np.clip(x, -0.5, 0.5, out=np.empty_like(x))
-    t = np.multiply(small, small, out=np.empty_like(small))
-    near_zero = _polynomial(t, _ERF64_SMALL_P, np.empty_like(t))
+def _erf_float64(x: np.ndarray, out: np.ndarray, work: list[np.ndarray]) -> np.ndarray:
+    """erf(x) into ``out``; ``work`` holds three float64 arrays and a bool one shaped like x."""
+    small = np.clip(x, -0.5, 0.5, out=work[0])
+    t = np.multiply(small, small, out=work[1])
+    near_zero = _polynomial(t, _ERF64_SMALL_P, work[2])
     near_zero *= small
     near_zero /= _polynomial(t, _ERF64_SMALL_Q, out=small)
 
@@ -323,32 +476,67 @@ def _erf_float64(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     # Both branches are finite, so blending with 0/1 weights is exact (and, unlike a masked
     # copy, fast on randomly mixed masks).
     np.abs(x, out=z)
-    near_zero *= z < 0.5
-    tail *= z >= 0.5
+    mask = work[3]
+    np.less(z, 0.5, out=mask)
+    near_zero *= mask
+    np.greater_equal(z, 0.5, out=mask)
+    tail *= mask
     tail += near_zero
     return tail
+
+
+def _erf_work(x: np.ndarray, shape: tuple[int, ...], allocate) -> tuple[Callable[..., Any], list[np.ndarray]]:
+    """The float32 or float64 erf and the work arrays it needs for blocks of ``shape``."""
+    if x.dtype == np.float64:
+        return _erf_float64, [allocate(i, shape, x.dtype) for i in range(3)] + [allocate(3, shape, np.bool_)]
+    return _erf_float32, [allocate(i, shape, x.dtype) for i in range(3)]
+
+
+def _fresh(slot, shape, dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
+def _erf_blocks(x: np.ndarray, out: np.ndarray, allocate) -> None:
+    """erf of the contiguous float32/float64 ``x`` into ``out``, in L2-sized blocks."""
+    if x.size <= _ERF_BLOCK:
+        compute, work = _erf_work(x, x.shape, allocate)
+        compute(x, out, work)
+        return
+    flat, flat_out = x.reshape(-1), out.reshape(-1)
+    compute, work = _erf_work(x, (_ERF_BLOCK,), allocate)
+    for start in range(0, flat.size, _ERF_BLOCK):
+        block = slice(start, start + _ERF_BLOCK)
+        part = flat[block]
+        compute(part, flat_out[block], work if part.size == _ERF_BLOCK else [w[: part.size] for w in work])
 
 
 def erf(x: np.ndarray) -> np.ndarray:
     """The error function, elementwise, in the input's dtype (absolute error about 1e-16 for
     float64, 4e-7 for float32; float16, bfloat16 and integers go through float32)."""
     x = np.asarray(x)
-    if x.dtype == np.float64:
-        compute = _erf_float64
-    elif x.dtype == np.float32:
-        compute = _erf_float32
-    else:
+    if x.dtype != np.float64 and x.dtype != np.float32:
         return erf(x.astype(np.float32)).astype(x.dtype)
-    if x.size <= _ERF_BLOCK:
-        return compute(x, np.empty_like(x))
-    flat = x.reshape(-1)
-    out = np.empty(flat.shape, x.dtype)
-    for start in range(0, flat.size, _ERF_BLOCK):
-        block = slice(start, start + _ERF_BLOCK)
-        compute(flat[block], out[block])
-    return out.reshape(x.shape)
+    if x.size > _ERF_BLOCK:
+        x = np.ascontiguousarray(x)
+    out = np.empty(x.shape, x.dtype)
+    _erf_blocks(x, out, _fresh)
+    return out
 
 
+def _erf_into(out: np.ndarray, x: np.ndarray) -> None:
+    if x.dtype != np.float64 and x.dtype != np.float32:
+        wide = scratch(out, "erf-in", x.shape, np.float32)
+        np.copyto(wide, x, casting="unsafe")
+        result = scratch(out, "erf-out", x.shape, np.float32)
+        _erf_into(result, wide)
+        np.copyto(out, result, casting="unsafe")
+    elif x.size > _ERF_BLOCK and not (x.flags.c_contiguous and out.flags.c_contiguous):
+        np.copyto(out, erf(x))  # blocks need flat views (never so for a captured buffer)
+    else:
+        _erf_blocks(x, out, lambda slot, shape, dtype: scratch(out, ("erf", slot), shape, dtype))
+
+
+erf.into = _erf_into
 kernel("Erf", 9)(erf)
 
 
@@ -367,6 +555,21 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return np.reciprocal(y, out=y)
 
 
+def _sigmoid_into(out: np.ndarray, x: np.ndarray) -> None:
+    if x.dtype.itemsize < 4:
+        wide = scratch(out, "sigmoid", x.shape, np.float32)
+        np.copyto(wide, x, casting="unsafe")
+        _sigmoid_into(wide, wide)
+        np.copyto(out, wide, casting="unsafe")
+        return
+    with np.errstate(over="ignore"):
+        np.negative(x, out=out)
+        np.exp(out, out=out)
+    out += 1
+    np.reciprocal(out, out=out)
+
+
+sigmoid.into = _sigmoid_into
 kernel("Sigmoid", 1)(sigmoid)
 
 
@@ -375,10 +578,25 @@ def relu(x):
     return np.maximum(x, 0)
 
 
+def _relu_into(out, x):
+    np.maximum(x, 0, out=out)
+
+
+relu.into = _relu_into
+
+
 @kernel("LeakyRelu", 1)
 def leaky_relu(x, *, alpha=0.01):
     # x for x >= 0 and alpha * x below is the larger of the two when alpha <= 1.
     return (np.maximum if alpha <= 1 else np.minimum)(x, np.multiply(x, alpha))
+
+
+def _leaky_relu_into(out, x, *, alpha=0.01):
+    np.multiply(x, alpha, out=out)
+    (np.maximum if alpha <= 1 else np.minimum)(x, out, out=out)
+
+
+leaky_relu.into = _leaky_relu_into
 
 
 # Where a mask would pick between two values (Elu, PRelu), the kernels add the negative and
@@ -386,11 +604,16 @@ def leaky_relu(x, *, alpha=0.01):
 # ten times slower than a few plain passes.
 
 
-def _scaled_negative_part(x, slope) -> np.ndarray:
-    """min(x, 0) * slope + max(x, 0)."""
-    y = np.minimum(x, 0, out=np.empty_like(x))
+def _positive_part(out: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """max(x, 0) in a work array of ``out``'s ``into`` call."""
+    return np.maximum(x, 0, out=scratch(out, "positive", x.shape, x.dtype))
+
+
+def _scaled_negative_part(x, slope, out=None) -> np.ndarray:
+    """min(x, 0) * slope + max(x, 0) (into ``out`` when given)."""
+    y = np.minimum(x, 0, out=np.empty_like(x) if out is None else out)
     y *= slope
-    y += np.maximum(x, 0)
+    y += np.maximum(x, 0) if out is None else _positive_part(out, x)
     return y
 
 
@@ -399,28 +622,46 @@ def prelu(x, slope):
     return _scaled_negative_part(x, slope)  # slope broadcasts to x, one way only
 
 
-@kernel("PRelu", 1)
-def prelu_per_channel(x, slope):
+prelu.into = lambda out, x, slope: _scaled_negative_part(x, slope, out)
+
+
+def _per_channel(x, slope):
     # Before opset 7 a 1-D slope holds one value per channel (axis 1), not per last axis.
     if np.ndim(slope) == 1 and np.size(slope) > 1 and np.ndim(x) > 2:
         slope = np.reshape(slope, (-1,) + (1,) * (np.ndim(x) - 2))
-    return prelu(x, slope)
+    return slope
 
 
-def _exponential_below_zero(x, alpha: float, divisor: float = 1.0) -> np.ndarray:
-    """alpha * (exp(x / divisor) - 1) where x <= 0 and x where x > 0."""
-    y = np.minimum(x, 0, out=np.empty_like(x))  # exp of the positive side could overflow
+@kernel("PRelu", 1)
+def prelu_per_channel(x, slope):
+    return prelu(x, _per_channel(x, slope))
+
+
+prelu_per_channel.into = lambda out, x, slope: _scaled_negative_part(x, _per_channel(x, slope), out)
+
+
+def _exponential_below_zero(x, alpha: float, divisor: float = 1.0, out=None) -> np.ndarray:
+    """alpha * (exp(x / divisor) - 1) where x <= 0 and x where x > 0 (into ``out`` when given)."""
+    # exp of the positive side could overflow
+    y = np.minimum(x, 0, out=np.empty_like(x) if out is None else out)
     if divisor != 1.0:
         y /= divisor
     np.expm1(y, out=y)
     y *= alpha
-    y += np.maximum(x, 0)
+    y += np.maximum(x, 0) if out is None else _positive_part(out, x)
     return y
 
 
 @kernel("Elu", 1)
 def elu(x, *, alpha=1.0):
     return _exponential_below_zero(x, alpha)
+
+
+def _elu_into(out, x, *, alpha=1.0):
+    _exponential_below_zero(x, alpha, out=out)
+
+
+elu.into = _elu_into
 
 
 @kernel("Selu", 1)
@@ -430,9 +671,24 @@ def selu(x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875)
     return y
 
 
+def _selu_into(out, x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
+    _exponential_below_zero(x, alpha, out=out)
+    out *= gamma
+
+
+selu.into = _selu_into
+
+
 @kernel("Celu", 12)
 def celu(x, *, alpha=1.0):
     return _exponential_below_zero(x, alpha, divisor=alpha)
+
+
+def _celu_into(out, x, *, alpha=1.0):
+    _exponential_below_zero(x, alpha, divisor=alpha, out=out)
+
+
+celu.into = _celu_into
 
 
 @kernel("ThresholdedRelu", 10)
@@ -440,37 +696,79 @@ def thresholded_relu(x, *, alpha=1.0):
     return np.where(x > alpha, x, 0)
 
 
+def _thresholded_relu_into(out, x, *, alpha=1.0):
+    above = np.greater(x, alpha, out=scratch(out, "mask", x.shape, np.bool_))
+    out.fill(0)
+    np.copyto(out, x, where=above)
+
+
+thresholded_relu.into = _thresholded_relu_into
+
+
+def _hard_sigmoid_into(out, x, *, alpha=0.2, beta=0.5):
+    np.multiply(x, alpha, out=out)
+    out += beta
+    np.clip(out, 0, 1, out=out)
+
+
 @kernel("HardSigmoid", 1)
 def hard_sigmoid(x, *, alpha=0.2, beta=0.5):
-    y = np.multiply(x, alpha, out=np.empty_like(x))
-    y += beta
-    return np.clip(y, 0, 1, out=y)
+    y = np.empty_like(x)
+    _hard_sigmoid_into(y, x, alpha=alpha, beta=beta)
+    return y
+
+
+hard_sigmoid.into = _hard_sigmoid_into
+
+
+def _hard_swish_into(out, x):
+    _hard_sigmoid_into(out, x, alpha=1 / 6, beta=0.5)
+    out *= x
 
 
 @kernel("HardSwish", 14)
 def hard_swish(x):
-    y = hard_sigmoid(x, alpha=1 / 6, beta=0.5)
-    y *= x
+    y = np.empty_like(x)
+    _hard_swish_into(y, x)
     return y
+
+
+hard_swish.into = _hard_swish_into
+
+
+def _softsign_into(out, x):
+    np.abs(x, out=out)
+    out += 1
+    np.divide(x, out, out=out)
 
 
 @kernel("Softsign", 1)
 def softsign(x):
-    y = np.abs(x, out=np.empty_like(x))
-    y += 1
-    return np.divide(x, y, out=y)
+    y = np.empty_like(x)
+    _softsign_into(y, x)
+    return y
+
+
+softsign.into = _softsign_into
+
+
+def _softplus(x, out=None):
+    # log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)): nothing overflows, and numpy's
+    # vectorised exp and log1p make it several times faster than np.logaddexp.
+    y = np.abs(x, out=np.empty_like(x) if out is None else out)
+    np.negative(y, out=y)
+    np.exp(y, out=y)
+    np.log1p(y, out=y)
+    y += np.maximum(x, 0) if out is None else _positive_part(out, x)
+    return y
 
 
 @kernel("Softplus", 1)
 def softplus(x):
-    # log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)): nothing overflows, and numpy's
-    # vectorised exp and log1p make it several times faster than np.logaddexp.
-    y = np.abs(x, out=np.empty_like(x))
-    np.negative(y, out=y)
-    np.exp(y, out=y)
-    np.log1p(y, out=y)
-    y += np.maximum(x, 0)
-    return y
+    return _softplus(x)
+
+
+softplus.into = lambda out, x: _softplus(x, out)
 
 
 @kernel("Mish", 18)
@@ -481,11 +779,32 @@ def mish(x):
     return y
 
 
+def _mish_into(out, x):
+    _softplus(x, out)
+    np.tanh(out, out=out)
+    out *= x
+
+
+mish.into = _mish_into
+
+
 @kernel("Swish", 24)
 def swish(x, *, alpha=1.0):
     y = sigmoid(np.multiply(x, alpha) if alpha != 1.0 else x)
     y *= x
     return y
+
+
+def _swish_into(out, x, *, alpha=1.0):
+    if alpha != 1.0:
+        scaled = np.multiply(x, alpha, out=scratch(out, "swish", x.shape, np.result_type(x, alpha)))
+        _sigmoid_into(out, scaled)
+    else:
+        _sigmoid_into(out, x)
+    out *= x
+
+
+swish.into = _swish_into
 
 
 @kernel("Shrink", 9)
@@ -506,17 +825,35 @@ def _gelu_exact(x):
     return y
 
 
+def _gelu_exact_into(out, x):
+    _erf_into(out, np.multiply(x, _SQRT_HALF, out=scratch(out, "gelu", x.shape, x.dtype)))
+    out += 1
+    out *= x
+    out *= 0.5
+
+
+_gelu_exact.into = _gelu_exact_into
+
+
+def _gelu_tanh_into(out, x):
+    np.multiply(x, x, out=out)
+    out *= 0.044715
+    out += 1
+    out *= x
+    out *= _SQRT_2_OVER_PI
+    np.tanh(out, out=out)
+    out += 1
+    out *= x
+    out *= 0.5
+
+
 def _gelu_tanh(x):
-    y = np.multiply(x, x, out=np.empty_like(x))
-    y *= 0.044715
-    y += 1
-    y *= x
-    y *= _SQRT_2_OVER_PI
-    np.tanh(y, out=y)
-    y += 1
-    y *= x
-    y *= 0.5
+    y = np.empty_like(x)
+    _gelu_tanh_into(y, x)
     return y
+
+
+_gelu_tanh.into = _gelu_tanh_into
 
 
 @kernel_builder("Gelu", 20)

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder
+from .elementwise import scratch
 
 # numpy has no BLAS path for half types (and bfloat16 products would round at every
 # step): they are multiplied in float32 and the result cast back.
@@ -30,9 +31,30 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.matmul(a, b)
 
 
+def _widen_into(out: np.ndarray, slot: str, x: np.ndarray) -> np.ndarray:
+    """_widen(x), in a work array of ``out``'s ``into`` call when x is a half type."""
+    if x.dtype not in _HALF_TYPES:
+        return x
+    wide = scratch(out, slot, x.shape, np.float32)
+    np.copyto(wide, x, casting="unsafe")
+    return wide
+
+
+def _matmul_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    if a.dtype in _HALF_TYPES:
+        product = scratch(out, "product", out.shape, np.float32)
+        np.matmul(_widen_into(out, "a", a), _widen_into(out, "b", b), out=product)
+        np.copyto(out, product, casting="unsafe")
+    else:
+        np.matmul(a, b, out=out)
+
+
 @kernel("MatMul", 1)
 def matmul(a, b):
     return _matmul(a, b)
+
+
+matmul.into = _matmul_into
 
 
 def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
@@ -40,6 +62,19 @@ def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
     if x.dtype.kind in "iu":
         return (x * factor).astype(x.dtype)
     return x * x.dtype.type(factor)
+
+
+def _scaled_into(out: np.ndarray, slot: str, x: np.ndarray, factor: float) -> np.ndarray:
+    """_scaled(x, factor), in a work array of ``out``'s ``into`` call (x itself when that
+    array is ``x``, scaled in place)."""
+    if x.dtype.kind in "iu":
+        wide = scratch(out, slot + "-wide", x.shape, np.result_type(x, factor))
+        np.multiply(x, factor, out=wide)
+        target = x if slot == "y" else scratch(out, slot, x.shape, x.dtype)
+        np.copyto(target, wide, casting="unsafe")
+        return target
+    target = x if slot == "y" else scratch(out, slot, x.shape, x.dtype)
+    return np.multiply(x, x.dtype.type(factor), out=target)
 
 
 @kernel_builder("Gemm", 1, 7)
@@ -94,6 +129,38 @@ def gemm(ctx: KernelContext):
             y += c
         return y
 
+    def run_into(y, a, b, c=None):
+        if trans_a:
+            a = a.T
+        if prepared_b is not None:
+            wide_a = _widen_into(y, "a", a)
+            product_dtype = np.result_type(wide_a.dtype, prepared_b.dtype)
+            if product_dtype != y.dtype:
+                product = scratch(y, "product", y.shape, product_dtype)
+                np.matmul(wide_a, prepared_b, out=product)
+                np.copyto(y, product, casting="unsafe")
+            else:
+                np.matmul(a, prepared_b, out=y)
+        else:
+            _matmul_into(y, a, b.T if trans_b else b)
+        if scale_y:
+            if y.dtype.kind in "iu":
+                _scaled_into(y, "y", y, alpha)
+            else:
+                np.multiply(y, y.dtype.type(alpha), out=y)
+        if c is not None and beta != 0.0:
+            if strict_c_shape and c.shape != y.shape:
+                raise ValueError(
+                    f"Gemm (opset {ctx.opset}, broadcast=0): C has shape {c.shape}, "
+                    f"expected {y.shape}; set broadcast=1 to broadcast it"
+                )
+            if prepared_c is not None:
+                c = prepared_c
+            elif beta != 1.0:
+                c = _scaled_into(y, "c", c, beta)
+            y += c
+
+    run.into = run_into
     return run
 
 

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder
+from .elementwise import scratch
 
 # Statistics of half-precision inputs are computed in float32 (the spec's stash_type=1).
 _HALF_TYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -25,18 +26,57 @@ def _check_stash_type(ctx: KernelContext) -> None:
         )
 
 
-def _normalize_rows(x2: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _normalize_rows(
+    x2: np.ndarray, epsilon: float, work: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Standardise each row of the 2-D ``x2``: returns (normalised rows, mean, 1/std),
-    the variance taken about the mean (not E[x^2] - E[x]^2, which cancels badly)."""
-    mean = x2.mean(axis=1, keepdims=True)
-    centered = x2 - mean
-    variance = np.einsum("ij,ij->i", centered, centered).reshape(-1, 1)
+    the variance taken about the mean (not E[x^2] - E[x]^2, which cancels badly).
+    ``work`` (for ``into`` variants) holds the arrays to write them into: rows like x2,
+    and two (rows, 1) columns."""
+    if work is None:
+        mean = x2.mean(axis=1, keepdims=True)
+        centered = x2 - mean
+        variance = np.einsum("ij,ij->i", centered, centered).reshape(-1, 1)
+    else:
+        centered, mean, variance = work
+        x2.mean(axis=1, keepdims=True, out=mean)
+        np.subtract(x2, mean, out=centered)
+        np.einsum("ij,ij->i", centered, centered, out=variance.reshape(-1))
     variance /= max(x2.shape[1], 1)
     variance += variance.dtype.type(epsilon)
     inv_std = np.sqrt(variance, out=variance)
     np.reciprocal(inv_std, out=inv_std)
     centered *= inv_std
     return centered, mean, inv_std
+
+
+def _rows_target(out: np.ndarray, rows: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """Where an ``into`` call writing ``out`` puts ``rows`` of ``dtype``: ``out`` itself
+    when it has that dtype and layout, else a work array."""
+    if out.dtype == dtype and out.flags.c_contiguous:
+        return out.reshape(rows)
+    return scratch(out, "rows", rows, dtype)
+
+
+def _rows_work(out: np.ndarray, rows: tuple[int, int], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Work arrays for _normalize_rows in an ``into`` call writing ``out``."""
+    column = (rows[0], 1)
+    return _rows_target(out, rows, dtype), scratch(out, "mean", column, dtype), scratch(out, "variance", column, dtype)
+
+
+def _work_copy(out: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x.astype(_stats_dtype(x.dtype), copy=False), in a work array of ``out``'s ``into`` call."""
+    dtype = _stats_dtype(x.dtype)
+    if x.dtype == dtype:
+        return x
+    work = scratch(out, "work", x.shape, dtype)
+    np.copyto(work, x, casting="unsafe")
+    return work
+
+
+def _rows_of(x: np.ndarray, rows: tuple[int, int]) -> np.ndarray:
+    """x as ``rows`` (a view for the contiguous inputs a capture holds)."""
+    return x.reshape(rows)
 
 
 def _channel_shape(x: np.ndarray) -> tuple[int, ...]:
@@ -100,7 +140,35 @@ def batch_normalization(ctx: KernelContext):
         # In inference v14's optional running statistics pass through unchanged.
         return (y, mean, var) if ctx.opset >= 14 else (y,)
 
+    def run_into(out, x, scale, bias, mean, var):
+        if folded is None:
+            multiplier, shift = _batch_norm_affine(scale, bias, mean, var, epsilon)
+            shape = param_shape(x)
+            affine = (
+                _cast_into(out, "multiplier", multiplier.reshape(shape), x.dtype),
+                _cast_into(out, "shift", shift.reshape(shape), x.dtype),
+            )
+        else:
+            affine = cache.get((x.dtype, x.ndim))
+            if affine is None:
+                affine = cache[x.dtype, x.ndim] = affine_for(x, scale, bias, mean, var)
+        y = out[0]
+        np.multiply(x, affine[0], out=y)
+        y += affine[1]
+        if len(out) > 1:
+            np.copyto(out[1], mean)
+        if len(out) > 2:
+            np.copyto(out[2], var)
+
+    run.into = run_into
     return run
+
+
+def _cast_into(out: np.ndarray, slot: str, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """x.astype(dtype), in a work array of ``out``'s ``into`` call."""
+    target = scratch(out, slot, x.shape, dtype)
+    np.copyto(target, x, casting="unsafe")
+    return target
 
 
 def _batch_norm_training(opset: int, epsilon: float, momentum: float, spatial: bool, param_shape):
@@ -135,11 +203,23 @@ def _group_statistics_normalize(x: np.ndarray, groups: int, epsilon: float) -> n
     return normalized.reshape(x.shape)
 
 
-def _affine_channels(normalized: np.ndarray, scale, bias, x: np.ndarray) -> np.ndarray:
+def _group_statistics_normalize_into(out: np.ndarray, x: np.ndarray, groups: int, epsilon: float) -> np.ndarray:
+    """_group_statistics_normalize into ``out`` (or, for half types, a work array)."""
+    work = _work_copy(out, x)
+    rows = (x.shape[0] * groups, x.size // max(x.shape[0] * groups, 1))
+    normalized, _, _ = _normalize_rows(_rows_of(work, rows), epsilon, _rows_work(out, rows, work.dtype))
+    return normalized.reshape(x.shape)
+
+
+def _affine_channels(normalized: np.ndarray, scale, bias, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     shape = _channel_shape(x)
     normalized *= np.asarray(scale).reshape(shape)
     normalized += np.asarray(bias).reshape(shape)
-    return normalized.astype(x.dtype, copy=False)
+    if out is None:
+        return normalized.astype(x.dtype, copy=False)
+    if not np.may_share_memory(normalized, out):
+        np.copyto(out, normalized, casting="unsafe")
+    return out
 
 
 @kernel("InstanceNormalization", 1)
@@ -148,12 +228,29 @@ def instance_normalization(x, scale, bias, *, epsilon=1e-5):
     return _affine_channels(normalized, scale, bias, x)
 
 
+def _instance_normalization_into(out, x, scale, bias, *, epsilon=1e-5):
+    normalized = _group_statistics_normalize_into(out, x, x.shape[1], epsilon)
+    _affine_channels(normalized, scale, bias, x, out)
+
+
+instance_normalization.into = _instance_normalization_into
+
+
 @kernel("GroupNormalization", 18)
 def group_normalization_18(x, scale, bias, *, epsilon=1e-5, num_groups):
     # v18: scale and bias hold one value per group.
     normalized = _group_statistics_normalize(x, num_groups, epsilon)
     per_group = x.shape[1] // num_groups
     return _affine_channels(normalized, np.repeat(scale, per_group), np.repeat(bias, per_group), x)
+
+
+def _group_normalization_18_into(out, x, scale, bias, *, epsilon=1e-5, num_groups):
+    normalized = _group_statistics_normalize_into(out, x, num_groups, epsilon)
+    per_group = x.shape[1] // num_groups
+    _affine_channels(normalized, np.repeat(scale, per_group), np.repeat(bias, per_group), x, out)
+
+
+group_normalization_18.into = _group_normalization_18_into
 
 
 @kernel_builder("GroupNormalization", 21)
@@ -167,18 +264,24 @@ def group_normalization_21(ctx: KernelContext):
         normalized = _group_statistics_normalize(x, num_groups, epsilon)
         return _affine_channels(normalized, scale, bias, x)
 
+    def run_into(out, x, scale, bias):
+        normalized = _group_statistics_normalize_into(out, x, num_groups, epsilon)
+        _affine_channels(normalized, scale, bias, x, out)
+
+    run.into = run_into
     return run
 
 
 # --- LayerNormalization, RMSNormalization
 
 
-def _rows_view(x: np.ndarray, axis: int) -> tuple[np.ndarray, tuple[int, ...]]:
+def _rows_view(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, ...]]:
     """x in its statistics dtype as a 2-D (outer, normalised) array, and the shape of
-    the per-row statistics as the spec gives it: x.shape[:axis] + (1, ...)."""
+    the per-row statistics as the spec gives it: x.shape[:axis] + (1, ...). With ``out``
+    (an ``into`` call), a cast goes to a work array."""
     if axis < 0:
         axis += x.ndim
-    work = x.astype(_stats_dtype(x.dtype), copy=False)
+    work = x.astype(_stats_dtype(x.dtype), copy=False) if out is None else _work_copy(out, x)
     rows = int(np.prod(x.shape[:axis], dtype=np.int64))
     return work.reshape(rows, -1), x.shape[:axis] + (1,) * (x.ndim - axis)
 
@@ -203,6 +306,23 @@ def layer_normalization(ctx: KernelContext):
             inv_std.reshape(stats_shape).astype(np.float32, copy=False),
         )
 
+    def run_into(out, x, scale, b=None):
+        y_out = out[0]
+        rows, stats_shape = _rows_view(x, axis, y_out)
+        work = _rows_work(y_out, rows.shape, rows.dtype)
+        normalized, mean, inv_std = _normalize_rows(rows, epsilon, work)
+        y = normalized.reshape(x.shape)
+        y *= scale
+        if b is not None:
+            y += b
+        if not np.may_share_memory(y, y_out):
+            np.copyto(y_out, y, casting="unsafe")
+        if len(out) > 1:
+            np.copyto(out[1], mean.reshape(stats_shape), casting="unsafe")
+        if len(out) > 2:
+            np.copyto(out[2], inv_std.reshape(stats_shape), casting="unsafe")
+
+    run.into = run_into
     return run
 
 
@@ -222,6 +342,20 @@ def rms_normalization(ctx: KernelContext):
         y *= scale
         return y.astype(x.dtype, copy=False)
 
+    def run_into(out, x, scale):
+        rows, _ = _rows_view(x, axis, out)
+        mean_square = scratch(out, "mean-square", (rows.shape[0], 1), rows.dtype)
+        np.einsum("ij,ij->i", rows, rows, out=mean_square.reshape(-1))
+        mean_square /= max(rows.shape[1], 1)
+        mean_square += mean_square.dtype.type(epsilon)
+        inv_rms = np.reciprocal(np.sqrt(mean_square, out=mean_square), out=mean_square)
+        y = np.multiply(rows, inv_rms, out=_rows_target(out, rows.shape, rows.dtype))
+        y = y.reshape(x.shape)
+        y *= scale
+        if not np.may_share_memory(y, out):
+            np.copyto(out, y, casting="unsafe")
+
+    run.into = run_into
     return run
 
 
@@ -245,6 +379,25 @@ def lp_normalization(ctx: KernelContext):
         norm[norm == 0] = 1
         return (work / norm).astype(x.dtype, copy=False)
 
+    def run_into(out, x):
+        work = _work_copy(out, x)
+        magnitude = scratch(out, "magnitude", work.shape, work.dtype)
+        (np.abs if p == 1 else np.square)(work, out=magnitude)
+        norm_shape = list(work.shape)
+        norm_shape[axis] = 1
+        norm = scratch(out, "norm", tuple(norm_shape), work.dtype)
+        np.sum(magnitude, axis=axis, keepdims=True, out=norm)
+        if p == 2:
+            np.sqrt(norm, out=norm)
+        zero = np.equal(norm, 0, out=scratch(out, "zero", norm.shape, np.bool_))
+        np.copyto(norm, 1, where=zero)
+        if work.dtype == out.dtype:
+            np.divide(work, norm, out=out)
+        else:
+            np.divide(work, norm, out=magnitude)
+            np.copyto(out, magnitude, casting="unsafe")
+
+    run.into = run_into
     return run
 
 
@@ -258,3 +411,22 @@ def mean_variance_normalization(x, *, axes=(0, 2, 3)):
     std += std.dtype.type(1e-9)
     centered /= std
     return centered.astype(x.dtype, copy=False)
+
+
+def _mean_variance_normalization_into(out, x, *, axes=(0, 2, 3)):
+    work = _work_copy(out, x)
+    axes = tuple(axes)
+    kept = tuple(1 if (d in axes or d - work.ndim in axes) else n for d, n in enumerate(work.shape))
+    mean = work.mean(axis=axes, keepdims=True, out=scratch(out, "mean", kept, work.dtype))
+    centered = out if out.dtype == work.dtype else scratch(out, "centered", work.shape, work.dtype)
+    np.subtract(work, mean, out=centered)
+    square = np.square(centered, out=scratch(out, "square", work.shape, work.dtype))
+    std = np.mean(square, axis=axes, keepdims=True, out=mean)
+    np.sqrt(std, out=std)
+    std += std.dtype.type(1e-9)
+    centered /= std
+    if centered is not out:
+        np.copyto(out, centered, casting="unsafe")
+
+
+mean_variance_normalization.into = _mean_variance_normalization_into

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from .._registry import kernel
+from .elementwise import scratch
 
 # Half-precision inputs are reduced in float32 and cast back: summing thousands of
 # float16 values in float16 loses most of the result, and numpy has no fast bfloat16 loops.
@@ -100,6 +101,132 @@ def _log_sum_exp(data: np.ndarray, axes: Any, keepdims: bool) -> Any:
     return _cast(result, data.dtype)
 
 
+# --- the same reductions into a given array (capture's ``into`` variants): the same numpy
+# calls with ``out=``, casts and temporaries in work arrays kept for the next call
+
+
+def _target(out: np.ndarray, slot: str, dtype: np.dtype) -> np.ndarray:
+    """``out`` when it has ``dtype``, else a work array shaped like it (cast in by _finish)."""
+    return out if out.dtype == dtype else scratch(out, slot, out.shape, dtype)
+
+
+def _finish(out: np.ndarray, result: np.ndarray) -> None:
+    if result is not out:
+        np.copyto(out, result.reshape(out.shape), casting="unsafe")
+
+
+def _as_work(out: np.ndarray, data: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """data.astype(dtype, copy=False), in a work array."""
+    if data.dtype == dtype:
+        return data
+    work = scratch(out, "work", data.shape, dtype)
+    np.copyto(work, data, casting="unsafe")
+    return work
+
+
+def _kept_shape(shape: tuple[int, ...], axes: Any) -> tuple[int, ...]:
+    """The shape of a reduction over ``axes`` with keepdims."""
+    if axes is None:
+        return (1,) * len(shape)
+    reduced = {a + len(shape) if a < 0 else a for a in axes}
+    return tuple(1 if d in reduced else n for d, n in enumerate(shape))
+
+
+def _sum_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype np.sum gives without ``dtype=``: small integers and bools widen."""
+    if dtype.kind in "bi" and dtype.itemsize < np.dtype(np.int_).itemsize:
+        return np.dtype(np.int_)
+    if dtype.kind == "u" and dtype.itemsize < np.dtype(np.uint).itemsize:
+        return np.dtype(np.uint)
+    return dtype
+
+
+def _accumulate_into(numpy_fn: Callable[..., Any]) -> Callable[..., None]:
+    def into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
+        accumulator = _accumulator(data.dtype)
+        result = _target(out, "result", accumulator)
+        numpy_fn(data, axis=axes, keepdims=keepdims, dtype=accumulator, out=result)
+        _finish(out, result)
+
+    return into
+
+
+_sum_into = _accumulate_into(np.sum)
+_mean_into = _accumulate_into(np.mean)
+_prod_into = _accumulate_into(np.prod)
+
+
+def _max_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
+    initial = _extreme_identity(data.dtype, largest=False)
+    np.maximum.reduce(data, axis=axes, keepdims=keepdims, initial=initial, out=out)
+
+
+def _min_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
+    initial = _extreme_identity(data.dtype, largest=True)
+    np.minimum.reduce(data, axis=axes, keepdims=keepdims, initial=initial, out=out)
+
+
+def _l1_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
+    _sum_into(out, np.abs(data, out=scratch(out, "abs", data.shape, data.dtype)), axes, keepdims)
+
+
+def _sum_of_squares(out: np.ndarray, work: np.ndarray, axes: Any, keepdims: bool) -> np.ndarray:
+    """np.sum(np.square(work), axis=axes, keepdims=keepdims), in work arrays."""
+    square = np.square(work, out=scratch(out, "square", work.shape, work.dtype))
+    dtype = _sum_dtype(square.dtype)
+    return np.sum(square, axis=axes, keepdims=keepdims, dtype=dtype, out=_target(out, "result", dtype))
+
+
+def _sum_square_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
+    work = _as_work(out, data, _accumulator(data.dtype))
+    _finish(out, _sum_of_squares(out, work, axes, keepdims))
+
+
+def _l2_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
+    work = _as_work(out, data, _float_work_dtype(data.dtype))
+    total = _sum_of_squares(out, work, axes, keepdims)
+    _finish(out, np.sqrt(total, out=total))
+
+
+def _log_sum_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
+    work = _as_work(out, data, _float_work_dtype(data.dtype))
+    total = np.sum(work, axis=axes, keepdims=keepdims, out=_target(out, "result", work.dtype))
+    with np.errstate(divide="ignore"):
+        np.log(total, out=total)
+    _finish(out, total)
+
+
+def _log_sum_exp_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
+    work = _as_work(out, data, _float_work_dtype(data.dtype))
+    kept = _kept_shape(work.shape, axes)
+    shift = scratch(out, "shift", kept, work.dtype)
+    np.maximum.reduce(work, axis=axes, keepdims=True, initial=-np.inf, out=shift)
+    unbounded = np.isfinite(shift, out=scratch(out, "unbounded", kept, np.bool_))
+    np.logical_not(unbounded, out=unbounded)
+    np.copyto(shift, 0, where=unbounded)
+    exp = np.subtract(work, shift, out=scratch(out, "exp", work.shape, work.dtype))
+    np.exp(exp, out=exp)
+    result = np.sum(exp, axis=axes, keepdims=True, out=scratch(out, "result", kept, work.dtype))
+    with np.errstate(divide="ignore"):
+        np.log(result, out=result)
+    result += shift
+    np.copyto(out, result.reshape(out.shape), casting="unsafe")
+
+
+_INTO = {
+    _sum: _sum_into,
+    _mean: _mean_into,
+    _prod: _prod_into,
+    _max: _max_into,
+    _min: _min_into,
+    _l1: _l1_into,
+    _sum_square: _sum_square_into,
+    _l2: _l2_into,
+    _log_sum: _log_sum_into,
+    _log_sum_exp: _log_sum_exp_into,
+}
+
+
 # --- binding the reductions to the two ONNX signatures
 
 
@@ -113,6 +240,10 @@ def _with_axes_attribute(reduce: Callable[..., Any]) -> Callable[..., Any]:
     def run(data, *, axes=None, keepdims=1):
         return reduce(data, _axes_tuple(axes) if axes else None, bool(keepdims))
 
+    def run_into(out, data, *, axes=None, keepdims=1):
+        _INTO[reduce](out, data, _axes_tuple(axes) if axes else None, bool(keepdims))
+
+    run.into = run_into
     return run
 
 
@@ -120,13 +251,18 @@ def _with_axes_input(reduce: Callable[..., Any]) -> Callable[..., Any]:
     """The kernel for opsets where ``axes`` is an optional input and an empty or
     absent ``axes`` means all axes, or no axis with ``noop_with_empty_axes``."""
 
-    def run(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+    def reduce_axes(axes: Any, noop_with_empty_axes: int) -> Any:
         if axes is not None and axes.size:
-            reduce_axes: Any = _axes_tuple(axes)
-        else:
-            reduce_axes = () if noop_with_empty_axes else None
-        return reduce(data, reduce_axes, bool(keepdims))
+            return _axes_tuple(axes)
+        return () if noop_with_empty_axes else None
 
+    def run(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+        return reduce(data, reduce_axes(axes, noop_with_empty_axes), bool(keepdims))
+
+    def run_into(out, data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
+        _INTO[reduce](out, data, reduce_axes(axes, noop_with_empty_axes), bool(keepdims))
+
+    run.into = run_into
     return run
 
 
@@ -162,11 +298,46 @@ def _arg_extreme(find: Callable[..., Any], data: np.ndarray, axis: int, keepdims
     return index.astype(np.int64, copy=False)
 
 
+def _arg_extreme_into(find, out, data, axis: int, keepdims: int, select_last_index: int) -> None:
+    # numpy's argmax copies its input to a contiguous one whose last axis is ``axis`` (so
+    # always when reversed for select_last_index): that copy goes to a work array here.
+    rows = np.moveaxis(data, axis, -1)
+    if select_last_index:
+        rows = rows[..., ::-1]
+    if not rows.flags.c_contiguous:
+        copy = scratch(out, "rows", rows.shape, rows.dtype)
+        np.copyto(copy, rows)
+        rows = copy
+    if out.dtype == np.intp and out.flags.c_contiguous:
+        index = out.reshape(rows.shape[:-1])
+    else:
+        index = scratch(out, "index", rows.shape[:-1], np.intp)
+    find(rows, axis=-1, out=index)
+    if select_last_index:
+        np.subtract(rows.shape[-1] - 1, index, out=index)
+    if not np.may_share_memory(index, out):
+        np.copyto(out, index.reshape(out.shape), casting="unsafe")
+
+
 @kernel("ArgMax", 1)
 def arg_max(data, *, axis=0, keepdims=1, select_last_index=0):
     return _arg_extreme(np.argmax, data, axis, keepdims, select_last_index)
 
 
+def _arg_max_into(out, data, *, axis=0, keepdims=1, select_last_index=0):
+    _arg_extreme_into(np.argmax, out, data, axis, keepdims, select_last_index)
+
+
+arg_max.into = _arg_max_into
+
+
 @kernel("ArgMin", 1)
 def arg_min(data, *, axis=0, keepdims=1, select_last_index=0):
     return _arg_extreme(np.argmin, data, axis, keepdims, select_last_index)
+
+
+def _arg_min_into(out, data, *, axis=0, keepdims=1, select_last_index=0):
+    _arg_extreme_into(np.argmin, out, data, axis, keepdims, select_last_index)
+
+
+arg_min.into = _arg_min_into

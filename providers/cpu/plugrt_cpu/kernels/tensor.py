@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder
+from .elementwise import scratch
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -62,8 +63,11 @@ _SCATTER_REDUCTIONS = {
 }
 
 
-def _scatter(data: np.ndarray, index: tuple, updates: np.ndarray, reduction: str) -> np.ndarray:
-    out = data.copy()
+def _scatter(data: np.ndarray, index: tuple, updates: np.ndarray, reduction: str, out=None) -> np.ndarray:
+    if out is None:
+        out = data.copy()
+    else:
+        np.copyto(out, data)
     if reduction == "none":
         out[index] = updates
         return out
@@ -77,6 +81,18 @@ def _scatter(data: np.ndarray, index: tuple, updates: np.ndarray, reduction: str
 # ---------------------------------------------------------------------------
 # views: reshape, transpose, squeeze, unsqueeze, flatten, expand, identity, shape
 # ---------------------------------------------------------------------------
+
+# A reshape is a view of a contiguous input; of any other (a transposed view, a broadcast
+# Expand) it copies, and capture then calls the kernel's `into`: the same elements in C
+# order, written through a view of `out` shaped like the input.
+
+
+def _reshaped_into(out: np.ndarray, data: np.ndarray, *_inputs, **_attributes) -> None:
+    if out.flags.c_contiguous:
+        np.copyto(out.reshape(data.shape), data)
+    else:
+        np.copyto(out, data.reshape(out.shape))
+
 
 
 def _reshape(data: np.ndarray, dims: list[int], allowzero: int) -> np.ndarray:
@@ -98,9 +114,12 @@ def reshape(data, shape, *, allowzero=0):
     return _reshape(data, shape.tolist(), allowzero)
 
 
+reshape_1.into = reshape.into = _reshaped_into
+
+
 @kernel("Transpose", 1)
 def transpose(data, *, perm=None):
-    return data.transpose(perm)
+    return data.transpose(perm)  # a view: capture needs no into
 
 
 # Squeeze treats empty axes like absent ones (every size-1 axis goes), as onnxruntime does.
@@ -152,6 +171,9 @@ def flatten(data, *, axis=1):
     return data.reshape(math.prod(shape[:axis]), math.prod(shape[axis:]))
 
 
+squeeze_1.into = squeeze.into = unsqueeze_1.into = unsqueeze.into = flatten.into = _reshaped_into
+
+
 @kernel("Expand", 8)
 def expand(data, shape):
     dims = shape.tolist()
@@ -181,15 +203,36 @@ def shape_1(data):
     return np.array(data.shape, dtype=np.int64)
 
 
+def _shape_1_into(out, data):
+    out[...] = data.shape
+
+
+shape_1.into = _shape_1_into
+
+
 @kernel("Shape", 15)
 def shape(data, *, start=0, end=None):
     # Python slicing clamps out-of-range and negative bounds exactly as the spec asks.
     return np.array(data.shape[start:end], dtype=np.int64)
 
 
+def _shape_into(out, data, *, start=0, end=None):
+    out[...] = data.shape[start:end]
+
+
+shape.into = _shape_into
+
+
 @kernel("Size", 1)
 def size(data):
     return np.array(data.size, dtype=np.int64)
+
+
+def _size_into(out, data):
+    out[...] = data.size
+
+
+size.into = _size_into
 
 
 # ---------------------------------------------------------------------------
@@ -208,6 +251,21 @@ def concat(*inputs, axis):
         _axis(axis, inputs[0].ndim)
         return inputs[0]
     return np.concatenate(inputs, axis=axis)
+
+
+def _concat_into(out, *inputs, axis):
+    if len(inputs) == 1:
+        np.copyto(out, inputs[0])
+    else:
+        np.concatenate(inputs, axis=axis, out=out)
+
+
+def _concat_1_into(out, *inputs, axis=1):
+    _concat_into(out, *inputs, axis=axis)
+
+
+concat.into = _concat_into
+concat_1.into = _concat_1_into
 
 
 def _split_sizes(dim: int, parts: int) -> list[int]:
@@ -302,11 +360,27 @@ def slice_(data, starts, ends, axes=None, steps=None):
     )
 
 
+def _tile_into(out: np.ndarray, data: np.ndarray) -> None:
+    """np.tile into ``out``: out viewed as (repeat, size) pairs per axis takes ``data``
+    broadcast over the repeats."""
+    pairs, spread = [], []
+    for size, total in zip(data.shape, out.shape):
+        pairs += [total // size if size else 0, size]
+        spread += [1, size]
+    if out.flags.c_contiguous and out.size:
+        np.copyto(out.reshape(pairs), data.reshape(spread))
+    else:
+        np.copyto(out, np.tile(data, [p for p in pairs[::2]]))
+
+
 @kernel("Tile", 1)
 def tile_1(data, tiles, axis):
     repeats = [1] * data.ndim
     repeats[_axis(_scalar_int(axis), data.ndim)] = _scalar_int(tiles)
     return np.tile(data, repeats)
+
+
+tile_1.into = lambda out, data, tiles, axis: _tile_into(out, data)
 
 
 @kernel("Tile", 6)
@@ -317,7 +391,11 @@ def tile(data, repeats):
     return np.tile(data, reps)
 
 
-def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | None) -> np.ndarray:
+tile.into = lambda out, data, repeats: _tile_into(out, data)
+
+
+def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | None, out=None) -> np.ndarray:
+    """Pad ``data`` (into ``out`` when given: an ``into`` variant)."""
     rank = data.ndim
     axes = list(range(rank)) if axes is None else [_axis(a, rank) for a in axes]
     count = len(axes)
@@ -333,37 +411,61 @@ def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | 
         begin = [max(b, 0) for b in begin]
         end = [max(e, 0) for e in end]
     if not any(begin) and not any(end):
+        if out is not None:
+            np.copyto(out, data)
         return data
     if mode == "constant":
-        out_shape = tuple(d + b + e for d, b, e in zip(data.shape, begin, end))
-        out = np.full(out_shape, _zero(data.dtype) if value is None else value, dtype=data.dtype)
+        fill = _zero(data.dtype) if value is None else value
+        if out is None:
+            out_shape = tuple(d + b + e for d, b, e in zip(data.shape, begin, end))
+            out = np.full(out_shape, fill, dtype=data.dtype)
+        else:
+            out.fill(fill)
         out[tuple(slice(b, b + d) for b, d in zip(begin, data.shape))] = data
         return out
     if mode not in ("reflect", "edge", "wrap"):  # numpy.pad's modes of the same names
         raise NotImplementedError(f"Pad mode {mode!r} is not supported (constant, reflect, edge, wrap)")
     if data.size == 0:
         raise ValueError(f"Pad mode {mode!r} cannot pad an empty tensor")
-    return np.pad(data, list(zip(begin, end)), mode=mode)
+    padded = np.pad(data, list(zip(begin, end)), mode=mode)
+    if out is not None:
+        np.copyto(out, padded)  # numpy.pad has no out=: these modes allocate on replay too
+    return padded
+
+
+def _pad_1_into(out, data, *, paddings=None, mode="constant", value=0.0):
+    if paddings is None:
+        raise ValueError("Pad-1 needs its 'paddings' attribute")
+    return _pad(data, list(paddings), mode, value, None, out)
 
 
 @kernel("Pad", 1)
 def pad_1(data, *, paddings=None, mode="constant", value=0.0):
-    if paddings is None:
-        raise ValueError("Pad-1 needs its 'paddings' attribute")
-    return _pad(data, list(paddings), mode, value, None)
+    return _pad_1_into(None, data, paddings=paddings, mode=mode, value=value)
+
+
+def _pad_2_into(out, data, *, pads=None, mode="constant", value=0.0):
+    if pads is None:
+        raise ValueError("Pad-2 needs its 'pads' attribute")
+    return _pad(data, list(pads), mode, value, None, out)
 
 
 @kernel("Pad", 2)
 def pad_2(data, *, pads=None, mode="constant", value=0.0):
-    if pads is None:
-        raise ValueError("Pad-2 needs its 'pads' attribute")
-    return _pad(data, list(pads), mode, value, None)
+    return _pad_2_into(None, data, pads=pads, mode=mode, value=value)
+
+
+def _pad_into(out, data, pads, constant_value=None, axes=None, *, mode="constant"):
+    value = None if constant_value is None or constant_value.size == 0 else constant_value.reshape(-1)[0]
+    return _pad(data, pads.tolist(), mode, value, None if axes is None else axes.tolist(), out)
 
 
 @kernel("Pad", 11, 18)
 def pad(data, pads, constant_value=None, axes=None, *, mode="constant"):
-    value = None if constant_value is None or constant_value.size == 0 else constant_value.reshape(-1)[0]
-    return _pad(data, pads.tolist(), mode, value, None if axes is None else axes.tolist())
+    return _pad_into(None, data, pads, constant_value, axes, mode=mode)
+
+
+pad_1.into, pad_2.into, pad.into = _pad_1_into, _pad_2_into, _pad_into
 
 
 @kernel("CenterCropPad", 18)
@@ -405,6 +507,19 @@ def gather(data, indices, *, axis=0):
     return np.take(data, indices, axis=axis)
 
 
+def _gather_into(out, data, indices, *, axis=0):
+    # np.take(out=) in its default mode="raise" copies `out` first; "wrap" writes in place and
+    # reads in-range indices (negative ones included) alike, so the range is checked here.
+    if indices.size:
+        count = data.shape[_axis(axis, data.ndim)]
+        if indices.min() < -count or indices.max() >= count:
+            raise IndexError(f"Gather index out of range for an axis of size {count}")
+    np.take(data, indices, axis=axis, out=out, mode="wrap")
+
+
+gather.into = _gather_into
+
+
 @kernel("GatherElements", 11)
 def gather_elements(data, indices, *, axis=0):
     axis = _axis(axis, data.ndim)
@@ -438,25 +553,44 @@ def gather_nd(data, indices, *, batch_dims=0):
     return gathered.reshape(batch_shape + indices.shape[batch_dims:-1] + data.shape[batch_dims + depth :])
 
 
+def _scatter_into(out, data, indices, updates, *, axis=0):
+    return _scatter(data, _element_index(indices, _axis(axis, data.ndim)), updates, "none", out)
+
+
 @kernel("Scatter", 9)
 def scatter(data, indices, updates, *, axis=0):
-    return _scatter(data, _element_index(indices, _axis(axis, data.ndim)), updates, "none")
+    return _scatter_into(None, data, indices, updates, axis=axis)
+
+
+def _scatter_elements_into(out, data, indices, updates, *, axis=0, reduction="none"):
+    if indices.shape != updates.shape:
+        raise ValueError(f"ScatterElements indices {indices.shape} and updates {updates.shape} differ in shape")
+    return _scatter(data, _element_index(indices, _axis(axis, data.ndim)), updates, reduction, out)
 
 
 @kernel("ScatterElements", 11, 16, 18)
 def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
-    if indices.shape != updates.shape:
-        raise ValueError(f"ScatterElements indices {indices.shape} and updates {updates.shape} differ in shape")
-    return _scatter(data, _element_index(indices, _axis(axis, data.ndim)), updates, reduction)
+    return _scatter_elements_into(None, data, indices, updates, axis=axis, reduction=reduction)
+
+
+def _scatter_nd_into(out, data, indices, updates, *, reduction="none"):
+    return _scatter(data, _nd_index(indices), updates, reduction, out)
 
 
 @kernel("ScatterND", 11, 16, 18)
 def scatter_nd(data, indices, updates, *, reduction="none"):
-    return _scatter(data, _nd_index(indices), updates, reduction)
+    return _scatter_nd_into(None, data, indices, updates, reduction=reduction)
+
+
+scatter.into, scatter_elements.into, scatter_nd.into = _scatter_into, _scatter_elements_into, _scatter_nd_into
 
 
 @kernel("TensorScatter", 24)
 def tensor_scatter(past_cache, update, write_indices=None, *, mode="linear", axis=-2):
+    return _tensor_scatter_into(None, past_cache, update, write_indices, mode=mode, axis=axis)
+
+
+def _tensor_scatter_into(out, past_cache, update, write_indices=None, *, mode="linear", axis=-2):
     axis = _axis(axis, past_cache.ndim)
     if axis == 0:
         raise ValueError("TensorScatter axis cannot be the batch axis 0")
@@ -472,10 +606,16 @@ def tensor_scatter(past_cache, update, write_indices=None, *, mode="linear", axi
         positions %= max_length
     elif length and int((write_indices + length).max()) > max_length:
         raise ValueError("TensorScatter linear mode writes past max_sequence_length")
-    out = past_cache.copy()
+    if out is None:
+        out = past_cache.copy()
+    else:
+        np.copyto(out, past_cache)
     # Put the sequence axis next to the batch axis (views) and write all rows at once.
     np.moveaxis(out, axis, 1)[np.arange(batch)[:, None], positions] = np.moveaxis(update, axis, 1)
     return out
+
+
+tensor_scatter.into = _tensor_scatter_into
 
 
 # ---------------------------------------------------------------------------
@@ -488,8 +628,8 @@ def compress(data, condition, *, axis=None):
     return np.compress(condition.reshape(-1), data, axis=axis)
 
 
-@kernel("DepthToSpace", 1, 11)
-def depth_to_space(data, *, blocksize, mode="DCR"):
+def _depth_to_space(data, blocksize: int, mode: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """DepthToSpace as a transposed view of ``data`` and the output shape it reshapes to."""
     if data.ndim != 4:
         raise ValueError(f"DepthToSpace expects a rank-4 NCHW tensor, got rank {data.ndim}")
     b, c, h, w = data.shape
@@ -500,11 +640,24 @@ def depth_to_space(data, *, blocksize, mode="DCR"):
         tmp = data.reshape(b, depth, blocksize, blocksize, h, w).transpose(0, 1, 4, 2, 5, 3)
     else:
         raise NotImplementedError(f"DepthToSpace mode {mode!r} is not supported (DCR, CRD)")
-    return tmp.reshape(b, depth, h * blocksize, w * blocksize)
+    return tmp, (b, depth, h * blocksize, w * blocksize)
 
 
-@kernel("SpaceToDepth", 1, 28)
-def space_to_depth(data, *, blocksize, mode="DCR"):
+@kernel("DepthToSpace", 1, 11)
+def depth_to_space(data, *, blocksize, mode="DCR"):
+    tmp, shape = _depth_to_space(data, blocksize, mode)
+    return tmp.reshape(shape)
+
+
+def _depth_to_space_into(out, data, *, blocksize, mode="DCR"):
+    _reshaped_into(out, _depth_to_space(data, blocksize, mode)[0])
+
+
+depth_to_space.into = _depth_to_space_into
+
+
+def _space_to_depth(data, blocksize: int, mode: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """SpaceToDepth as a transposed view of ``data`` and the output shape it reshapes to."""
     if data.ndim != 4:
         raise ValueError(f"SpaceToDepth expects a rank-4 NCHW tensor, got rank {data.ndim}")
     b, c, h, w = data.shape
@@ -515,7 +668,20 @@ def space_to_depth(data, *, blocksize, mode="DCR"):
         tmp = tmp.transpose(0, 1, 3, 5, 2, 4)
     else:
         raise NotImplementedError(f"SpaceToDepth mode {mode!r} is not supported (DCR, CRD)")
-    return tmp.reshape(b, c * blocksize * blocksize, h // blocksize, w // blocksize)
+    return tmp, (b, c * blocksize * blocksize, h // blocksize, w // blocksize)
+
+
+@kernel("SpaceToDepth", 1, 28)
+def space_to_depth(data, *, blocksize, mode="DCR"):
+    tmp, shape = _space_to_depth(data, blocksize, mode)
+    return tmp.reshape(shape)
+
+
+def _space_to_depth_into(out, data, *, blocksize, mode="DCR"):
+    _reshaped_into(out, _space_to_depth(data, blocksize, mode)[0])
+
+
+space_to_depth.into = _space_to_depth_into
 
 
 @kernel("Trilu", 14)
@@ -538,14 +704,18 @@ def reverse_sequence(data, sequence_lens, *, batch_axis=1, time_axis=0):
     return np.take_along_axis(data, source, axis=time_axis)
 
 
-def _cumulative(x, axis, exclusive: int, reverse: int, ufunc: np.ufunc, identity: int) -> np.ndarray:
+def _cumulative(x, axis, exclusive: int, reverse: int, ufunc: np.ufunc, identity: int, out=None) -> np.ndarray:
+    """The running ``ufunc`` along ``axis`` (into ``out`` when given: an ``into`` variant)."""
     axis = _axis(_scalar_int(axis), x.ndim)
     index = [slice(None)] * x.ndim
     if reverse:
         index[axis] = slice(None, None, -1)
         x = x[tuple(index)]
+        if out is not None:
+            out = out[tuple(index)]
     if exclusive:
-        out = np.empty_like(x)
+        if out is None:
+            out = np.empty_like(x)
         index[axis] = slice(0, 1)
         out[tuple(index)] = identity
         index[axis] = slice(1, None)
@@ -553,7 +723,7 @@ def _cumulative(x, axis, exclusive: int, reverse: int, ufunc: np.ufunc, identity
         shifted[axis] = slice(0, -1)
         ufunc.accumulate(x[tuple(shifted)], axis=axis, dtype=x.dtype, out=out[tuple(index)])
     else:
-        out = ufunc.accumulate(x, axis=axis, dtype=x.dtype)
+        out = ufunc.accumulate(x, axis=axis, dtype=x.dtype, out=out)
     if reverse:
         index[axis] = slice(None, None, -1)
         out = out[tuple(index)]
@@ -565,9 +735,23 @@ def cumsum(x, axis, *, exclusive=0, reverse=0):
     return _cumulative(x, axis, exclusive, reverse, np.add, 0)
 
 
+def _cumsum_into(out, x, axis, *, exclusive=0, reverse=0):
+    _cumulative(x, axis, exclusive, reverse, np.add, 0, out)
+
+
+cumsum.into = _cumsum_into
+
+
 @kernel("CumProd", 26)
 def cumprod(x, axis, *, exclusive=0, reverse=0):
     return _cumulative(x, axis, exclusive, reverse, np.multiply, 1)
+
+
+def _cumprod_into(out, x, axis, *, exclusive=0, reverse=0):
+    _cumulative(x, axis, exclusive, reverse, np.multiply, 1, out)
+
+
+cumprod.into = _cumprod_into
 
 
 # ---------------------------------------------------------------------------
