@@ -108,6 +108,15 @@ class CPUProvider:
             )
         return Support.no(f"the CPU provider has no kernel for {domain}::{node.op_type}")
 
+    def passes(self, model: ir.Model) -> list:
+        """The CPU fusions (onnx_ir passes), run at optimisation level "all" before placement.
+
+        Importing ``fusions`` registers the kernels of the ``plugrt.cpu`` nodes they write.
+        """
+        from . import fusions
+
+        return fusions.fusion_passes()
+
     def compile(self, partition: Partition) -> CompiledPartition:
         _load_kernels()
         bound = [self._bind(node, partition.opset_imports) for node in partition.nodes]

@@ -1,0 +1,445 @@
+"""Time plugrt's CPU provider against onnxruntime and onnx.reference, side by side in one process.
+
+For each model: session build time, median and p90 latency over ``--runs`` runs after
+``--warmup`` runs (the runtimes alternate run by run, so load from other processes hits
+them alike), peak memory, the ratios plugrt/onnxruntime and plugrt/reference, and a
+correctness check. Markdown goes to stdout, JSON to ``--json PATH``.
+
+    python benchmarks/compare.py --models 'resnet|encoder' --runs 20 --json out.json
+
+Models: the nine light models from onnx, a transformer encoder (benchmarks/make_encoder.py)
+at batch 1 and 8, and a chain of 1,000 elementwise nodes next to a bare numpy loop doing
+the same calls (the floor for per-node overhead). See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+import tracemalloc
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+import onnxruntime
+from onnx import TensorProto, helper, numpy_helper
+
+import plugrt
+from plugrt.conformance.light_models import light_models
+from plugrt_cpu import CPUProvider
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_encoder import encoder_inputs, make_encoder  # noqa: E402
+
+# The reference evaluator needs from seconds to minutes per run on these CNNs; it runs by
+# default only where one run takes a few seconds at most (timed on a 2-core Zen3).
+_REFERENCE_TOO_SLOW = frozenset({"vgg19", "zfnet512", "bvlc_alexnet", "resnet50", "densenet121", "inception_v2"})
+_BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT")
+_CHAIN_LENGTH = 1000
+_CHAIN_WIDTH = 16
+_LIGHT_TOLERANCE = {"rtol": 1e-3, "atol": 1e-7}  # what onnx's backend tests use for these models
+_ENCODER_TOLERANCE = {"rtol": 1e-3, "atol": 1e-5}
+
+
+# ---------------------------------------------------------------------------------------
+# Cases: a model, its feeds and what its plugrt output is checked against
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    path: str
+    feeds: dict[str, np.ndarray]
+    expected: list[np.ndarray] | None = None  # None: check plugrt against onnxruntime
+    tolerance: dict[str, float] = dataclasses.field(default_factory=lambda: dict(_ENCODER_TOLERANCE))
+    reference_by_default: bool = True
+    floor: Callable[[dict[str, np.ndarray]], list[np.ndarray]] | None = None  # a bare numpy version
+    light: bool = False
+
+
+def _chain_model(path: str) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    """``_CHAIN_LENGTH`` alternating Add/Mul nodes with constants on float[1, 16]; returns
+    the bare numpy loop that does the same calls."""
+    rng = np.random.default_rng(0)
+    shift = (rng.standard_normal(_CHAIN_WIDTH) * 0.1).astype(np.float32)
+    scale = np.full(_CHAIN_WIDTH, 0.5, np.float32)
+    nodes, previous = [], "x"
+    for index in range(_CHAIN_LENGTH):
+        op, constant = ("Add", "shift") if index % 2 == 0 else ("Mul", "scale")
+        output = "y" if index == _CHAIN_LENGTH - 1 else f"t{index}"
+        nodes.append(helper.make_node(op, [previous, constant], [output], name=f"n{index}"))
+        previous = output
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, _CHAIN_WIDTH])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, _CHAIN_WIDTH])],
+        [numpy_helper.from_array(shift, "shift"), numpy_helper.from_array(scale, "scale")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="plugrt")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+
+    add, multiply, half = np.add, np.multiply, _CHAIN_LENGTH // 2
+
+    def numpy_loop(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        x = feeds["x"]
+        for _ in range(half):
+            x = add(x, shift)
+            x = multiply(x, scale)
+        return [x]
+
+    return numpy_loop
+
+
+def _cases(workdir: str) -> list[Case]:
+    cases = [
+        Case(
+            m.name, m.path, m.inputs, m.expected, dict(_LIGHT_TOLERANCE),
+            reference_by_default=m.name not in _REFERENCE_TOO_SLOW, light=True,
+        )
+        for m in light_models()
+    ]
+    encoder_path = os.path.join(workdir, "encoder.onnx")
+    onnx.save(make_encoder(), encoder_path)
+    for batch in (1, 8):
+        cases.append(Case(f"encoder_b{batch}", encoder_path, encoder_inputs(batch)))
+    chain_path = os.path.join(workdir, "chain.onnx")
+    floor = _chain_model(chain_path)
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, _CHAIN_WIDTH)).astype(np.float32)}
+    tolerance = {"rtol": 1e-5, "atol": 1e-6}
+    cases.append(Case(f"chain{_CHAIN_LENGTH}", chain_path, feeds, floor=floor, tolerance=tolerance))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------
+# Runtimes: each builds a runner ``feeds -> list of outputs``
+
+
+def _threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _build_plugrt(case: Case, optimization: str) -> Callable[[dict], list]:
+    session = plugrt.load(case.path, device="cpu", optimization=optimization)
+    run = session.run
+    return lambda feeds: list(run(feeds).values())
+
+
+def _build_ort(case: Case) -> Callable[[dict], list]:
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = _threads()
+    options.inter_op_num_threads = 1
+    # onnxruntime's pool threads otherwise spin for a while after each run, and on a
+    # loaded machine they take the cores from the next runtime's BLAS threads.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3  # not the light models' "unused initializer" warnings
+    session = onnxruntime.InferenceSession(case.path, options, providers=["CPUExecutionProvider"])
+    run = session.run
+    return lambda feeds: run(None, feeds)
+
+
+def _build_reference(case: Case) -> Callable[[dict], list]:
+    from onnx.reference import ReferenceEvaluator
+
+    evaluator = ReferenceEvaluator(case.path)
+    return lambda feeds: list(evaluator.run(None, feeds))
+
+
+# ---------------------------------------------------------------------------------------
+# Memory
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark (VmHWM) to the current RSS (Linux only)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclasses.dataclass
+class Measurement:
+    runtime: str
+    build_s: float | None = None
+    times_s: list[float] = dataclasses.field(default_factory=list)
+    rss_peak_delta_mib: float | None = None  # VmHWM - VmRSS before: build + first run
+    python_peak_mib: float | None = None  # tracemalloc peak of one run after warm-up
+    check: str = ""
+    error: str = ""
+
+    @property
+    def median_ms(self) -> float | None:
+        return float(np.median(self.times_s)) * 1e3 if self.times_s else None
+
+    @property
+    def p90_ms(self) -> float | None:
+        return float(np.percentile(self.times_s, 90)) * 1e3 if self.times_s else None
+
+    def as_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.update(median_ms=self.median_ms, p90_ms=self.p90_ms, runs=len(self.times_s))
+        return data
+
+
+def _build_and_first_run(
+    name: str, make: Callable[[], Callable], feeds: dict
+) -> tuple[Callable | None, Measurement, list | None]:
+    """Build a runner and run it once, measuring build time and the RSS high-water delta."""
+    measurement = Measurement(name)
+    gc.collect()
+    rss_before = _status_kib("VmRSS")
+    can_reset = _reset_peak_rss()
+    try:
+        started = time.perf_counter()
+        runner = make()
+        measurement.build_s = time.perf_counter() - started
+        outputs = runner(feeds)
+    except Exception as exc:  # a runtime that cannot run a model is reported, not fatal
+        measurement.error = f"{type(exc).__name__}: {exc}"[:300]
+        return None, measurement, None
+    peak = _status_kib("VmHWM")
+    if can_reset and rss_before is not None and peak is not None:
+        measurement.rss_peak_delta_mib = max(0, peak - rss_before) / 1024
+    return runner, measurement, outputs
+
+
+def _python_peak_mib(runner: Callable, feeds: dict) -> float:
+    gc.collect()
+    tracemalloc.start()
+    try:
+        runner(feeds)
+        return tracemalloc.get_traced_memory()[1] / (1 << 20)
+    finally:
+        tracemalloc.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# One case
+
+
+def _compare(actual: list, expected: list, tolerance: dict[str, float]) -> str:
+    if len(actual) != len(expected):
+        return f"FAIL: {len(actual)} outputs, expected {len(expected)}"
+    worst = 0.0
+    for got, want in zip(actual, expected):
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape:
+            return f"FAIL: shape {got.shape}, expected {want.shape}"
+        error = float(np.abs(got.astype(np.float64) - want).max()) if got.size else 0.0
+        if not np.allclose(got, want, **tolerance):
+            return f"FAIL: max abs error {error:.3g}"
+        worst = max(worst, error)
+    return f"ok (max abs error {worst:.2g})"
+
+
+def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    with_reference = not args.skip_reference and (case.reference_by_default or args.reference == "all")
+    makers: dict[str, Callable[[], Callable]] = {
+        "plugrt": lambda: _build_plugrt(case, args.optimization),
+        "onnxruntime": lambda: _build_ort(case),
+    }
+    if with_reference:
+        makers["reference"] = lambda: _build_reference(case)
+    if case.floor is not None:
+        makers["numpy loop"] = lambda: case.floor
+
+    load_before = os.getloadavg()
+    runners: dict[str, Callable] = {}
+    measurements: dict[str, Measurement] = {}
+    first_outputs: dict[str, list] = {}
+    for name, make in makers.items():
+        runner, measurement, outputs = _build_and_first_run(name, make, case.feeds)
+        measurements[name] = measurement
+        if runner is not None:
+            runners[name] = runner
+            first_outputs[name] = outputs
+
+    # Correctness: plugrt against the expected outputs, or against onnxruntime.
+    expected = case.expected if case.expected is not None else first_outputs.get("onnxruntime")
+    if "plugrt" in first_outputs and expected is not None:
+        measurements["plugrt"].check = _compare(first_outputs["plugrt"], expected, case.tolerance)
+    if case.floor is not None and "numpy loop" in first_outputs and "plugrt" in first_outputs:
+        floor = first_outputs["numpy loop"]
+        measurements["numpy loop"].check = _compare(first_outputs["plugrt"], floor, case.tolerance)
+    del first_outputs
+
+    for name, runner in runners.items():
+        if name != "onnxruntime":  # tracemalloc does not see onnxruntime's C++ allocations
+            measurements[name].python_peak_mib = _python_peak_mib(runner, case.feeds)
+
+    # Warm-up and timed runs, alternating runtimes and rotating their order.
+    order = list(runners)
+    runs = {name: args.runs for name in order}
+    if "reference" in runs:
+        runs["reference"] = min(args.runs, args.reference_runs)
+    for _ in range(max(0, args.warmup - 1)):  # the first run above was one warm-up
+        for name in order:
+            if name != "reference":
+                runners[name](case.feeds)
+    for index in range(args.runs):
+        shift = index % len(order)
+        for name in order[shift:] + order[:shift]:
+            if len(measurements[name].times_s) >= runs[name]:
+                continue
+            started = time.perf_counter()
+            runners[name](case.feeds)
+            measurements[name].times_s.append(time.perf_counter() - started)
+
+    runners.clear()
+    gc.collect()
+    return {
+        "model": case.name,
+        "light": case.light,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "runtimes": {name: m.as_json() for name, m in measurements.items()},
+        "plugrt_over_ort": _ratio(measurements, "plugrt", "onnxruntime"),
+        "plugrt_over_reference": _ratio(measurements, "plugrt", "reference"),
+        "plugrt_over_floor": _ratio(measurements, "plugrt", "numpy loop"),
+    }
+
+
+def _ratio(measurements: dict[str, Measurement], numerator: str, denominator: str) -> float | None:
+    a, b = measurements.get(numerator), measurements.get(denominator)
+    if a is None or b is None or a.median_ms is None or not b.median_ms:
+        return None
+    return a.median_ms / b.median_ms
+
+
+# ---------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(results: list[dict[str, Any]], environment: dict[str, Any]) -> str:
+    lines = [
+        "# plugrt vs onnxruntime vs onnx.reference (CPU)",
+        "",
+        f"{environment['cpu']}, {environment['threads']} thread(s) for onnxruntime; "
+        f"numpy {environment['numpy']}, onnxruntime {environment['onnxruntime']}, onnx {environment['onnx']}; "
+        f"plugrt optimization={environment['optimization']!r}; {environment['runs']} runs after "
+        f"{environment['warmup']} warm-up (reference: at most {environment['reference_runs']} runs); "
+        f"BLAS environment: {environment['blas_environment'] or 'unset (numpy default)'}.",
+        f"Load average before: {environment['load_before'][0]:.2f}, after: {environment['load_after'][0]:.2f} "
+        "(above the core count, latencies are noisy).",
+        "",
+        "| model | runtime | build s | median ms | p90 ms | runs | RSS Δ MiB | py peak MiB | check |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in results:
+        for name, m in result["runtimes"].items():
+            check = m["error"] or m["check"]
+            lines.append(
+                f"| {result['model']} | {name} | {_fmt(m['build_s'], 3)} | {_fmt(m['median_ms'])} | "
+                f"{_fmt(m['p90_ms'])} | {m['runs']} | {_fmt(m['rss_peak_delta_mib'], 1)} | "
+                f"{_fmt(m['python_peak_mib'], 1)} | {check} |"
+            )
+    lines += [
+        "",
+        "| model | plugrt/onnxruntime | plugrt/reference | plugrt/numpy loop | load 1-min |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        lines.append(
+            f"| {result['model']} | {_fmt(result['plugrt_over_ort'])} | {_fmt(result['plugrt_over_reference'])} | "
+            f"{_fmt(result['plugrt_over_floor'])} | {result['load_before'][0]:.2f} |"
+        )
+    light = [r["plugrt_over_ort"] for r in results if r["light"] and r["plugrt_over_ort"]]
+    if light:
+        mean = _geomean(light)
+        lines += ["", f"Geometric mean of plugrt/onnxruntime over {len(light)} light model(s): **{mean:.2f}**"]
+    lines += [
+        "",
+        "RSS Δ: the process's peak resident memory (VmHWM, reset before each build) minus the RSS "
+        "before the build, over build + first run. py peak: tracemalloc's peak over one run after "
+        "warm-up (numpy buffers and Python objects; onnxruntime's own allocator is invisible to it).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="", help="regular expression (re.search) the model names must match")
+    parser.add_argument("--runs", type=int, default=20, help="timed runs per runtime (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per runtime, the first included (3)")
+    parser.add_argument("--skip-reference", action="store_true", help="never run onnx.reference")
+    parser.add_argument(
+        "--reference", choices=("default", "all"), default="default",
+        help="'default' skips onnx.reference on the slow CNNs; 'all' runs it everywhere (minutes on VGG)",
+    )
+    parser.add_argument("--reference-runs", type=int, default=3, help="timed runs of onnx.reference at most (3)")
+    parser.add_argument("--optimization", default="all", choices=("none", "basic", "all"), help="plugrt's level")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+
+    pattern = re.compile(args.models) if args.models else None
+    environment = {
+        "cpu": CPUProvider().devices()[0].name,
+        "threads": _threads(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnx": onnx.__version__,
+        "plugrt": plugrt.__version__,
+        "optimization": args.optimization,
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "reference_runs": args.reference_runs,
+        "load_before": os.getloadavg(),
+        # numpy's BLAS threads: with two threads on a loaded machine, every GEMM can stall.
+        "blas_environment": {k: os.environ[k] for k in _BLAS_VARIABLES if k in os.environ},
+    }
+    results = []
+    with tempfile.TemporaryDirectory(prefix="plugrt-bench-") as workdir:
+        for case in _cases(workdir):
+            if pattern is not None and not pattern.search(case.name):
+                continue
+            print(f"... {case.name}", file=sys.stderr, flush=True)
+            results.append(run_case(case, args))
+    environment["load_after"] = os.getloadavg()
+    sys.stdout.write(markdown(results, environment))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"environment": environment, "results": results}, f, indent=1)
+    plugrt_results = [r["runtimes"]["plugrt"] for r in results]
+    return 1 if any(m["error"] or m["check"].startswith("FAIL") for m in plugrt_results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

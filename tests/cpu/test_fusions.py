@@ -1,0 +1,371 @@
+"""The CPU provider's fusions: each fused model computes what the unfused one does (and what
+onnxruntime does), in fewer steps, and only where no one else reads an intermediate."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnx_ir as ir
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+
+import plugrt
+from plugrt.passes import CLAIMED_BY
+from plugrt_cpu import fusions
+
+
+def _random(*shape: int, seed: int = 0, low: float | None = None) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if low is not None:
+        return rng.uniform(low, low + 1.0, shape).astype(np.float32)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _model(text: str, **constants: np.ndarray) -> bytes:
+    """A model from ONNX text, with ``constants`` as initializers (so the passes see them)."""
+    model = onnx.parser.parse_model(text)
+    model.graph.initializer.extend(numpy_helper.from_array(np.asarray(a), name) for name, a in constants.items())
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _step_ops(
+    model: bytes, feeds: dict[str, np.ndarray], optimization: str = "all"
+) -> tuple[list[str], list[np.ndarray]]:
+    """The op types of the plan's steps (from the profile) and the outputs of one run."""
+    session = plugrt.load(model, device="cpu", optimization=optimization, profiling=True)
+    outputs = list(session.run(feeds).values())
+    return [event["cat"] for event in session.profile()], outputs
+
+
+def _assert_fused(model: bytes, feeds: dict[str, np.ndarray], expected_ops: list[str]) -> None:
+    """At level "all" the plan runs ``expected_ops``; the outputs match level "none" and
+    onnxruntime."""
+    ops, fused = _step_ops(model, feeds)
+    assert ops == expected_ops
+    _, unfused = _step_ops(model, feeds, optimization="none")
+    ort = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for actual, plain, theirs in zip(fused, unfused, ort):
+        np.testing.assert_allclose(actual, plain, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(actual, theirs, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# (1) Conv + BatchNormalization / per-channel Mul and Add
+
+_CONV_BN = """
+<ir_version: 8, opset_import: ["" : 13]>
+g (float[2, 3, 8, 8] x) => (float[2, 4, 8, 8] y) {
+    c = Conv <pads = [1, 1, 1, 1]> (x, w, b)
+    y = BatchNormalization <epsilon = 0.001> (c, scale, bias, mean, var)
+}
+"""
+_BN_CONSTANTS = dict(
+    w=_random(4, 3, 3, 3), b=_random(4, seed=1), scale=_random(4, seed=2), bias=_random(4, seed=3),
+    mean=_random(4, seed=4), var=_random(4, seed=5, low=0.5),
+)
+
+
+def test_conv_then_batch_normalization_fold_into_one_conv():
+    _assert_fused(_model(_CONV_BN, **_BN_CONSTANTS), {"x": _random(2, 3, 8, 8, seed=9)}, ["Conv"])
+
+
+def test_conv_then_batch_normalization_channel_mul_and_add_fold_into_one_conv():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[1, 3, 8, 8] x) => (float[1, 4, 6, 6] y) {
+            c = Conv (x, w)
+            n = BatchNormalization (c, scale, bias, mean, var)
+            m = Mul (n, gain)
+            y = Add (shift, m)
+        }
+        """,
+        **{k: v for k, v in _BN_CONSTANTS.items() if k != "b"},
+        gain=_random(4, 1, 1, seed=6), shift=_random(4, 1, 1, seed=7),
+    )
+    _assert_fused(model, {"x": _random(1, 3, 8, 8, seed=9)}, ["Conv"])
+
+
+def test_batch_normalization_with_runtime_statistics_is_not_folded():
+    model = _model(_CONV_BN.replace("float[2, 3, 8, 8] x", "float[2, 3, 8, 8] x, float[4] mean"),
+                   **{k: v for k, v in _BN_CONSTANTS.items() if k != "mean"})
+    feeds = {"x": _random(2, 3, 8, 8, seed=9), "mean": _random(4, seed=4)}
+    _assert_fused(model, feeds, ["Conv", "BatchNormalization"])
+
+
+def test_mul_by_a_constant_that_is_not_per_channel_is_not_folded():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[1, 3, 8, 8] x) => (float[1, 4, 6, 6] y) {
+            c = Conv (x, w)
+            y = Mul (c, gain)
+        }
+        """,
+        w=_BN_CONSTANTS["w"], gain=_random(6, seed=6),
+    )
+    _assert_fused(model, {"x": _random(1, 3, 8, 8, seed=9)}, ["Conv", "Mul"])
+
+
+def _batch_norm_then_channel_affine(x_shape: tuple[int, ...], y_shape: tuple[int, ...]) -> bytes:
+    """MaxPool (which keeps the rank the fold needs), BatchNormalization, then Mul and Add
+    by (4, 1, 1) constants."""
+    window = ", ".join("1" for _ in x_shape[2:])
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[{", ".join(map(str, x_shape))}] x) => (float[{", ".join(map(str, y_shape))}] y) {{
+        p = MaxPool <kernel_shape = [{window}]> (x)
+        n = BatchNormalization (p, scale, bias, mean, var)
+        m = Mul (n, gain)
+        y = Add (m, shift)
+    }}
+    """
+    constants = {k: v for k, v in _BN_CONSTANTS.items() if k not in ("w", "b")}
+    return _model(text, **constants, gain=_random(4, 1, 1, seed=6), shift=_random(4, 1, 1, seed=7))
+
+
+def test_channel_mul_and_add_after_batch_normalization_fold_into_it():
+    # The rank comes from MaxPool's input: (4, 1, 1) is per channel on (1, 4, 5, 5).
+    model = _batch_norm_then_channel_affine((1, 4, 5, 5), (1, 4, 5, 5))
+    _assert_fused(model, {"x": _random(1, 4, 5, 5, seed=9)}, ["MaxPool", "BatchNormalization"])
+
+
+def test_a_channel_shaped_constant_on_a_tensor_of_another_rank_is_not_folded():
+    # (4, 1, 1) against (1, 4, 5) broadcasts to (4, 4, 5): not a per-channel map.
+    model = _batch_norm_then_channel_affine((1, 4, 5), (4, 4, 5))
+    _assert_fused(model, {"x": _random(1, 4, 5, seed=9)}, ["MaxPool", "BatchNormalization", "Mul", "Add"])
+
+
+# ---------------------------------------------------------------------------------------
+# (2) Conv + Relu
+
+def _conv_relu(out_channels: int, kernel_size: int, group: int = 1, stride: int = 1) -> bytes:
+    size = (9 - kernel_size) // stride + 1
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[2, 4, 9, 9] x) => (float[2, {out_channels}, {size}, {size}] y) {{
+        c = Conv <group = {group}, strides = [{stride}, {stride}]> (x, w, b)
+        y = Relu (c)
+    }}
+    """
+    weight = _random(out_channels, 4 // group, kernel_size, kernel_size)
+    return _model(text, w=weight, b=_random(out_channels, seed=1))
+
+
+@pytest.mark.parametrize(
+    "out_channels, kernel_size, group, stride",
+    [(6, 3, 1, 1), (6, 1, 1, 1), (6, 1, 1, 2), (6, 3, 2, 2), (8, 3, 4, 1)],
+    ids=["im2col", "pointwise", "strided_pointwise", "grouped", "depthwise"],
+)
+def test_conv_relu_runs_as_one_fused_conv(out_channels, kernel_size, group, stride):
+    # The Conv kernel takes a different path per case; the Relu must apply in place on each.
+    model = _conv_relu(out_channels, kernel_size, group, stride)
+    _assert_fused(model, {"x": _random(2, 4, 9, 9, seed=9)}, ["FusedConv"])
+
+
+def test_conv_batch_normalization_relu_becomes_one_fused_conv():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[2, 3, 8, 8] x) => (float[2, 4, 8, 8] y) {
+            c = Conv <pads = [1, 1, 1, 1]> (x, w, b)
+            n = BatchNormalization <epsilon = 0.001> (c, scale, bias, mean, var)
+            y = Relu (n)
+        }
+        """,
+        **_BN_CONSTANTS,
+    )
+    _assert_fused(model, {"x": _random(2, 3, 8, 8, seed=9)}, ["FusedConv"])
+
+
+def test_conv_whose_output_is_also_read_elsewhere_is_not_fused():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[1, 3, 8, 8] x) => (float[1, 4, 6, 6] y, float[1, 4, 6, 6] z) {
+            c = Conv (x, w)
+            y = Relu (c)
+            z = Sigmoid (c)
+        }
+        """,
+        w=_BN_CONSTANTS["w"],
+    )
+    _assert_fused(model, {"x": _random(1, 3, 8, 8, seed=9)}, ["Conv", "Relu", "Sigmoid"])
+
+
+def test_conv_whose_output_is_a_graph_output_is_not_fused():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[1, 3, 8, 8] x) => (float[1, 4, 6, 6] c, float[1, 4, 6, 6] y) {
+            c = Conv (x, w)
+            y = Relu (c)
+        }
+        """,
+        w=_BN_CONSTANTS["w"],
+    )
+    _assert_fused(model, {"x": _random(1, 3, 8, 8, seed=9)}, ["Conv", "Relu"])
+
+
+# ---------------------------------------------------------------------------------------
+# (3) MatMul + Add
+
+
+@pytest.mark.parametrize("shape", [(5, 16), (2, 5, 16)], ids=["2d", "3d"])
+def test_matmul_then_bias_add_runs_as_one_fused_matmul(shape):
+    dims = ", ".join(str(d) for d in shape)
+    out = ", ".join(str(d) for d in shape[:-1]) + ", 8"
+    model = _model(
+        f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[{dims}] x) => (float[{out}] y) {{
+            m = MatMul (x, w)
+            y = Add (b, m)
+        }}
+        """,
+        w=_random(16, 8), b=_random(8, seed=1),
+    )
+    _assert_fused(model, {"x": _random(*shape, seed=9)}, ["FusedMatMul"])
+
+
+def test_matmul_with_a_bias_that_broadcasts_to_more_axes_is_not_fused():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[5, 16] x) => (float[3, 5, 8] y) {
+            m = MatMul (x, w)
+            y = Add (m, b)
+        }
+        """,
+        w=_random(16, 8), b=_random(3, 1, 8, seed=1),
+    )
+    _assert_fused(model, {"x": _random(5, 16, seed=9)}, ["MatMul", "Add"])
+
+
+# ---------------------------------------------------------------------------------------
+# (4) LayerNorm and Gelu written out
+
+
+def _layer_norm_text(opset: int, square: str = "Pow (d, two)") -> str:
+    reduce = "ReduceMean <axes = [-1]> ({})" if opset < 18 else "ReduceMean ({}, axes)"
+    return f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g (float[2, 5, 16] x) => (float[2, 5, 16] y) {{
+        mean = {reduce.format("x")}
+        d = Sub (x, mean)
+        p = {square}
+        var = {reduce.format("p")}
+        ve = Add (var, eps)
+        s = Sqrt (ve)
+        n = Div (d, s)
+        m = Mul (n, scale)
+        y = Add (m, bias)
+    }}
+    """
+
+
+_LN_CONSTANTS = dict(
+    two=np.float32(2.0), eps=np.float32(1e-5), scale=_random(16, seed=1), bias=_random(16, seed=2)
+)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_decomposed_layer_norm_runs_as_one_layer_normalization(opset):
+    constants = dict(_LN_CONSTANTS, **({"axes": np.array([-1], np.int64)} if opset >= 18 else {}))
+    model = _model(_layer_norm_text(opset), **constants)
+    _assert_fused(model, {"x": _random(2, 5, 16, seed=9)}, ["LayerNormalization"])
+
+
+def test_decomposed_layer_norm_squaring_with_mul_is_recognised():
+    constants = {k: v for k, v in _LN_CONSTANTS.items() if k != "two"}
+    model = _model(_layer_norm_text(13, square="Mul (d, d)"), **constants)
+    _assert_fused(model, {"x": _random(2, 5, 16, seed=9)}, ["LayerNormalization"])
+
+
+def test_decomposed_layer_norm_whose_centred_value_is_read_elsewhere_is_not_fused():
+    text = _layer_norm_text(13).replace("=> (float[2, 5, 16] y)", "=> (float[2, 5, 16] y, float[2, 5, 16] d)")
+    model = _model(text, **_LN_CONSTANTS)
+    ops, _ = _step_ops(model, {"x": _random(2, 5, 16, seed=9)})
+    assert "LayerNormalization" not in ops
+
+
+_GELU_ERF_FORMS = {
+    "x_times_one_plus_erf_then_half": "h = Mul (x, a)\n y = Mul (h, half)",
+    "x_times_half_of_one_plus_erf": "h = Mul (a, half)\n y = Mul (x, h)",
+    "half_x_times_one_plus_erf": "h = Mul (half, x)\n y = Mul (h, a)",
+}
+
+
+def _erf_gelu(tail: str, divisor: float = math.sqrt(2.0)) -> bytes:
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[4, 32] x) => (float[4, 32] y) {{
+        s = Div (x, divisor)
+        e = Erf (s)
+        a = Add (e, one)
+        {tail}
+    }}
+    """
+    return _model(text, divisor=np.float32(divisor), one=np.float32(1.0), half=np.float32(0.5))
+
+
+@pytest.mark.parametrize("tail", list(_GELU_ERF_FORMS.values()), ids=list(_GELU_ERF_FORMS))
+def test_erf_gelu_runs_as_one_gelu(tail):
+    _assert_fused(_erf_gelu(tail), {"x": _random(4, 32, seed=9) * 3}, ["Gelu"])
+
+
+def test_tanh_gelu_runs_as_one_gelu():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[4, 32] x) => (float[4, 32] y) {
+            c = Pow (x, three)
+            k = Mul (c, kappa)
+            i = Add (x, k)
+            s = Mul (i, root)
+            t = Tanh (s)
+            a = Add (t, one)
+            h = Mul (x, a)
+            y = Mul (h, half)
+        }
+        """,
+        three=np.float32(3.0), kappa=np.float32(0.044715), root=np.float32(math.sqrt(2 / math.pi)),
+        one=np.float32(1.0), half=np.float32(0.5),
+    )
+    _assert_fused(model, {"x": _random(4, 32, seed=9) * 3}, ["Gelu"])
+
+
+def test_erf_of_another_scaling_is_not_taken_for_gelu():
+    model = _erf_gelu(_GELU_ERF_FORMS["x_times_one_plus_erf_then_half"], divisor=3.0)
+    _assert_fused(model, {"x": _random(4, 32, seed=9)}, ["Div", "Erf", "Add", "Mul", "Mul"])
+
+
+# ---------------------------------------------------------------------------------------
+# The private domain
+
+
+def test_a_fusion_adds_the_private_domain_to_the_opset_imports():
+    model = ir.from_proto(onnx.load_from_string(_conv_relu(6, 3)))
+    result = fusions.FuseConvReluPass()(model)
+    assert result.modified
+    assert model.opset_imports[fusions.DOMAIN] == fusions.DOMAIN_VERSION
+    assert [(n.domain, n.op_type) for n in model.graph] == [(fusions.DOMAIN, "FusedConv")]
+
+
+def test_nodes_claimed_by_a_higher_priority_provider_are_left_alone():
+    model = ir.from_proto(onnx.load_from_string(_conv_relu(6, 3)))
+    model.graph.node(1).meta[CLAIMED_BY] = "gpu"
+    assert not fusions.FuseConvReluPass()(model).modified
+    assert [n.op_type for n in model.graph] == ["Conv", "Relu"]
+
+
+def test_optimization_below_all_leaves_the_graph_unfused():
+    model = _conv_relu(6, 3)
+    for level in ("none", "basic"):
+        ops, _ = _step_ops(model, {"x": _random(2, 4, 9, 9)}, optimization=level)
+        assert ops == ["Conv", "Relu"]
