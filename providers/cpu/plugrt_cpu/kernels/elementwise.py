@@ -11,7 +11,7 @@ import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder
 
-__all__ = ["erf", "sigmoid", "scratch"]
+__all__ = ["erf", "sigmoid", "scratch", "with_small_buffers"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -24,8 +24,11 @@ _SCRATCH: dict[int, dict[Any, np.ndarray]] = {}
 
 def scratch(out: Any, slot: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """The work array ``slot`` of shape ``shape`` for the ``into`` call writing ``out``
-    (an array, or the tuple of a multi-output kernel's arrays)."""
+    (an array, or the tuple of a multi-output kernel's arrays; a view counts as the
+    array it views, so that a reshaped ``out`` finds the same work arrays every call)."""
     anchor = out[0] if isinstance(out, tuple) else out
+    while isinstance(anchor.base, np.ndarray):
+        anchor = anchor.base
     arrays = _SCRATCH.get(id(anchor))
     if arrays is None:
         arrays = _SCRATCH[id(anchor)] = {}
@@ -35,6 +38,23 @@ def scratch(out: Any, slot: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarr
     if array is None:
         array = arrays[key] = np.empty(shape, dtype)
     return array
+
+
+# numpy's ufuncs allocate iteration buffers (np.getbufsize() elements per operand, 32 KiB
+# and more) on every call that broadcasts or strides unevenly, such as a per-channel bias.
+# ``into`` variants run such elementwise steps with buffers small enough for the stack.
+# Elementwise results do not depend on the buffer size; reductions can (the blocks of
+# pairwise summation), so no reduction may run under it.
+_INTO_BUFSIZE = 256
+
+
+def with_small_buffers(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) with numpy's ufunc buffer size at _INTO_BUFSIZE elements."""
+    size = np.setbufsize(_INTO_BUFSIZE)
+    try:
+        return fn(*args)
+    finally:
+        np.setbufsize(size)
 
 
 def _call_into(fn: Callable[..., Any], out: np.ndarray, *args: Any) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder
+from .elementwise import scratch, with_small_buffers
 
 # ---------------------------------------------------------------------------
 # Window geometry shared by convolution and pooling
@@ -202,6 +203,22 @@ _WORKSPACE = threading.local()
 _CHUNK_BYTES = 8 << 20  # im2col block size: big enough for an efficient GEMM, small enough for cache
 
 
+def _cast_into_scratch(out: np.ndarray, slot: str, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """x.astype(dtype, copy=False), in a work array of ``out``'s ``into`` call."""
+    if x.dtype == dtype:
+        return x
+    work = scratch(out, slot, x.shape, dtype)
+    np.copyto(work, x, casting="unsafe")
+    return work
+
+
+def _copy_to_workspace(slot: str, view: np.ndarray) -> np.ndarray:
+    """np.ascontiguousarray(view), in this thread's buffer ``slot`` (for ``into`` variants)."""
+    copy, _ = _workspace(slot, view.shape, view.dtype)
+    np.copyto(copy, view)
+    return copy
+
+
 def _workspace(slot: str, shape: tuple[int, ...], dtype: np.dtype, layout: Any = None) -> tuple[np.ndarray, bool]:
     """A scratch array of ``shape`` from this thread's buffer ``slot``; the flag says its
     zero padding must be rewritten.
@@ -360,30 +377,48 @@ class _Convolution:
     def prepare_bias(self, b: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
         return None if b is None else np.ascontiguousarray(b, dtype=dtype).reshape(-1, 1)
 
-    def __call__(self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None) -> np.ndarray:
-        n, c = x.shape[:2]
+    def __call__(
+        self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The convolution, into the C-contiguous ``y`` (n, M, *out) when given (the
+        ``into`` variant: the same arithmetic, its copies in thread workspaces)."""
         plan: _ConvPlan = self._plans(x.shape, weight.shape, x.dtype.itemsize)
+        if y is not None and plan.kind != "depthwise":  # no reductions but BLAS ones: see with_small_buffers
+            return with_small_buffers(self._convolve, x, weight, bias, y, plan)
+        return self._convolve(x, weight, bias, y, plan)
+
+    def _convolve(
+        self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None, plan: _ConvPlan
+    ) -> np.ndarray:
+        n, c = x.shape[:2]
         g = self.group
         m = plan.m
         wg = weight.gemm
         if plan.kind == "pointwise":
             xs = x[plan.src] if plan.copy_input else x
+            if y is not None and not xs.flags.c_contiguous:
+                # what the reshape below would copy to, in a workspace
+                xs = _copy_to_workspace("pointwise", xs)
+            out = None if y is None else y.reshape(n, m, plan.out_size)
             if g == 1:
-                y = np.matmul(wg[0], xs.reshape(n, c, plan.out_size))
+                y = np.matmul(wg[0], xs.reshape(n, c, plan.out_size), out=out)
             else:
-                y = np.matmul(wg, xs.reshape(n, g, c // g, plan.out_size))
+                grouped = None if out is None else out.reshape(n, g, m // g, plan.out_size)
+                y = np.matmul(wg, xs.reshape(n, g, c // g, plan.out_size), out=grouped)
             y = y.reshape(n, m, plan.out_size)
             if bias is not None:
                 y += bias
             if self.relu:
                 np.maximum(y, 0, out=y)
         elif plan.kind == "depthwise":
-            y = self._depthwise(x, wg, plan, bias)
+            y = self._depthwise(x, wg, plan, bias, y)
         else:
-            y = self._im2col(x, wg, plan, bias)
+            y = self._im2col(x, wg, plan, bias, y)
         return y.reshape(n, m, *plan.out)
 
-    def _depthwise(self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None) -> np.ndarray:
+    def _depthwise(
+        self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
+    ) -> np.ndarray:
         """Per (image, channel) row: the sum over taps of weight * shifted phase plane.
 
         With more rows than grid positions the planes are laid out channels-last, so that
@@ -393,6 +428,9 @@ class _Convolution:
         mult = wg.shape[1]
         rows = n * g
         if rows == 0 or plan.out_size == 0:
+            if y is not None:
+                y.fill(0)
+                return y.reshape(n, g * mult, plan.out_size)
             return np.zeros((n, g * mult, plan.out_size), dtype=x.dtype)
         xr = x.reshape(rows, *x.shape[2:])
         weights = np.broadcast_to(wg, (n, g, mult, wg.shape[2])).reshape(rows, mult, wg.shape[2])
@@ -409,7 +447,7 @@ class _Convolution:
                 buf = np.zeros((rows, *plan.plane_shape), dtype=x.dtype)
                 buf[dst] = xr[src]
                 planes[phase] = buf.reshape(rows, -1)
-        y = np.empty((n, g, mult, *plan.out), dtype=x.dtype)
+        y = np.empty((n, g, mult, *plan.out), dtype=x.dtype) if y is None else y.reshape(n, g, mult, *plan.out)
         yr = y.reshape(rows, mult, *plan.out)
         grid_shape = (plan.out[0], *plan.plane_shape[1:])
         for j in range(mult):
@@ -472,16 +510,22 @@ class _Convolution:
                     a += t
         return acc
 
-    def _im2col(self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None) -> np.ndarray:
+    def _im2col(
+        self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
+    ) -> np.ndarray:
         n, c = x.shape[:2]
         g = self.group
-        y = np.empty((n, plan.m, plan.out_size), dtype=x.dtype)
+        into = y is not None
+        y = np.empty((n, plan.m, plan.out_size), dtype=x.dtype) if y is None else y.reshape(n, plan.m, plan.out_size)
         whole = (slice(None),)
         for image in range(n):
             xi = x[image]
             planes = None
             if plan.phase_slices is not None:
-                planes = {phase: np.ascontiguousarray(xi[index]) for phase, index in plan.phase_slices.items()}
+                planes = {
+                    phase: _copy_to_workspace(f"phase{k}", xi[index]) if into else np.ascontiguousarray(xi[index])
+                    for k, (phase, index) in enumerate(plan.phase_slices.items())
+                }
             for p0, p1, shape, taps, zeros, layout_key in plan.blocks:
                 cols, stale = _workspace("im2col", shape, x.dtype, layout_key)
                 if stale:
@@ -530,6 +574,17 @@ def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarr
         y = op(x.astype(dtype, copy=False), weight, bias)
         return y.astype(x.dtype, copy=False)
 
+    def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> None:
+        dtype = _compute_dtype(x.dtype)
+        weight = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
+        bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
+        x = _cast_into_scratch(out, "x", x, dtype)
+        y = out if out.dtype == dtype and out.flags.c_contiguous else scratch(out, "y", out.shape, dtype)
+        op(x, weight, bias, y)
+        if y is not out:
+            np.copyto(out, y, casting="unsafe")
+
+    run.into = run_into
     return run
 
 
@@ -857,24 +912,42 @@ class _PoolPlan:
             self.plane_size = math.prod(spatial)
 
 
-def _separable_pool(x: np.ndarray, plan: _PoolPlan, combine: np.ufunc, identity: Any) -> np.ndarray:
-    """Max or sum over the window, one spatial axis after another; always a fresh array."""
+def _fresh(slot: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
+def _slots_of(allocate: Callable[..., np.ndarray], prefix: Any) -> Callable[..., np.ndarray]:
+    """``allocate`` with its slots named under ``prefix``."""
+    return lambda slot, shape, dtype: allocate((prefix, slot), shape, dtype)
+
+
+def _separable_pool(
+    x: np.ndarray, plan: _PoolPlan, combine: np.ufunc, identity: Any, allocate: Callable[..., np.ndarray] = _fresh
+) -> np.ndarray:
+    """Max or sum over the window, one spatial axis after another; always a fresh array
+    (from ``allocate(slot, shape, dtype)``: work arrays in an ``into`` variant)."""
     y = x
-    for axis, size, full_src, others, flat in plan.axis_passes:
+    for k, (axis, size, full_src, others, flat) in enumerate(plan.axis_passes):
         if flat is not None and y.flags.c_contiguous:
-            y = _pool_axis_flat(y, axis, size, flat, combine, identity)
+            y = _pool_axis_flat(y, axis, size, flat, combine, identity, _slots_of(allocate, k))
             continue
         if full_src is not None:
-            acc = np.array(y[full_src])  # a tap that covers every output starts the result
+            start = y[full_src]  # a tap that covers every output starts the result
+            acc = allocate(k, start.shape, y.dtype)
+            np.copyto(acc, start)
         else:
             shape = list(y.shape)
             shape[axis] = size
-            acc = np.full(shape, identity, dtype=y.dtype)
+            acc = allocate(k, tuple(shape), y.dtype)
+            acc.fill(identity)
         for dst_index, src_index in others:
             dst = acc[dst_index]
             combine(dst, y[src_index], out=dst)
         y = acc
-    return np.array(y) if y is x else y
+    if y is x:
+        y = allocate("copy", x.shape, x.dtype)
+        np.copyto(y, x)
+    return y
 
 
 def _pool_axis_flat(
@@ -884,11 +957,12 @@ def _pool_axis_flat(
     flat: tuple[list[int], list[tuple[int, list[int]]]],
     combine: np.ufunc,
     identity: Any,
+    allocate: Callable[..., np.ndarray] = _fresh,
 ) -> np.ndarray:
     """A stride-1 pass along ``axis`` done on the flattened array (``y`` is C-contiguous)."""
     offsets, border = flat
     inner = math.prod(y.shape[axis + 1 :])
-    acc = np.empty(y.shape, dtype=y.dtype)  # as long as the input on ``axis``; cropped at the end
+    acc = allocate("acc", y.shape, y.dtype)  # as long as the input on ``axis``; cropped at the end
     src, dst = y.reshape(-1), acc.reshape(-1)
     total = src.size
     for k, off in enumerate(offsets):
@@ -912,7 +986,10 @@ def _pool_axis_flat(
             combine(out, y[lead + (position + off,)], out=out)
     if size == y.shape[axis]:
         return acc
-    return np.ascontiguousarray(acc[lead + (slice(0, size),)])
+    cropped = acc[lead + (slice(0, size),)]
+    result = allocate("cropped", cropped.shape, y.dtype)
+    np.copyto(result, cropped)
+    return result
 
 
 class _Pooling:
@@ -958,59 +1035,128 @@ class _Pooling:
         index += base
         return y, index
 
-    def sum_pool(self, x: np.ndarray) -> np.ndarray:
-        """AveragePool and LpPool: a sum over the window (of |x|^p for LpPool)."""
+    def max_into(self, out: tuple[np.ndarray, ...], x: np.ndarray) -> None:
+        if self.want_indices:  # the indices path builds masks per tap: eager, then copied
+            for buffer, result in zip(out, self.max(x)):
+                np.copyto(buffer, result)
+            return
+        plan: _PoolPlan = self._plans(x.shape)
+        lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+        allocate = _scratch_of(out[0])
+        np.copyto(out[0], with_small_buffers(_separable_pool, x, plan, np.maximum, lowest, allocate))
+
+    def sum_pool(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """AveragePool and LpPool: a sum over the window (of |x|^p for LpPool); into
+        ``out`` when given (the ``into`` variant, work arrays kept for the next call,
+        elementwise passes with small ufunc buffers)."""
         plan: _PoolPlan = self._plans(x.shape)
         if self.mode == "avg" and plan.whole_window:
-            return _spatial_mean(x)
+            return _spatial_mean(x, out)
         n, c = x.shape[:2]
         dtype = _compute_dtype(x.dtype)
-        xs = x.astype(dtype, copy=False)
+        allocate = _fresh if out is None else _scratch_of(out)
+        xs = x.astype(dtype, copy=False) if out is None else _cast_into_scratch(out, "x", x, dtype)
         p = self.p
         if self.mode == "lp":
-            xs = xs * xs if p == 2 else (np.abs(xs) if p == 1 else np.abs(xs) ** dtype.type(p))
-        y = _separable_pool(xs, plan, np.add, 0)
-        if self.mode == "avg":
-            y /= plan.counts.astype(dtype)
-        elif p == 2:
+            powers = allocate("powers", xs.shape, dtype)
+            if p == 2:
+                np.multiply(xs, xs, out=powers)
+            else:
+                np.abs(xs, out=powers)
+                if p != 1:
+                    np.power(powers, dtype.type(p), out=powers)
+            xs = powers
+        if out is None:
+            y = self._window_sums(xs, plan, allocate)
+        else:
+            y = with_small_buffers(self._window_sums, xs, plan, allocate)
+        if self.mode == "lp" and p == 2:
             np.sqrt(y, out=y)
-        elif p != 1:
+        elif self.mode == "lp" and p != 1:
             np.power(y, dtype.type(1.0 / p), out=y)
-        return y.astype(x.dtype, copy=False)
+        if out is None:
+            return y.astype(x.dtype, copy=False)
+        np.copyto(out, y, casting="unsafe")
+        return out
+
+    def _window_sums(self, xs: np.ndarray, plan: _PoolPlan, allocate: Callable[..., np.ndarray]) -> np.ndarray:
+        """The sums over the window (averages for AveragePool)."""
+        y = _separable_pool(xs, plan, np.add, 0, allocate)
+        if self.mode == "avg":
+            counts = allocate("counts", plan.counts.shape, y.dtype)
+            np.copyto(counts, plan.counts, casting="unsafe")
+            y /= counts
+        return y
+
+    def sum_pool_into(self, out: np.ndarray, x: np.ndarray) -> None:
+        self.sum_pool(x, out)
+
+
+def _scratch_of(out: np.ndarray) -> Callable[..., np.ndarray]:
+    """An ``allocate(slot, shape, dtype)`` handing out the work arrays of ``out``'s ``into`` call."""
+    return lambda slot, shape, dtype: scratch(out, slot, shape, dtype)
+
+
+def _bound_into(method: Callable[..., Any], into: Callable[..., Any]) -> Callable[..., Any]:
+    """A bound method as a kernel with an ``into`` (bound methods take no attributes)."""
+
+    def run(*inputs: Any) -> Any:
+        return method(*inputs)
+
+    run.into = into
+    return run
 
 
 @kernel_builder("MaxPool", 1, multi_output=True)
 def max_pool(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | None]]:
     """MaxPool (Indices output with storage_order, dilations, ceil_mode, auto_pad)."""
     pool = _Pooling("MaxPool", "max", ctx.attributes, want_indices=ctx.num_outputs > 1)
-    return pool.max
+    return _bound_into(pool.max, pool.max_into)
 
 
 @kernel_builder("AveragePool", 1)
 def average_pool(ctx: KernelContext) -> Callable[[np.ndarray], np.ndarray]:
     """AveragePool (count_include_pad, ceil_mode, dilations)."""
-    return _Pooling("AveragePool", "avg", ctx.attributes).sum_pool
+    pool = _Pooling("AveragePool", "avg", ctx.attributes)
+    return _bound_into(pool.sum_pool, pool.sum_pool_into)
 
 
 @kernel_builder("LpPool", 1)
 def lp_pool(ctx: KernelContext) -> Callable[[np.ndarray], np.ndarray]:
     """LpPool: (sum |x|^p over the window)^(1/p); padding contributes nothing."""
-    return _Pooling("LpPool", "lp", ctx.attributes).sum_pool
+    pool = _Pooling("LpPool", "lp", ctx.attributes)
+    return _bound_into(pool.sum_pool, pool.sum_pool_into)
 
 
 _GEMV_MEAN_MAX = 4096  # longer rows are summed pairwise (np.mean) for accuracy
 
 
-def _spatial_mean(x: np.ndarray) -> np.ndarray:
-    """Mean over every axis after the first two, kept as size-1 axes."""
+def _spatial_mean(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Mean over every axis after the first two, kept as size-1 axes (into ``out`` when
+    given: the ``into`` variant)."""
     dtype = _compute_dtype(x.dtype)
     size = math.prod(x.shape[2:])
     shape = (*x.shape[:2], *([1] * (x.ndim - 2)))
     if x.dtype in _FLOAT_BLAS and 0 < size <= _GEMV_MEAN_MAX and x.flags.c_contiguous:
         # A matrix-vector product with ones is one BLAS call; a per-row reduction is slow on short rows.
-        ones = np.full(size, 1.0 / size, dtype=x.dtype)
-        return np.matmul(x.reshape(-1, size), ones).reshape(shape)
-    return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=dtype).astype(x.dtype, copy=False)
+        if out is None:
+            ones = np.full(size, 1.0 / size, dtype=x.dtype)
+            return np.matmul(x.reshape(-1, size), ones).reshape(shape)
+        ones = scratch(out, "ones", (size,), x.dtype)
+        ones.fill(1.0 / size)
+        if out.flags.c_contiguous:
+            np.matmul(x.reshape(-1, size), ones, out=out.reshape(-1))
+        else:
+            np.copyto(out, np.matmul(x.reshape(-1, size), ones).reshape(shape))
+        return out
+    axes = tuple(range(2, x.ndim))
+    if out is None:
+        return x.mean(axis=axes, keepdims=True, dtype=dtype).astype(x.dtype, copy=False)
+    mean = out if out.dtype == dtype else scratch(out, "mean", out.shape, dtype)
+    x.mean(axis=axes, keepdims=True, dtype=dtype, out=mean)
+    if mean is not out:
+        np.copyto(out, mean, casting="unsafe")
+    return out
 
 
 @kernel("GlobalAveragePool", 1)
@@ -1018,9 +1164,19 @@ def global_average_pool(x: np.ndarray) -> np.ndarray:
     return _spatial_mean(x)
 
 
+global_average_pool.into = lambda out, x: _spatial_mean(x, out)
+
+
 @kernel("GlobalMaxPool", 1)
 def global_max_pool(x: np.ndarray) -> np.ndarray:
     return x.max(axis=tuple(range(2, x.ndim)), keepdims=True)
+
+
+def _global_max_pool_into(out: np.ndarray, x: np.ndarray) -> None:
+    x.max(axis=tuple(range(2, x.ndim)), keepdims=True, out=out)
+
+
+global_max_pool.into = _global_max_pool_into
 
 
 @kernel("GlobalLpPool", 1)
@@ -1033,6 +1189,24 @@ def global_lp_pool(x: np.ndarray, *, p: float = 2) -> np.ndarray:
     else:
         y = (xs ** dtype.type(p)).sum(axis=axes, keepdims=True) ** dtype.type(1.0 / p)
     return y.astype(x.dtype, copy=False)
+
+
+def _global_lp_pool_into(out: np.ndarray, x: np.ndarray, *, p: float = 2) -> None:
+    dtype = _compute_dtype(x.dtype)
+    xs = np.abs(_cast_into_scratch(out, "x", x, dtype), out=scratch(out, "abs", x.shape, dtype))
+    axes = tuple(range(2, x.ndim))
+    total = out if out.dtype == dtype else scratch(out, "total", out.shape, dtype)
+    if p == 2:
+        np.square(xs, out=xs).sum(axis=axes, keepdims=True, out=total)
+        np.sqrt(total, out=total)
+    else:
+        np.power(xs, dtype.type(p), out=xs).sum(axis=axes, keepdims=True, out=total)
+        np.power(total, dtype.type(1.0 / p), out=total)
+    if total is not out:
+        np.copyto(out, total, casting="unsafe")
+
+
+global_lp_pool.into = _global_lp_pool_into
 
 
 @kernel("MaxUnpool", 9)
@@ -1088,43 +1262,72 @@ def max_unpool(
 # ---------------------------------------------------------------------------
 
 
-def _softmax_axis(x: np.ndarray, axis: int) -> np.ndarray:
+# Each takes ``out`` for the ``into`` variants: the same steps into it, with the per-row
+# statistics in a work array.
+
+
+def _row_statistics(x: np.ndarray, axis: int, out: np.ndarray | None, dtype: Any = None) -> np.ndarray | None:
+    """The work array for per-row values of x along ``axis`` (keepdims), or None (eager)."""
+    if out is None:
+        return None
+    shape = list(x.shape)
+    shape[axis] = 1
+    return scratch(out, ("statistics", dtype), tuple(shape), dtype or x.dtype)
+
+
+def _softmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    statistics = _row_statistics(x, axis, out)
     with np.errstate(invalid="ignore"):  # an all -inf row gives NaN, as in onnx's reference
-        y = np.subtract(x, x.max(axis=axis, keepdims=True))
+        y = np.subtract(x, x.max(axis=axis, keepdims=True, out=statistics), out=out)
     np.exp(y, out=y)
-    y /= y.sum(axis=axis, keepdims=True)
+    y /= y.sum(axis=axis, keepdims=True, out=statistics)
     return y
 
 
-def _log_softmax_axis(x: np.ndarray, axis: int) -> np.ndarray:
+def _log_softmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    statistics = _row_statistics(x, axis, out)
     with np.errstate(invalid="ignore"):
-        y = np.subtract(x, x.max(axis=axis, keepdims=True))
-    y -= np.log(np.exp(y).sum(axis=axis, keepdims=True))
+        y = np.subtract(x, x.max(axis=axis, keepdims=True, out=statistics), out=out)
+    exp = np.exp(y, out=None if out is None else scratch(out, "exp", y.shape, y.dtype))
+    y -= np.log(exp.sum(axis=axis, keepdims=True, out=statistics), out=statistics)
     return y
 
 
-def _hardmax_axis(x: np.ndarray, axis: int) -> np.ndarray:
-    y = np.zeros_like(x)
-    np.put_along_axis(y, np.expand_dims(np.argmax(x, axis=axis), axis), 1, axis=axis)
-    return y
+def _hardmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    if out is None:
+        y = np.zeros_like(x)
+        np.put_along_axis(y, np.expand_dims(np.argmax(x, axis=axis), axis), 1, axis=axis)
+        return y
+    out.fill(0)
+    first = np.argmax(x, axis=axis, keepdims=True, out=_row_statistics(x, axis, out, np.intp))
+    np.put_along_axis(out, first, 1, axis=axis)
+    return out
 
 
-def _on_axis(fn: Callable[[np.ndarray, int], np.ndarray], x: np.ndarray, axis: int) -> np.ndarray:
+def _on_axis(
+    fn: Callable[..., np.ndarray], x: np.ndarray, axis: int, out: np.ndarray | None = None
+) -> np.ndarray:
     # Every step rounds to the input's own type (float16 / bfloat16 too), as onnx's
     # reference does: its expected outputs differ from a float32 computation by an ulp.
     if x.size == 0:
-        return x.copy()
-    return fn(x, axis)
+        return x.copy() if out is None else out
+    return fn(x, axis) if out is None else fn(x, axis, out)
 
 
-def _on_2d(fn: Callable[[np.ndarray, int], np.ndarray], x: np.ndarray, axis: int) -> np.ndarray:
+def _on_2d(fn: Callable[..., np.ndarray], x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
     """The opset 1-12 semantics: coerce to (prod(shape[:axis]), prod(shape[axis:]))."""
     if axis < 0:
         axis += x.ndim
     if not 0 <= axis <= x.ndim:
         raise ValueError(f"axis {axis} is out of range for rank {x.ndim}")
     rows = math.prod(x.shape[:axis])
-    return _on_axis(fn, x.reshape(rows, -1), 1).reshape(x.shape)
+    if out is None:
+        return _on_axis(fn, x.reshape(rows, -1), 1).reshape(x.shape)
+    if not out.flags.c_contiguous:
+        np.copyto(out, _on_2d(fn, x, axis))
+        return out
+    _on_axis(fn, x.reshape(rows, -1), 1, out.reshape(rows, -1))
+    return out
 
 
 @kernel("Softmax", 1)
@@ -1157,6 +1360,25 @@ def hardmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
     return _on_axis(_hardmax_axis, x, axis)
 
 
+def _2d_into(fn: Callable[..., np.ndarray]) -> Callable[..., None]:
+    def into(out: np.ndarray, x: np.ndarray, *, axis: int = 1) -> None:
+        _on_2d(fn, x, axis, out)
+
+    return into
+
+
+def _axis_into(fn: Callable[..., np.ndarray]) -> Callable[..., None]:
+    def into(out: np.ndarray, x: np.ndarray, *, axis: int = -1) -> None:
+        _on_axis(fn, x, axis, out)
+
+    return into
+
+
+softmax_2d.into, softmax.into = _2d_into(_softmax_axis), _axis_into(_softmax_axis)
+log_softmax_2d.into, log_softmax.into = _2d_into(_log_softmax_axis), _axis_into(_log_softmax_axis)
+hardmax_2d.into, hardmax.into = _2d_into(_hardmax_axis), _axis_into(_hardmax_axis)
+
+
 # ---------------------------------------------------------------------------
 # Dropout and LRN
 # ---------------------------------------------------------------------------
@@ -1175,7 +1397,15 @@ def dropout_legacy(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.nda
         mask = np.ones(x.shape, dtype=mask_dtype or x.dtype) if want_mask else None
         return x, mask
 
+    run.into = _dropout_identity_into
     return run
+
+
+def _dropout_identity_into(out: tuple[np.ndarray, ...], x: np.ndarray, *_inputs: Any) -> None:
+    """Inference Dropout into (output, mask): x copied, the mask all ones."""
+    np.copyto(out[0], x)
+    if len(out) > 1:
+        out[1].fill(1)
 
 
 @kernel_builder("Dropout", 12, multi_output=True)
@@ -1200,24 +1430,64 @@ def dropout(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | 
         y = (mask * x * (1.0 / (1.0 - drop))).astype(x.dtype, copy=False)
         return y, (mask if want_mask else None)
 
+    def run_into(
+        out: tuple[np.ndarray, ...],
+        x: np.ndarray,
+        ratio: np.ndarray | None = None,
+        training_mode: np.ndarray | None = None,
+    ) -> None:
+        drop = 0.5 if ratio is None else float(np.asarray(ratio))
+        if training_mode is None or not bool(np.asarray(training_mode)) or drop == 0:
+            _dropout_identity_into(out, x)
+            return
+        # Training draws a new mask: eager, then copied (unseeded, capture finds it differs
+        # from the first draw and leaves the node eager).
+        for buffer, result in zip(out, run(x, ratio, training_mode)):
+            np.copyto(buffer, result)
+
+    run.into = run_into
     return run
 
 
 @kernel("LRN", 1)
 def lrn(x: np.ndarray, *, alpha: float = 0.0001, beta: float = 0.75, bias: float = 1.0, size: int) -> np.ndarray:
     """Local response normalisation across channels (axis 1), in cache-sized spatial blocks."""
+    return _lrn(x, alpha, beta, bias, size)
+
+
+def _lrn_into(
+    out: np.ndarray, x: np.ndarray, *, alpha: float = 0.0001, beta: float = 0.75, bias: float = 1.0, size: int
+) -> None:
+    with_small_buffers(_lrn, x, alpha, beta, bias, size, out)  # elementwise steps on strided blocks
+
+
+lrn.into = _lrn_into
+
+
+def _lrn(x: np.ndarray, alpha: float, beta: float, bias: float, size: int, out: np.ndarray | None = None) -> np.ndarray:
+    """LRN; into ``out`` when given (the ``into`` variant, with its work arrays kept)."""
     dtype = _compute_dtype(x.dtype)
     n, channels = x.shape[:2]
-    flat = x.astype(dtype, copy=False).reshape(n, channels, -1)
-    y = np.empty(flat.shape, dtype=dtype)
+    into = out is not None
+    flat = (x.astype(dtype, copy=False) if not into else _cast_into_scratch(out, "x", x, dtype)).reshape(n, channels, -1)
+    if into and out.dtype == dtype and out.flags.c_contiguous:
+        y = out.reshape(flat.shape)
+    else:
+        y = np.empty(flat.shape, dtype=dtype) if not into else scratch(out, "y", flat.shape, dtype)
     before = (size - 1) // 2
     after = size - 1 - before  # ceil((size - 1) / 2)
     span = flat.shape[2]
     block = max(1, (256 << 10) // max(1, n * channels * dtype.itemsize))
     for start in range(0, span, block):
         xs = flat[:, :, start : start + block]
-        square = xs * xs
-        total = square.copy()
+        if into:
+            work = (n, channels, min(block, span))
+            square = np.multiply(xs, xs, out=scratch(out, "square", work, dtype)[:, :, : xs.shape[2]])
+            total = scratch(out, "total", work, dtype)[:, :, : xs.shape[2]]
+            np.copyto(total, square)
+        else:
+            square = xs * xs
+            total = square.copy()
         for shift in range(1, max(before, after) + 1):
             if shift <= before and shift < channels:
                 total[:, shift:] += square[:, :-shift]
@@ -1234,4 +1504,8 @@ def lrn(x: np.ndarray, *, alpha: float = 0.0001, beta: float = 0.75, bias: float
         elif beta != 1:
             np.power(total, dtype.type(beta), out=total)
         np.divide(xs, total, out=y[:, :, start : start + block])
-    return y.reshape(x.shape).astype(x.dtype, copy=False)
+    if not into:
+        return y.reshape(x.shape).astype(x.dtype, copy=False)
+    if not np.may_share_memory(y, out):
+        np.copyto(out, y.reshape(x.shape), casting="unsafe")
+    return out

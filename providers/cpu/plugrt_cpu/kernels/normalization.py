@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder
-from .elementwise import scratch
+from .elementwise import scratch, with_small_buffers
 
 # Statistics of half-precision inputs are computed in float32 (the spec's stash_type=1).
 _HALF_TYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -152,9 +152,7 @@ def batch_normalization(ctx: KernelContext):
             affine = cache.get((x.dtype, x.ndim))
             if affine is None:
                 affine = cache[x.dtype, x.ndim] = affine_for(x, scale, bias, mean, var)
-        y = out[0]
-        np.multiply(x, affine[0], out=y)
-        y += affine[1]
+        with_small_buffers(_affine_into, out[0], x, affine)  # per-channel broadcasts
         if len(out) > 1:
             np.copyto(out[1], mean)
         if len(out) > 2:
@@ -162,6 +160,11 @@ def batch_normalization(ctx: KernelContext):
 
     run.into = run_into
     return run
+
+
+def _affine_into(y: np.ndarray, x: np.ndarray, affine: tuple[np.ndarray, np.ndarray]) -> None:
+    np.multiply(x, affine[0], out=y)
+    y += affine[1]
 
 
 def _cast_into(out: np.ndarray, slot: str, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
