@@ -92,7 +92,7 @@ def fold_constants(
     model: ir.Model,
     provider: ExecutionProvider,
     *,
-    max_bytes: int = 1 << 28,
+    max_bytes: int = 1 << 34,
 ) -> int:
     """Run every node whose inputs are all constants once, with ``provider`` (the CPU
     provider's kernels), and replace its outputs by initializers. Returns the count."""
@@ -162,13 +162,15 @@ def optimize(
     level: str,
     fold_provider: ExecutionProvider | None,
     providers: Sequence[ExecutionProvider],
+    *,
+    max_fold_bytes: int = 1 << 34,
 ) -> dict[str, int]:
     """Run the passes of optimisation ``level`` ("none", "basic", "all"); return counts."""
     stats: dict[str, int] = {}
     if level == "none":
         return stats
     if fold_provider is not None:
-        stats["folded"] = fold_constants(model, fold_provider)
+        stats["folded"] = fold_constants(model, fold_provider, max_bytes=max_fold_bytes)
     stats["dead_removed"] = int(remove_dead_nodes(model))
     if level == "all":
         _mark_claims(model, providers)

@@ -174,7 +174,14 @@ class Session:
         if len(chosen) > 1:
             passes.infer_types(ir_model)  # providers decide on dtypes; values need them
         fold_provider = chosen[-1] if chosen else None
-        self.optimization_stats = passes.optimize(ir_model, self.options["optimization"], fold_provider, chosen)
+        self.optimization_stats = passes.optimize(
+            ir_model,
+            self.options["optimization"],
+            fold_provider,
+            chosen,
+            # a folded constant is no bigger than what every run would compute anyway
+            max_fold_bytes=self.options["limits.tensor_bytes"],
+        )
         # Unique node names: placement reports, errors and EPContext export refer to them.
         passes.name_nodes(ir_model)
         opsets = {("" if d == "ai.onnx" else d): v for d, v in ir_model.opset_imports.items()}
