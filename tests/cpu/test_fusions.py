@@ -14,6 +14,7 @@ import pytest
 from onnx import numpy_helper
 
 import plugrt
+from plugrt.capture import Captured
 from plugrt.passes import CLAIMED_BY
 from plugrt_cpu import fusions
 
@@ -369,3 +370,28 @@ def test_optimization_below_all_leaves_the_graph_unfused():
     for level in ("none", "basic"):
         ops, _ = _step_ops(model, {"x": _random(2, 4, 9, 9)}, optimization=level)
         assert ops == ["Conv", "Relu"]
+
+
+def test_a_fused_model_is_captured_whole_and_replays_what_it_runs():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[2, 5, 16] x) => (float[2, 5, 8] y) {
+            m = MatMul (x, w)
+            h = Add (m, b)
+            s = Div (h, root2)
+            e = Erf (s)
+            a = Add (e, one)
+            p = Mul (h, a)
+            y = Mul (p, half)
+        }
+        """,
+        w=_random(16, 8), b=_random(8, seed=1), root2=np.float32(math.sqrt(2.0)), one=np.float32(1.0),
+        half=np.float32(0.5),
+    )
+    session = plugrt.load(model, device="cpu")
+    first, second = {"x": _random(2, 5, 16, seed=3)}, {"x": _random(2, 5, 16, seed=4)}
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])

@@ -574,6 +574,14 @@ def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
         y = conv(x, w, b)
         return np.maximum(y, 0, out=y)
 
+    conv_into = getattr(conv, "into", None)
+    if conv_into is not None:  # capture replays the Conv into a preallocated output
+
+        def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> None:
+            conv_into(out, x, w, b)
+            np.maximum(out, 0, out=out)
+
+        run.into = run_into
     return run
 
 
@@ -581,12 +589,27 @@ def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
 def fused_matmul(a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """a @ w + bias; a stack of rows is multiplied as one (rows, K) matrix (one GEMM)."""
     if a.ndim > 2 and a.flags.c_contiguous:
-        rows = math.prod(a.shape[:-1])
-        y = np.matmul(a.reshape(rows, a.shape[-1]), w).reshape(*a.shape[:-1], w.shape[1])
+        y = np.matmul(_as_rows(a), w).reshape(*a.shape[:-1], w.shape[1])
     else:
         y = np.matmul(a, w)
     y += bias
     return y
+
+
+def _fused_matmul_into(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> None:
+    if a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
+        np.matmul(_as_rows(a), w, out=_as_rows(out))
+    else:
+        np.matmul(a, w, out=out)
+    out += bias
+
+
+fused_matmul.into = _fused_matmul_into
+
+
+def _as_rows(x: np.ndarray) -> np.ndarray:
+    """A C-contiguous x as a 2-D (rows, last axis) view."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output=True)(
