@@ -78,7 +78,7 @@ OPTIONS: dict[str, _Option] = {
     "strict": _Option(_boolean, False, "raise PlacementError instead of falling back to another provider"),
     "disabled_providers": _Option(_names, (), "provider names to ignore, as if not installed"),
     "profiling": _Option(_boolean, False, "record a span per node (Chrome trace JSON via session.profile())"),
-    "intra_op_num_threads": _Option(_non_negative_int, 0, "threads for BLAS-heavy kernels (0: library default)"),
+    "intra_op_num_threads": _Option(_non_negative_int, 0, "host BLAS threads, process-wide (0: the library's default, one per core)"),
     "limits.model_bytes": _Option(_positive_int, 2**31, "largest model file accepted, in bytes"),
     "limits.tensor_bytes": _Option(_positive_int, 2**34, "largest single tensor accepted, in bytes"),
     "limits.nodes": _Option(_positive_int, 1_000_000, "most nodes accepted, subgraphs included"),

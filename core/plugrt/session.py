@@ -138,6 +138,8 @@ class Session:
             nodes=self.options["limits.nodes"],
             subgraph_depth=self.options["limits.subgraph_depth"],
         )
+        if self.options["intra_op_num_threads"]:
+            _limit_blas_threads(self.options["intra_op_num_threads"])
         loaded = load_model(model, limits)
         self.model_path = loaded.source if loaded.base_dir else None
         self._model = loaded.model
@@ -531,6 +533,14 @@ class Session:
                     bound[want] = (spec.name, axis, got)
                 elif previous[2] != got:
                     raise SymbolConflictError(want, previous, (spec.name, axis, got))
+
+
+def _limit_blas_threads(threads: int) -> None:
+    """Cap the host BLAS threads (process-wide: BLAS libraries have one pool). On a machine
+    where other work holds cores, fewer BLAS threads than cores avoid long stalls."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")
 
 
 def _deliver(value: Any) -> Any:

@@ -36,7 +36,7 @@ _kernels_loaded = False
 def _load_kernels() -> None:
     global _kernels_loaded
     if not _kernels_loaded:
-        from . import kernels  # noqa: F401  (registers every kernel)
+        from . import fusions, kernels  # noqa: F401  (registers every kernel, fused ones too)
 
         _kernels_loaded = True
 
