@@ -236,6 +236,27 @@ LINALG = [
         {"y": "float16"},
     ),
     Case("MatMul-const", "y = MatMul(a, w)", inputs(a=normal(64, 256)), constants={"w": W_256x64}),
+    Case(
+        "Einsum-attention",
+        'y = Einsum<equation = "bhqd,bhkd->bhqk">(q, k)',
+        inputs(q=normal(2, 4, 64, 32), k=normal(2, 4, 48, 32)),
+        opset=12,
+    ),
+    Case(
+        "Einsum-permuted-output",
+        'y = Einsum<equation = "bqd,dk->kbq">(a, w)',
+        inputs(a=normal(2, 64, 32), w=normal(32, 48)),
+        opset=12,
+    ),
+    Case("Einsum-one-operand", 'y = Einsum<equation = "bqhd->bhqd">(x)', inputs(x=normal(2, 64, 4, 32)), opset=12),
+    # a letter summed out of one input first: that sum is a temporary
+    Case(
+        "Einsum-summed-letter",
+        'y = Einsum<equation = "ij,jk->k">(a, b)',
+        inputs(a=normal(64, 32), b=normal(32, 48)),
+        opset=12,
+        allocates=True,
+    ),
     Case("Gemm", "y = Gemm(a, b, c)", inputs(a=normal(64, 256), b=normal(256, 64), c=normal(64))),
     Case(
         "Gemm-prepared-transB-alpha",

@@ -224,6 +224,20 @@ def _pair_contraction(a_term: str, b_term: str, out_term: str, a_shape, b_shape)
         y = np.matmul(a.transpose(a_perm).reshape(a_matrix), b.transpose(b_perm).reshape(b_matrix))
         return y.reshape(y_shape).transpose(out_perm)
 
+    y_matrix = batch_shape + [math.prod(a_sizes[c] for c in left), math.prod(b_sizes[c] for c in right)]
+    from_out = [out_perm.index(i) for i in range(len(out_perm))]
+
+    def run_into(out, a, b):
+        # The kernel's result is a transposed view of the matmul's; capture's buffer keeps
+        # that layout, so the matmul can write straight through the inverse transpose.
+        target = out.transpose(from_out)
+        if a_summed or b_summed or not target.flags.c_contiguous or out.dtype != np.result_type(a, b):
+            np.copyto(out, run(a, b), casting="unsafe")  # (sums of single-input letters: temporaries)
+            return
+        a_rows, b_columns = a.transpose(a_perm).reshape(a_matrix), b.transpose(b_perm).reshape(b_matrix)
+        np.matmul(a_rows, b_columns, out=target.reshape(y_matrix))
+
+    run.into = run_into
     return run
 
 
@@ -235,7 +249,17 @@ def _plan_einsum(equation: str, operands: list[np.ndarray]):
             return pair
     explicit = ",".join(terms) + "->" + output
     path: Any = np.einsum_path(explicit, *operands, optimize="greedy")[0] if len(operands) > 1 else False
-    return lambda *xs: np.einsum(explicit, *xs, optimize=path)
+
+    def run(*xs):
+        return np.einsum(explicit, *xs, optimize=path)
+
+    def run_into(out, *xs):
+        # np.einsum(out=) writes the last contraction into out; earlier ones of a path of
+        # several still make temporaries.
+        np.einsum(explicit, *xs, optimize=path, out=out)
+
+    run.into = run_into
+    return run
 
 
 @kernel_builder("Einsum", 12)
@@ -259,6 +283,14 @@ def einsum(ctx: KernelContext):
         result = np.asarray(contract(*operands))
         return result if result.dtype == out_dtype else result.astype(out_dtype)
 
+    def run_into(out, *inputs):
+        contract = plans.get(tuple(x.shape for x in inputs))
+        if contract is None or inputs[0].dtype in _HALF_TYPES or np.result_type(*inputs) != out.dtype:
+            np.copyto(out, run(*inputs), casting="unsafe")  # a new plan, or half types widened: eager
+        else:
+            contract.into(out, *inputs)
+
+    run.into = run_into
     return run
 
 
