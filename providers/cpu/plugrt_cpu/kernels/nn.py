@@ -1275,21 +1275,27 @@ def _row_statistics(x: np.ndarray, axis: int, out: np.ndarray | None, dtype: Any
     return scratch(out, ("statistics", dtype), tuple(shape), dtype or x.dtype)
 
 
+def _per_row(ufunc: np.ufunc, a: np.ndarray, b: np.ndarray, out: np.ndarray | None, into: bool) -> np.ndarray:
+    """ufunc(a, b, out=out), b broadcast per row: in an ``into`` call with small buffers."""
+    with np.errstate(invalid="ignore"):  # an all -inf row gives NaN, as in onnx's reference
+        return with_small_buffers(ufunc, a, b, out) if into else ufunc(a, b, out=out)
+
+
 def _softmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
     statistics = _row_statistics(x, axis, out)
-    with np.errstate(invalid="ignore"):  # an all -inf row gives NaN, as in onnx's reference
-        y = np.subtract(x, x.max(axis=axis, keepdims=True, out=statistics), out=out)
+    into = out is not None
+    y = _per_row(np.subtract, x, x.max(axis=axis, keepdims=True, out=statistics), out, into)
     np.exp(y, out=y)
-    y /= y.sum(axis=axis, keepdims=True, out=statistics)
+    _per_row(np.divide, y, y.sum(axis=axis, keepdims=True, out=statistics), y, into)
     return y
 
 
 def _log_softmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
     statistics = _row_statistics(x, axis, out)
-    with np.errstate(invalid="ignore"):
-        y = np.subtract(x, x.max(axis=axis, keepdims=True, out=statistics), out=out)
+    into = out is not None
+    y = _per_row(np.subtract, x, x.max(axis=axis, keepdims=True, out=statistics), out, into)
     exp = np.exp(y, out=None if out is None else scratch(out, "exp", y.shape, y.dtype))
-    y -= np.log(exp.sum(axis=axis, keepdims=True, out=statistics), out=statistics)
+    _per_row(np.subtract, y, np.log(exp.sum(axis=axis, keepdims=True, out=statistics), out=statistics), y, into)
     return y
 
 

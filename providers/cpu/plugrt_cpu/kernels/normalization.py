@@ -40,14 +40,24 @@ def _normalize_rows(
     else:
         centered, mean, variance = work
         x2.mean(axis=1, keepdims=True, out=mean)
-        np.subtract(x2, mean, out=centered)
+        with_small_buffers(np.subtract, x2, mean, centered)  # broadcasts: see with_small_buffers
         np.einsum("ij,ij->i", centered, centered, out=variance.reshape(-1))
     variance /= max(x2.shape[1], 1)
     variance += variance.dtype.type(epsilon)
     inv_std = np.sqrt(variance, out=variance)
     np.reciprocal(inv_std, out=inv_std)
-    centered *= inv_std
+    if work is None:
+        centered *= inv_std
+    else:
+        with_small_buffers(np.multiply, centered, inv_std, centered)
     return centered, mean, inv_std
+
+
+def _scale_shift(y: np.ndarray, scale: Any, shift: Any = None) -> None:
+    """y *= scale; y += shift (in place; shift may be None)."""
+    y *= scale
+    if shift is not None:
+        y += shift
 
 
 def _rows_target(out: np.ndarray, rows: tuple[int, int], dtype: np.dtype) -> np.ndarray:
@@ -216,10 +226,11 @@ def _group_statistics_normalize_into(out: np.ndarray, x: np.ndarray, groups: int
 
 def _affine_channels(normalized: np.ndarray, scale, bias, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     shape = _channel_shape(x)
-    normalized *= np.asarray(scale).reshape(shape)
-    normalized += np.asarray(bias).reshape(shape)
+    affine = (np.asarray(scale).reshape(shape), np.asarray(bias).reshape(shape))
     if out is None:
+        _scale_shift(normalized, *affine)
         return normalized.astype(x.dtype, copy=False)
+    with_small_buffers(_scale_shift, normalized, *affine)
     if not np.may_share_memory(normalized, out):
         np.copyto(out, normalized, casting="unsafe")
     return out
@@ -315,9 +326,7 @@ def layer_normalization(ctx: KernelContext):
         work = _rows_work(y_out, rows.shape, rows.dtype)
         normalized, mean, inv_std = _normalize_rows(rows, epsilon, work)
         y = normalized.reshape(x.shape)
-        y *= scale
-        if b is not None:
-            y += b
+        with_small_buffers(_scale_shift, y, scale, b)
         if not np.may_share_memory(y, y_out):
             np.copyto(y_out, y, casting="unsafe")
         if len(out) > 1:
