@@ -441,6 +441,8 @@ TENSOR = [
     ),
     Case("DepthToSpace", 'y = DepthToSpace<blocksize = 2, mode = "CRD">(x)', inputs(x=normal(2, 16, 16, 32))),
     Case("SpaceToDepth", "y = SpaceToDepth<blocksize = 2>(x)", inputs(**X_NCHW)),
+    Case("Trilu", "y = Trilu(x)", inputs(x=normal(4, 64, 256))),
+    Case("Trilu-lower", "y = Trilu<upper = 0>(x, k)", inputs(x=normal(4, 64, 256), k=integers(-3, 3))),
     Case("CumSum", "y = CumSum(x, axis)", inputs(**X), constants={"axis": np.array(1)}),
     Case(
         "CumSum-reverse-exclusive",

@@ -22,10 +22,13 @@ __all__ = ["erf", "sigmoid", "scratch", "with_small_buffers"]
 _SCRATCH: dict[int, dict[Any, np.ndarray]] = {}
 
 
-def scratch(out: Any, slot: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+def scratch(
+    out: Any, slot: Any, shape: tuple[int, ...], dtype: Any, init: Callable[[np.ndarray], Any] | None = None
+) -> np.ndarray:
     """The work array ``slot`` of shape ``shape`` for the ``into`` call writing ``out``
     (an array, or the tuple of a multi-output kernel's arrays; a view counts as the
-    array it views, so that a reshaped ``out`` finds the same work arrays every call)."""
+    array it views, so that a reshaped ``out`` finds the same work arrays every call).
+    ``init`` fills a new one (for values that depend only on the slot, kept after)."""
     anchor = out[0] if isinstance(out, tuple) else out
     while isinstance(anchor.base, np.ndarray):
         anchor = anchor.base
@@ -37,6 +40,8 @@ def scratch(out: Any, slot: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarr
     array = arrays.get(key)
     if array is None:
         array = arrays[key] = np.empty(shape, dtype)
+        if init is not None:
+            init(array)
     return array
 
 

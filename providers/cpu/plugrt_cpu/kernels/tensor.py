@@ -690,6 +690,24 @@ def trilu(data, k=None, *, upper=1):
     return np.triu(data, offset) if upper else np.tril(data, offset)
 
 
+def _trilu_into(out, data, k=None, *, upper=1):
+    # np.triu / np.tril zero the positions of a boolean np.tri mask: the same mask, made
+    # once per offset, and the zeros written through it.
+    offset = 0 if k is None else _scalar_int(k)
+    rows, columns = data.shape[-2:]
+
+    def make(mask):
+        below = np.tri(rows, columns, offset - 1 if upper else offset, dtype=bool)
+        np.copyto(mask, below if upper else ~below)
+
+    zeroed = scratch(out, ("trilu", offset, upper), (rows, columns), np.bool_, make)
+    np.copyto(out, data)
+    np.copyto(out, 0, where=zeroed)
+
+
+trilu.into = _trilu_into
+
+
 @kernel("ReverseSequence", 10)
 def reverse_sequence(data, sequence_lens, *, batch_axis=1, time_axis=0):
     if {batch_axis, time_axis} != {0, 1}:
