@@ -486,13 +486,23 @@ NN = [
         {"y": "float16"},
         constants={"w": W_CONV.astype(np.float16), "b": B_16.astype(np.float16)},
     ),
-    # depthwise taps build their phase planes per call: captured, not yet allocation-free
     Case(
         "Conv-depthwise",
-        "y = Conv<group = 8, pads = [1, 1, 1, 1]>(x, w)",
+        "y = Conv<group = 8, pads = [1, 1, 1, 1]>(x, w, b)",
         inputs(**X_NCHW),
-        constants={"w": W_CONV[:8, :1].copy()},
-        allocates=True,
+        constants={"w": W_CONV[:8, :1].copy(), "b": B_16[:8].copy()},
+    ),
+    Case(
+        "Conv-depthwise-channels-last-strided",
+        "y = Conv<group = 64, pads = [1, 1, 1, 1], strides = [2, 2]>(x, w, b)",
+        inputs(x=normal(2, 64, 8, 8)),
+        constants={"w": (R.standard_normal((128, 1, 3, 3)) * 0.2).astype(np.float32), "b": normal(128)(R)},
+    ),
+    Case(
+        "Conv-depthwise-channels-last",
+        "y = Conv<group = 64, pads = [1, 1, 1, 1]>(x, w)",
+        inputs(x=normal(2, 64, 8, 8)),
+        constants={"w": (R.standard_normal((64, 1, 3, 3)) * 0.2).astype(np.float32)},
     ),
     Case("MaxPool", "y = MaxPool<kernel_shape = [3, 3], pads = [1, 1, 1, 1], strides = [2, 2]>(x)", inputs(**X_NCHW)),
     Case("MaxPool-stride-1", "y = MaxPool<kernel_shape = [2, 2]>(x)", inputs(**X_NCHW)),

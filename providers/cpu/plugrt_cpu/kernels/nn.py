@@ -212,6 +212,25 @@ def _cast_into_scratch(out: np.ndarray, slot: str, x: np.ndarray, dtype: np.dtyp
     return work
 
 
+def _fresh(slot: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An ``allocate(slot, shape, dtype)`` for eager calls: a new array."""
+    return np.empty(shape, dtype)
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _copied(target: np.ndarray, source: np.ndarray) -> np.ndarray:
+    np.copyto(target, source)
+    return target
+
+
+def _zeroed(target: np.ndarray) -> np.ndarray:
+    target.fill(0)
+    return target
+
+
 def _copy_to_workspace(slot: str, view: np.ndarray) -> np.ndarray:
     """np.ascontiguousarray(view), in this thread's buffer ``slot`` (for ``into`` variants)."""
     copy, _ = _workspace(slot, view.shape, view.dtype)
@@ -422,7 +441,9 @@ class _Convolution:
         """Per (image, channel) row: the sum over taps of weight * shifted phase plane.
 
         With more rows than grid positions the planes are laid out channels-last, so that
-        every elementwise step runs along the long axis.
+        every elementwise step runs along the long axis. With ``y`` (the ``into`` variant)
+        the planes and sums are work arrays of ``y`` and the elementwise steps run with
+        small ufunc buffers; the arithmetic is the same.
         """
         n, g = x.shape[:2]
         mult = wg.shape[1]
@@ -432,19 +453,40 @@ class _Convolution:
                 y.fill(0)
                 return y.reshape(n, g * mult, plan.out_size)
             return np.zeros((n, g * mult, plan.out_size), dtype=x.dtype)
+        into = y is not None
+        if into:
+            anchor = y
+
+            def allocate(slot: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+                return scratch(anchor, ("depthwise", slot), shape, dtype)
+
+            def elementwise(fn: Callable[..., Any], *args: Any) -> Any:
+                return with_small_buffers(fn, *args)
+
+        else:
+            allocate, elementwise = _fresh, _call
         xr = x.reshape(rows, *x.shape[2:])
-        weights = np.broadcast_to(wg, (n, g, mult, wg.shape[2])).reshape(rows, mult, wg.shape[2])
-        biases = None if bias is None else np.broadcast_to(bias.reshape(g, mult), (n, g, mult)).reshape(rows, mult)
+        taps = wg.shape[2]
+        weights = np.broadcast_to(wg, (n, g, mult, taps))
+        if into:  # what the reshape below copies, in a work array
+            weights = _copied(allocate("weights", weights.shape, wg.dtype), weights)
+        weights = weights.reshape(rows, mult, taps)
+        biases = None
+        if bias is not None:
+            biases = np.broadcast_to(bias.reshape(g, mult), (n, g, mult))
+            if into:
+                biases = _copied(allocate("biases", biases.shape, bias.dtype), biases)
+            biases = biases.reshape(rows, mult)
         length = plan.grid
         channels_last = rows * 8 >= length  # measured: channels-last wins unless the planes are much longer
         planes = {}
         for phase, (dst, src) in plan.phase_fill.items():
+            shape = (*plan.plane_shape, rows) if channels_last else (rows, *plan.plane_shape)
+            buf = _zeroed(allocate(("plane", phase), shape, x.dtype)) if into else np.zeros(shape, dtype=x.dtype)
             if channels_last:
-                buf = np.zeros((*plan.plane_shape, rows), dtype=x.dtype)
                 buf[dst[1:]] = np.moveaxis(xr[src], 0, -1)
                 planes[phase] = buf.reshape(-1, rows)
             else:
-                buf = np.zeros((rows, *plan.plane_shape), dtype=x.dtype)
                 buf[dst] = xr[src]
                 planes[phase] = buf.reshape(rows, -1)
         y = np.empty((n, g, mult, *plan.out), dtype=x.dtype) if y is None else y.reshape(n, g, mult, *plan.out)
@@ -452,20 +494,27 @@ class _Convolution:
         grid_shape = (plan.out[0], *plan.plane_shape[1:])
         for j in range(mult):
             if channels_last:
-                wj = np.ascontiguousarray(weights[:, j].T)  # (K, rows)
+                wj = weights[:, j].T  # (K, rows)
+                wj = np.ascontiguousarray(wj) if not into else _copied(allocate(("wj", j), wj.shape, wj.dtype), wj)
                 if plan.tap_grid_steps is not None:
-                    acc = self._grid_taps_sum(planes[next(iter(planes))], wj, plan, length, rows)
+                    acc_out = allocate("acc", (length, rows), x.dtype) if into else None
+                    acc = self._grid_taps_sum(planes[next(iter(planes))], wj, plan, length, rows, acc_out)
                 else:
-                    acc = self._taps_sum(planes, plan, lambda p, off: p[off : off + length], lambda i: wj[i], length, rows, False)
+                    acc = elementwise(
+                        self._taps_sum, planes, plan, lambda p, off: p[off : off + length], lambda i: wj[i],
+                        length, rows, False, allocate,
+                    )
                 if biases is not None:
-                    acc += biases[:, j]
+                    elementwise(np.add, acc, biases[:, j], acc)
             else:
                 wj = weights[:, j]  # (rows, K)
-                acc = self._taps_sum(
-                    planes, plan, lambda p, off: p[:, off : off + length], lambda i: wj[:, i, None], rows, length, True
+                acc = elementwise(
+                    self._taps_sum,
+                    planes, plan, lambda p, off: p[:, off : off + length], lambda i: wj[:, i, None], rows, length, True,
+                    allocate,
                 )
                 if biases is not None:
-                    acc += biases[:, j, None]
+                    elementwise(np.add, acc, biases[:, j, None], acc)
             if self.relu:
                 np.maximum(acc, 0, out=acc)
             if channels_last:
@@ -475,7 +524,9 @@ class _Convolution:
         return y.reshape(n, g * mult, plan.out_size)
 
     @staticmethod
-    def _grid_taps_sum(plane: np.ndarray, weights: np.ndarray, plan: _ConvPlan, length: int, rows: int) -> np.ndarray:
+    def _grid_taps_sum(
+        plane: np.ndarray, weights: np.ndarray, plan: _ConvPlan, length: int, rows: int, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """All taps at once: one einsum over a strided (position, *kernel, channel) view of a
         channels-last plane, against weights (K, rows)."""
         rank = len(plan.kernel)
@@ -488,15 +539,20 @@ class _Convolution:
         )
         taps = list(range(1, rank + 1))
         channel = rank + 1
-        return np.einsum(windows, [0, *taps, channel], weights.reshape(*plan.kernel, rows), [*taps, channel], [0, channel])
+        kernel = weights.reshape(*plan.kernel, rows)
+        return np.einsum(windows, [0, *taps, channel], kernel, [*taps, channel], [0, channel], out=out)
 
     @staticmethod
-    def _taps_sum(planes, plan, window, weight, outer: int, inner: int, weight_per_outer: bool) -> np.ndarray:
+    def _taps_sum(
+        planes, plan, window, weight, outer: int, inner: int, weight_per_outer: bool, allocate=None
+    ) -> np.ndarray:
         """Sum over the depthwise taps of weight(tap) * window(plane, offset), an (outer, inner)
         array, in blocks of the outer axis that stay in cache."""
-        acc = np.empty((outer, inner), dtype=next(iter(planes.values())).dtype)
+        allocate = allocate or _fresh
+        dtype = next(iter(planes.values())).dtype
+        acc = allocate("acc", (outer, inner), dtype)
         block = max(1, (64 << 10) // max(1, inner))
-        tmp = np.empty((min(block, outer), inner), dtype=acc.dtype)
+        tmp = allocate("tmp", (min(block, outer), inner), dtype)
         for o0 in range(0, outer, block):
             o1 = min(outer, o0 + block)
             a, t = acc[o0:o1], tmp[: o1 - o0]
@@ -910,10 +966,6 @@ class _PoolPlan:
                     index = index + positions.reshape([-1 if j == i else 1 for j in range(rank)])
                 self.tap_indices.append(index)
             self.plane_size = math.prod(spatial)
-
-
-def _fresh(slot: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    return np.empty(shape, dtype)
 
 
 def _slots_of(allocate: Callable[..., np.ndarray], prefix: Any) -> Callable[..., np.ndarray]:
@@ -1475,7 +1527,8 @@ def _lrn(x: np.ndarray, alpha: float, beta: float, bias: float, size: int, out: 
     dtype = _compute_dtype(x.dtype)
     n, channels = x.shape[:2]
     into = out is not None
-    flat = (x.astype(dtype, copy=False) if not into else _cast_into_scratch(out, "x", x, dtype)).reshape(n, channels, -1)
+    work = _cast_into_scratch(out, "x", x, dtype) if into else x.astype(dtype, copy=False)
+    flat = work.reshape(n, channels, -1)
     if into and out.dtype == dtype and out.flags.c_contiguous:
         y = out.reshape(flat.shape)
     else:
