@@ -573,6 +573,17 @@ def test_work_arrays_are_kept_per_output_buffer_and_freed_with_it():
     assert key not in elementwise._SCRATCH
 
 
+def test_small_buffers_cap_numpy_buffer_size_and_restore_it():
+    from plugrt_cpu.kernels import elementwise
+
+    before = np.getbufsize()
+    assert elementwise.with_small_buffers(np.getbufsize) == min(before, elementwise._INTO_BUFSIZE)
+    assert np.getbufsize() == before
+    with pytest.raises(ZeroDivisionError):
+        elementwise.with_small_buffers(lambda: 1 // 0)
+    assert np.getbufsize() == before
+
+
 # --- real models: a replay allocates under 1% of what a plain run does
 
 

@@ -47,14 +47,16 @@ def scratch(
 
 # numpy's ufuncs allocate iteration buffers (np.getbufsize() elements per operand, 32 KiB
 # and more) on every call that broadcasts or strides unevenly, such as a per-channel bias.
-# ``into`` variants run such elementwise steps with buffers small enough for the stack.
-# Elementwise results do not depend on the buffer size; reductions can (the blocks of
-# pairwise summation), so no reduction may run under it.
-_INTO_BUFSIZE = 256
+# ``into`` variants run such elementwise steps with smaller buffers (a few KiB: smaller
+# still slows strided loops). Elementwise results do not depend on the buffer size;
+# reductions can (the blocks of pairwise summation), so no reduction may run under it.
+_INTO_BUFSIZE = 1024
 
 
 def with_small_buffers(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) with numpy's ufunc buffer size at _INTO_BUFSIZE elements."""
+    """fn(*args) with numpy's ufunc buffer size at most _INTO_BUFSIZE elements."""
+    if np.getbufsize() <= _INTO_BUFSIZE:
+        return fn(*args)
     size = np.setbufsize(_INTO_BUFSIZE)
     try:
         return fn(*args)
