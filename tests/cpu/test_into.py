@@ -137,6 +137,10 @@ def uniform(*shape, low=0.0):
     return lambda rng: (rng.random(shape) + low).astype(np.float32)
 
 
+def infinities(*shape):
+    return lambda rng: rng.choice(np.array([np.inf, -np.inf, 1.0, np.nan], np.float32), size=shape)
+
+
 def mask(*shape):
     return lambda rng: rng.random(shape) > 0.5
 
@@ -213,6 +217,17 @@ ELEMENTWISE = [
     Case("Clip", "y = Clip(x, lo, hi)", inputs(**X), constants={"lo": np.float32(-0.5), "hi": np.float32(1.5)}),
     Case("Clip-max-only", 'y = Clip(x, "", hi)', inputs(**X), constants={"hi": np.float32(0.25)}),
     Case("Clip-6", "y = Clip<min = -1.0, max = 6.0>(x)", inputs(**X), opset=6),
+    Case("Shrink", "y = Shrink<bias = 0.5, lambd = 0.7>(x)", inputs(**X), opset=9),
+    Case("Shrink-int", "y = Shrink<bias = 1.5, lambd = 2.0>(x)", inputs(x=integers(-5, 5, 64, 256)), {"y": "int64"}),
+    Case("IsInf-negative", "y = IsInf<detect_positive = 0>(x)", inputs(x=infinities(64, 256)), {"y": "bool"}, opset=10),
+    Case("IsInf-positive", "y = IsInf<detect_negative = 0>(x)", inputs(x=infinities(64, 256)), {"y": "bool"}, opset=10),
+    Case(
+        "IsInf-neither",
+        "y = IsInf<detect_negative = 0, detect_positive = 0>(x)",
+        inputs(x=infinities(64, 256)),
+        {"y": "bool"},
+        opset=10,
+    ),
     Case("PRelu", "y = PRelu(x, s)", inputs(x=normal(64, 256), s=normal(256))),
     Case("Elu", "y = Elu<alpha = 0.7>(x)", inputs(**X)),
     Case("Selu", "y = Selu(x)", inputs(**X)),
@@ -397,6 +412,8 @@ TENSOR = [
         constants={"table": R.random((1000, 64)).astype(np.float32)},
     ),
     Case("Gather-axis-1", "y = Gather<axis = 1>(x, ids)", inputs(**X, ids=integers(-256, 256, 32))),
+    Case("GatherElements", "y = GatherElements(x, ids)", inputs(**X, ids=integers(-64, 64, 32, 256))),
+    Case("GatherElements-axis-1", "y = GatherElements<axis = 1>(x, i)", inputs(**X, i=integers(-256, 256, 64, 100))),
     Case("Gather-scalar-index", "y = Gather(x, i)", inputs(x=normal(4096), i=integers(-4096, 4096))),
     # reshaping a transposed or broadcast view copies: into writes the copy
     Case(
@@ -411,6 +428,15 @@ TENSOR = [
         "e = Expand(x, shape)\n    y = Reshape(e, flat)",
         inputs(x=normal(64, 1)),
         constants={"shape": np.array([64, 256]), "flat": np.array([-1])},
+    ),
+    # views need no into, but an empty one shares no memory with its input: copied then
+    Case(
+        "Slice-empty-Transpose-Split",
+        "s = Slice(x, starts, ends)\n    t = Transpose(s)\n    a, b = Split<axis = 1>(t, sizes)\n    y = Identity(b)",
+        inputs(**X),
+        {"a": "float", "y": "float"},
+        constants={"starts": np.array([5]), "ends": np.array([5]), "sizes": np.array([0, 0])},
+        opset=13,
     ),
     Case("Shape-Size", "s = Shape<start = 1>(x)\n    n = Size(x)", inputs(**X), {"s": "int64", "n": "int64"}),
     Case("Pad", "y = Pad(x, pads, value)", inputs(**X_NCHW), constants={"pads": PADS, "value": np.float32(1.5)}),

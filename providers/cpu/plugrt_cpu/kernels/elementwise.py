@@ -840,6 +840,23 @@ def shrink(x, *, bias=0.0, lambd=0.5):
     return y.astype(x.dtype, copy=False)
 
 
+def _shrink_into(out, x, *, bias=0.0, lambd=0.5):
+    dtype = np.result_type(x, bias)  # of x + bias, as the kernel's np.where
+    y = out if out.dtype == dtype else scratch(out, "y", out.shape, dtype)
+    shifted = scratch(out, "shifted", x.shape, dtype)
+    mask = scratch(out, "mask", x.shape, np.bool_)
+    y.fill(0)
+    np.greater(x, lambd, out=mask)
+    np.copyto(y, np.subtract(x, bias, out=shifted), where=mask)
+    np.less(x, -lambd, out=mask)  # the outer np.where: wins where both hold
+    np.copyto(y, np.add(x, bias, out=shifted), where=mask)
+    if y is not out:
+        np.copyto(out, y, casting="unsafe")
+
+
+shrink.into = _shrink_into
+
+
 _SQRT_HALF = math.sqrt(0.5)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -893,6 +910,32 @@ def gelu(ctx: KernelContext):
     raise NotImplementedError(f"Gelu: approximate={approximate!r} is not supported (use 'none' or 'tanh')")
 
 
+def _is_negative_infinity(x):
+    return np.isneginf(x)
+
+
+def _is_positive_infinity(x):
+    return np.isposinf(x)
+
+
+def _no_infinity(x):
+    return np.zeros(np.shape(x), dtype=np.bool_)
+
+
+def _signed_infinity_into(out, x, negative: bool) -> None:
+    """np.isneginf / np.isposinf (isinf and the sign bit), their temporaries in a work array."""
+    np.isinf(x, out=out)
+    sign = np.signbit(x, out=scratch(out, "sign", x.shape, np.bool_))
+    if not negative:
+        np.logical_not(sign, out=sign)
+    np.logical_and(out, sign, out=out)
+
+
+_is_negative_infinity.into = lambda out, x: _signed_infinity_into(out, x, True)
+_is_positive_infinity.into = lambda out, x: _signed_infinity_into(out, x, False)
+_no_infinity.into = lambda out, x: out.fill(False)
+
+
 @kernel_builder("IsInf", 10)
 def is_inf(ctx: KernelContext):
     negative = ctx.attributes.get("detect_negative", 1)
@@ -900,7 +943,7 @@ def is_inf(ctx: KernelContext):
     if negative and positive:
         return np.isinf
     if negative:
-        return np.isneginf
+        return _is_negative_infinity
     if positive:
-        return np.isposinf
-    return lambda x: np.zeros(np.shape(x), dtype=np.bool_)
+        return _is_positive_infinity
+    return _no_infinity

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder
-from .elementwise import scratch
+from .elementwise import scratch, with_small_buffers
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -87,6 +87,18 @@ def _scatter(data: np.ndarray, index: tuple, updates: np.ndarray, reduction: str
 # order, written through a view of `out` shaped like the input.
 
 
+def _view_into(kernel_fn):
+    """The into of a kernel that returns views: its views copied. Capture needs it only
+    where a view shares no memory with the input (an empty one)."""
+
+    def into(out, *inputs, **attributes):
+        result = kernel_fn(*inputs, **attributes)
+        for buffer, view in zip(out, result) if isinstance(out, tuple) else [(out, result)]:
+            np.copyto(buffer, view)
+
+    return into
+
+
 def _reshaped_into(out: np.ndarray, data: np.ndarray, *_inputs, **_attributes) -> None:
     if out.flags.c_contiguous:
         np.copyto(out.reshape(data.shape), data)
@@ -119,7 +131,10 @@ reshape_1.into = reshape.into = _reshaped_into
 
 @kernel("Transpose", 1)
 def transpose(data, *, perm=None):
-    return data.transpose(perm)  # a view: capture needs no into
+    return data.transpose(perm)
+
+
+transpose.into = _view_into(transpose)
 
 
 # Squeeze treats empty axes like absent ones (every size-1 axis goes), as onnxruntime does.
@@ -193,9 +208,15 @@ def expand(data, shape):
     return np.broadcast_to(data, out_shape)
 
 
+expand.into = _view_into(expand)
+
+
 @kernel("Identity", 1)
 def identity(data):
     return data
+
+
+identity.into = _view_into(identity)
 
 
 @kernel("Shape", 1)
@@ -310,6 +331,7 @@ def split(ctx: KernelContext):
             sizes = _split_sizes(data.shape[_axis(axis, data.ndim)], parts)
         return _split(data, sizes, axis)
 
+    run.into = _view_into(run)
     return run
 
 
@@ -349,6 +371,9 @@ def slice_1(data, *, starts=None, ends=None, axes=None):
     return _slice(data, list(starts), list(ends), list(axes) if axes else None, None)
 
 
+slice_1.into = _view_into(slice_1)
+
+
 @kernel("Slice", 10)
 def slice_(data, starts, ends, axes=None, steps=None):
     return _slice(
@@ -358,6 +383,9 @@ def slice_(data, starts, ends, axes=None, steps=None):
         None if axes is None else axes.tolist(),
         None if steps is None else steps.tolist(),
     )
+
+
+slice_.into = _view_into(slice_)
 
 
 def _tile_into(out: np.ndarray, data: np.ndarray) -> None:
@@ -526,6 +554,43 @@ def gather_elements(data, indices, *, axis=0):
     if indices.ndim != data.ndim:
         raise ValueError(f"GatherElements indices have rank {indices.ndim}, data rank {data.ndim}")
     return data[_element_index(indices, axis)]
+
+
+def _gather_elements_into(out, data, indices, *, axis=0):
+    # integer work only (no sums whose rounding could depend on the buffer size)
+    with_small_buffers(_gather_elements_flat, out, data, indices, axis)
+
+
+def _gather_elements_flat(out, data, indices, axis):
+    # The same elements by flat position: np.take(out=) from the contiguous data, at
+    # indices[i] * stride(axis) + (position i on the other axes), built in a work array.
+    axis = _axis(axis, data.ndim)
+    if indices.ndim != data.ndim or not data.flags.c_contiguous or not indices.size:
+        np.copyto(out, gather_elements(data, indices, axis=axis))
+        return
+    count = data.shape[axis]
+    if indices.min() < -count or indices.max() >= count:
+        raise IndexError(f"GatherElements index out of range for an axis of size {count}")
+    strides = [step // data.itemsize for step in data.strides]
+    flat = scratch(out, "flat", indices.shape, np.intp)
+    negative = np.less(indices, 0, out=scratch(out, "negative", indices.shape, np.bool_))
+    np.add(indices, count, out=flat, where=negative, casting="unsafe")
+    np.logical_not(negative, out=negative)
+    np.copyto(flat, indices, where=negative, casting="unsafe")
+    flat *= strides[axis]
+    for dim, size in enumerate(indices.shape):
+        if dim != axis:
+            shape = [1] * indices.ndim
+            shape[dim] = size
+            offsets = scratch(
+                out, ("offsets", dim), tuple(shape), np.intp,
+                lambda a, size=size, dim=dim: np.copyto(a, (np.arange(size) * strides[dim]).reshape(a.shape)),
+            )
+            flat += offsets
+    np.take(data.reshape(-1), flat, out=out, mode="wrap")
+
+
+gather_elements.into = _gather_elements_into
 
 
 def _nd_index(indices: np.ndarray) -> tuple:
