@@ -96,6 +96,7 @@ def _eager_partition(compiled: CompiledPartition, ctx: CaptureContext, reason: s
         recorded = outputs_of(step, step.fn(*inputs))
         runs.append(eager_replay(step, inputs, recorded, ctx))
         nodes.append((step.name, False, reason))
+        ctx.step_done(step)
     return runs, nodes
 
 
@@ -128,7 +129,19 @@ class CapturedPlan:
         tensors = [arrays[v] for s, v in zip(session._specs, plan.inputs) if s.is_tensor]
         session._check_signature(tensors, tensors_only=True)
 
-        ctx = CaptureContext(arrays)
+        # The last step reading each value, so its buffer can serve a later value;
+        # the plan's outputs are read after the last step.
+        last_use: dict[Any, int] = {}
+        index = 0
+        for compiled in session._built.compiled:
+            for step in compiled.steps:
+                for value in step.inputs:
+                    if value is not None:
+                        last_use[value] = index
+                index += 1
+        for value in plan.outputs:
+            last_use[value] = index
+        ctx = CaptureContext(arrays, last_use)
         providers = {p.name: p for p in session.selection.providers}
         runs: list[Callable[[], None]] = []
         nodes: list[tuple[str, bool, str]] = []

@@ -144,20 +144,70 @@ class CaptureMiss(Exception):
 class CaptureContext:
     """The persistent arrays of a capture: every value's buffer lives here.
 
-    A provider's ``capture`` reads its inputs with :meth:`array` and registers each
-    output's persistent buffer with :meth:`set`; replay callables must write into those
-    buffers and never rebind them.
+    A provider's ``capture`` reads its inputs with :meth:`array`, takes output buffers
+    from :meth:`buffer_like` (a pool: a buffer whose values are all dead is handed out
+    again, so a capture needs about as much memory as a run), registers each output with
+    :meth:`set` and calls :meth:`step_done` after each step. Replay callables must write
+    into those buffers and never rebind them.
     """
 
-    def __init__(self, arrays: dict["ir.Value", Any]):
+    def __init__(self, arrays: dict["ir.Value", Any], last_use: dict["ir.Value", int] | None = None):
         self._arrays = dict(arrays)
+        self._last_use = last_use or {}  # value -> index of the last step reading it
+        self._step = 0
+        self._pool: dict[int, list[Any]] = {}  # nbytes -> free root buffers
+        self._roots: dict[int, Any] = {}  # id(root) -> root, for pooled buffers
+        self._live: dict[int, int] = {}  # id(root) -> number of live values in it
 
     def array(self, value: "ir.Value | None") -> Any:
         return None if value is None else self._arrays[value]
 
+    def buffer_like(self, array: Any) -> Any:
+        """A buffer of ``array``'s shape, dtype and memory order, reused when one is free."""
+        import numpy as np
+
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:  # keep its memory order (a kernel may rely on it)
+            return np.empty_like(array)
+        nbytes = max(array.nbytes, 1)
+        root = self._take_free(nbytes)
+        if root is None:
+            root = np.empty(nbytes, np.uint8)
+        self._roots[id(root)] = root
+        return root[: array.nbytes].view(array.dtype).reshape(array.shape)
+
+    def _take_free(self, nbytes: int) -> Any:
+        """The smallest free buffer of at least ``nbytes`` (and at most twice that)."""
+        sizes = [size for size, free in self._pool.items() if free and nbytes <= size <= 2 * nbytes]
+        if not sizes:
+            return None
+        return self._pool[min(sizes)].pop()
+
+    def _root_of(self, array: Any) -> Any:
+        while getattr(array, "base", None) is not None:
+            array = array.base
+        return array if id(array) in self._roots else None
+
     def set(self, value: "ir.Value | None", array: Any) -> None:
-        if value is not None:
-            self._arrays[value] = array
+        if value is None:
+            return
+        self._arrays[value] = array
+        root = self._root_of(array)
+        if root is not None:
+            self._live[id(root)] = self._live.get(id(root), 0) + 1
+
+    def step_done(self, step: "Step") -> None:
+        """Release the buffers of values this step read (or made) for the last time."""
+        index = self._step
+        self._step += 1
+        for value in {v for v in list(step.inputs) + list(step.outputs) if v is not None}:
+            if self._last_use.get(value, index) <= index and value in self._arrays:
+                root = self._root_of(self._arrays[value])
+                if root is None:
+                    continue
+                self._live[id(root)] -= 1
+                if self._live[id(root)] == 0:
+                    self._pool.setdefault(root.nbytes, []).append(root)
 
     def is_persistent(self, array: Any) -> bool:
         """True when ``array`` is (a view of) a buffer this capture owns or was given."""

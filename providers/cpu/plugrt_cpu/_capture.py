@@ -33,36 +33,37 @@ def capture_partition(compiled: CompiledPartition, ctx: CaptureContext, metadata
     runs: list[Callable[[], None]] = []
     nodes: list[tuple[str, bool, str]] = []
     for step, meta in zip(compiled.steps, metadata):
-        inputs = [ctx.array(v) for v in step.inputs]
-        recorded = outputs_of(step, step.fn(*inputs))
-        spec, attributes = meta if meta is not None else (None, {})
-        if spec is not None and spec.data_dependent:
-            runs.append(eager_replay(step, inputs, recorded, ctx))
-            nodes.append((step.name, False, "its output depends on the input values (shape or randomness)"))
-            continue
-        if all(isinstance(r, np.ndarray) and ctx.is_persistent(r) for r in recorded):
-            for value, array in zip(step.outputs, recorded):
-                ctx.set(value, array)  # a view of a persistent buffer: nothing to replay
-            nodes.append((step.name, True, ""))
-            continue
-        into = _into_of(step, spec, attributes)
-        if into is None or not all(isinstance(r, (np.ndarray, np.generic)) for r in recorded):
-            runs.append(eager_replay(step, inputs, recorded, ctx))
-            nodes.append((step.name, False, "its kernel has no out= variant"))
-            continue
-        buffers = [np.empty_like(np.asarray(r)) for r in recorded]
-        out = tuple(buffers) if step.multi_output else buffers[0]
-        replay = functools.partial(into, out, *inputs)
-        replay()
-        if not all(_identical(b, np.asarray(r)) for b, r in zip(buffers, recorded)):
-            runs.append(eager_replay(step, inputs, recorded, ctx))
-            nodes.append((step.name, False, "its out= variant differs from the eager result"))
-            continue
-        for value, buffer in zip(step.outputs, buffers):
-            ctx.set(value, buffer)
-        runs.append(replay)
-        nodes.append((step.name, True, ""))
+        run, reason = _capture_step(step, meta, ctx)
+        if run is not None:
+            runs.append(run)
+        nodes.append((step.name, not reason, reason))
+        ctx.step_done(step)
     return CapturedPartition(runs, nodes)
+
+
+def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], None] | None, str]:
+    """The step's replay callable (None: nothing to replay) and why it is eager ("" if not)."""
+    inputs = [ctx.array(v) for v in step.inputs]
+    recorded = outputs_of(step, step.fn(*inputs))
+    spec, attributes = meta if meta is not None else (None, {})
+    if spec is not None and spec.data_dependent:
+        return eager_replay(step, inputs, recorded, ctx), "its output depends on the input values (shape or randomness)"
+    if all(isinstance(r, np.ndarray) and ctx.is_persistent(r) for r in recorded):
+        for value, array in zip(step.outputs, recorded):
+            ctx.set(value, array)  # a view of a persistent buffer: nothing to replay
+        return None, ""
+    into = _into_of(step, spec, attributes)
+    if into is None or not all(isinstance(r, (np.ndarray, np.generic)) for r in recorded):
+        return eager_replay(step, inputs, recorded, ctx), "its kernel has no out= variant"
+    buffers = [ctx.buffer_like(r) for r in recorded]
+    out = tuple(buffers) if step.multi_output else buffers[0]
+    replay = functools.partial(into, out, *inputs)
+    replay()
+    if not all(_identical(b, np.asarray(r)) for b, r in zip(buffers, recorded)):
+        return eager_replay(step, inputs, recorded, ctx), "its out= variant differs from the eager result"
+    for value, buffer in zip(step.outputs, buffers):
+        ctx.set(value, buffer)
+    return replay, ""
 
 
 def _into_of(step: Step, spec, attributes: dict) -> Callable[..., Any] | None:
