@@ -104,11 +104,6 @@ def test_partly_claimed_model_gives_the_cpu_provider_outputs_bitwise():
     _assert_same_as_cpu(MLP, MLP_FEEDS, template_nodes=5)
 
 
-@pytest.mark.xfail(
-    reason="core: provider passes run before placement, so the CPU provider's MatMul+Add fusion "
-    "takes nodes the higher-priority template claims",
-    strict=False,
-)
 def test_full_optimisation_leaves_claimed_nodes_to_the_template():
     session = _load(MLP, "template", optimization="all")
     assert [(p.provider, p.nodes) for p in session.placement.partitions] == [("template", 3), ("cpu", 1), ("template", 2)]
