@@ -196,6 +196,14 @@ class CaptureContext:
         if root is not None:
             self._live[id(root)] = self._live.get(id(root), 0) + 1
 
+    def can_overwrite(self, value: "ir.Value | None", array: Any) -> bool:
+        """True when the current step reads ``value`` for the last time and ``array`` (its
+        buffer) holds no other live value: the step may write its output over it."""
+        if value is None or self._last_use.get(value, -1) != self._step:
+            return False
+        root = self._root_of(array)
+        return root is not None and self._live.get(id(root)) == 1 and bool(array.flags.c_contiguous)
+
     def step_done(self, step: "Step") -> None:
         """Release the buffers of values this step read (or made) for the last time."""
         index = self._step

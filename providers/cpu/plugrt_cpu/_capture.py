@@ -55,7 +55,7 @@ def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], N
     into = _into_of(step, spec, attributes)
     if into is None or not all(isinstance(r, (np.ndarray, np.generic)) for r in recorded):
         return eager_replay(step, inputs, recorded, ctx), "its kernel has no out= variant"
-    buffers = [ctx.buffer_like(r) for r in recorded]
+    buffers = _in_place(step, spec, inputs, recorded, ctx) or [ctx.buffer_like(r) for r in recorded]
     out = tuple(buffers) if step.multi_output else buffers[0]
     replay = functools.partial(into, out, *inputs)
     replay()
@@ -64,6 +64,20 @@ def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], N
     for value, buffer in zip(step.outputs, buffers):
         ctx.set(value, buffer)
     return replay, ""
+
+
+def _in_place(step: Step, spec, inputs: list, recorded: list, ctx: CaptureContext) -> list | None:
+    """[first input's buffer] when an elementwise step may write over its first input
+    (it dies here, nothing else lives in its buffer, same shape and dtype): one buffer
+    less to stream through the cache. Only for kernels whose registration says so."""
+    if spec is None or not spec.inplace or step.multi_output or not inputs:
+        return None
+    first, result = inputs[0], np.asarray(recorded[0])
+    if not isinstance(first, np.ndarray) or first.shape != result.shape or first.dtype != result.dtype:
+        return None
+    if any(other is not None and np.shares_memory(first, other) for other in inputs[1:]):
+        return None
+    return [first] if ctx.can_overwrite(step.inputs[0], first) else None
 
 
 def _into_of(step: Step, spec, attributes: dict) -> Callable[..., Any] | None:

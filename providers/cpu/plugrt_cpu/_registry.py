@@ -26,6 +26,7 @@ class KernelSpec:
     multi_output: bool = False
     attribute_names: frozenset[str] | None = None  # None: accepts any attribute (**kwargs)
     data_dependent: bool = False  # output shape depends on input values: never captured
+    inplace: bool = False  # its into variant may be given its first input as the output
 
 
 @dataclasses.dataclass
@@ -80,12 +81,15 @@ def kernel(
     domain: str = "",
     multi_output: bool = False,
     data_dependent: bool = False,
+    inplace: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a plain kernel for ``op_type`` at each of ``since_versions`` (default 1).
 
     The function takes the node's inputs positionally (``None`` for an omitted optional
     input) and the node's attributes as keyword-only arguments. It returns one array,
-    or a tuple of all its outputs when ``multi_output`` is true.
+    or a tuple of all its outputs when ``multi_output`` is true. ``data_dependent``: its
+    output depends on input values beyond shapes (never captured). ``inplace``: its
+    ``into`` variant (or ufunc) is correct when given its first input as the output.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,7 +97,8 @@ def kernel(
         for version in since_versions or (1,):
             _register(
                 KernelSpec(
-                    _normalise_domain(domain), op_type, version, fn, False, multi_output, names, data_dependent
+                    _normalise_domain(domain), op_type, version, fn, False, multi_output, names, data_dependent,
+                    inplace,
                 )
             )
         return fn

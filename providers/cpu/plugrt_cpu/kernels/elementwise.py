@@ -117,7 +117,7 @@ _UFUNCS: dict[str, tuple[int, Callable[..., Any]]] = {
 }
 
 for _op, (_version, _ufunc) in _UFUNCS.items():
-    kernel(_op, _version)(_ufunc)
+    kernel(_op, _version, inplace=True)(_ufunc)
 
 
 @kernel("Where", 9)
@@ -358,7 +358,7 @@ def min_(*inputs):
 min_.into = lambda out, *inputs: _fold_into(np.minimum, out, inputs)
 
 
-@kernel("Sum", 1)
+@kernel("Sum", 1, inplace=True)
 def sum_(*inputs):
     return functools.reduce(np.add, inputs)
 
@@ -600,7 +600,7 @@ sigmoid.into = _sigmoid_into
 kernel("Sigmoid", 1)(sigmoid)
 
 
-@kernel("Relu", 1)
+@kernel("Relu", 1, inplace=True)
 def relu(x):
     return np.maximum(x, 0)
 
