@@ -142,3 +142,30 @@ class TestBindings:
         with pytest.raises(StaleCaptureError) as info:
             session.replay(bindings=[x_in, z_out])
         assert info.value.name == "x"
+
+
+def test_in_place_steps_never_overwrite_a_value_still_needed():
+    # a = Relu(x) dies at Add (written over), b = Sigmoid(a)... is read twice: never overwritten
+    data = model_bytes(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[64, 64] x, float[64, 64] w) => (float[64, 64] y, float[64, 64] z) {
+            m = MatMul(x, w)
+            a = Relu(m)
+            b = Add(a, x)
+            c = Mul(b, b)
+            d = Sub(c, b)
+            y = Relu(d)
+            z = Add(b, m)
+        }
+        """
+    )
+    session = plugrt.load(data, optimization="none")
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((64, 64)).astype(np.float32), "w": rng.standard_normal((64, 64)).astype(np.float32)}
+    assert not session.try_capture(feeds).report.seams
+    for _ in range(3):
+        eager = session.run(feeds)
+        replayed = session.replay(feeds)
+        assert all(_same(replayed[k], eager[k]) for k in eager)
+        feeds = {k: rng.standard_normal((64, 64)).astype(np.float32) for k in feeds}
