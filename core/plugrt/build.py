@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import onnx_ir as ir
 
-from .errors import PlugrtError, ProviderUnavailableError, UnsupportedOpError
-from .ir_utils import implicit_inputs, tensor_array
+from .errors import PlugrtError, ProviderUnavailableError
+from .ir_utils import tensor_array
 from .placement import Fallback, PartitionInfo, PlacementReport, Transfer, assign, make_partitions, node_label
 from .plan import Plan, StepInfo
 from .provider import CompiledPartition, ExecutionProvider, Step, SupportContext

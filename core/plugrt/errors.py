@@ -136,8 +136,8 @@ class ProviderUnavailableError(PlugrtError):
         self.provider = provider
         self.cause = cause
         self.hint = hint or (
-            f"run 'plugrt providers' to see what is installed; uninstall the broken package or "
-            f"choose device='cpu'"
+            "run 'plugrt providers' to see what is installed; uninstall the broken package or "
+            "choose device='cpu'"
         )
         super().__init__(f"provider {provider!r} is unavailable: {cause}\n  fix: {self.hint}")
 

@@ -6,6 +6,7 @@ import logging
 from typing import Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
@@ -184,10 +185,8 @@ def optimize(
     return stats
 
 
-def _function_body(node: ir.Node, opset: int) -> "onnx.FunctionProto | None":
+def _function_body(node: ir.Node, opset: int) -> onnx.FunctionProto | None:
     """The ONNX schema's function body for ``node`` at ``opset``, or None."""
-    import onnx
-
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
     except onnx.defs.SchemaError:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import itertools
 import time
-import types
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import onnx_ir as ir
 
 from .errors import KernelError, PlugrtError, UnsupportedOpError
@@ -125,7 +123,7 @@ class Plan:
             else:
                 target = outs[0] if outs else "_"
             if profile:
-                lines.append(f"    _t = _clock()")
+                lines.append("    _t = _clock()")
             line_to_step[len(lines) + 1] = index
             lines.append(f"    {target} = {call}")
             if profile:

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import plugrt
-from plugrt import registry as registry_module
 from plugrt.errors import ProviderUnavailableError
 from plugrt.registry import DISABLE_ENV, ProviderRegistry
 

@@ -9,7 +9,7 @@ import fnmatch
 import json
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
