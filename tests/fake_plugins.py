@@ -100,3 +100,31 @@ class with_context_twin:
     @hookimpl
     def plugrt_providers():
         return [ContextTwin()]
+
+
+class FunctionProvider(NegProvider):
+    """Claims the model-local function local::Double as one op (runs it as x + x)."""
+
+    name = "funcaccel"
+
+    def supports_function(self, domain, name, ctx):
+        return domain == "local" and name == "Double"
+
+    def supports_op(self, node, ctx):
+        if (node.domain, node.op_type) == ("local", "Double"):
+            return Support.yes()
+        return Support.no(f"funcaccel only runs local::Double, not {node.op_type}")
+
+    def compile(self, partition):
+        steps = [
+            Step(lambda x: x + x, list(n.inputs), list(n.outputs), name=n.name, op_type=n.op_type)
+            for n in partition.nodes
+        ]
+        return CompiledPartition(partition, steps, self.name)
+
+
+class with_function:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [FunctionProvider()]

@@ -134,3 +134,26 @@ def test_placement_report_lists_partitions_and_fallbacks(monkeypatch):
     report = session.placement
     assert [(p.provider, p.nodes) for p in report.partitions] == [("fakeaccel", 1), ("cpu", 1)]
     assert "fakeaccel only runs Neg, not Add" in report.summary()
+
+
+def test_model_local_function_claimed_by_a_provider_is_not_inlined(monkeypatch):
+    from helpers import model_bytes
+
+    data = model_bytes(
+        """
+        <ir_version: 8, opset_import: ["" : 17, "local" : 1]>
+        g (float[2] x) => (float[2] y) {
+            y = local.Double(x)
+        }
+        <domain: "local", opset_import: ["" : 17]>
+        Double (a) => (b) {
+            b = Add(a, a)
+        }
+        """
+    )
+    registry = _registry(monkeypatch, "with_function", name="funcaccel")
+    session = plugrt.load(data, registry=registry)
+    assert session.placement.nodes_per_provider == {"funcaccel": 1}
+    np.testing.assert_array_equal(session.run({"x": np.array([1, 2], np.float32)})["y"], [2, 4])
+    inlined = plugrt.load(data, device="cpu", registry=registry)
+    assert inlined.placement.nodes_per_provider == {"cpu": 1}
