@@ -9,10 +9,13 @@ number, so the hot path carries no bookkeeping at all.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import sys
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import onnx_ir as ir
 
 from .errors import KernelError, PlugrtError, UnsupportedOpError
@@ -21,6 +24,56 @@ from .provider import Step
 __all__ = ["Plan", "StepInfo"]
 
 _plan_ids = itertools.count()
+
+#: Below this many elements an in-place step is not worth its guard (about 1 us).
+INPLACE_MIN_ELEMENTS = 1 << 14
+
+
+@functools.cache
+def _local_references() -> int:
+    """How many references a plan-local array has inside the kernel it is passed to
+    (the plan's local, the parameter, getrefcount's argument). Measured, not assumed:
+    it depends on the interpreter."""
+    namespace: dict[str, Any] = {"np": np, "k": lambda x: sys.getrefcount(x)}
+    exec("def probe():\n    v0 = np.empty(4)\n    v1 = k(v0)\n    del v0\n    return v1\n", namespace)
+    return namespace["probe"]()
+
+
+def _in_place(fn: Callable[..., Any], inplace: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, except that when its first argument is an array no one else can see (it
+    owns its memory, only the plan's dying local refers to it) and the result has its
+    shape and dtype, the result is written over it: no allocation, one buffer less."""
+    ndarray, getrefcount, broadcast_shapes = np.ndarray, sys.getrefcount, np.broadcast_shapes
+    references = _local_references()
+
+    def run(x, *rest):
+        if (
+            type(x) is ndarray
+            and x.size >= INPLACE_MIN_ELEMENTS
+            and x.base is None
+            and getrefcount(x) == references
+            and x.flags.writeable
+            and all(type(r) is ndarray and r.dtype == x.dtype for r in rest)
+            and broadcast_shapes(x.shape, *[r.shape for r in rest]) == x.shape
+        ):
+            inplace(x, x, *rest)
+            return x
+        return fn(x, *rest)
+
+    return run
+
+
+def _may_be_large(value: ir.Value) -> bool:
+    """Whether a value can reach INPLACE_MIN_ELEMENTS, judging by its inferred shape."""
+    shape = value.shape
+    if shape is None:
+        return False
+    known = 1
+    for dim in shape:
+        if isinstance(dim, int):
+            known *= dim
+    symbolic = any(not isinstance(d, int) for d in shape)
+    return known >= INPLACE_MIN_ELEMENTS or (symbolic and known >= 64)
 
 
 class StepInfo:
@@ -111,9 +164,23 @@ class Plan:
         if profile:
             env["_clock"] = time.perf_counter
             env["_records"] = self.profile_records
+        plan_inputs = set(self.inputs)
         for index, step in enumerate(self.steps):
             kname = f"k{index}"
             env[kname] = step.fn
+            first = step.inputs[0] if step.inputs else None
+            if (
+                step.inplace is not None
+                and not step.multi_output
+                and first is not None
+                and last_use.get(first) == index
+                and first not in keep
+                and first not in is_constant
+                and first not in plan_inputs
+                and sum(v is first for v in step.inputs) == 1
+                and _may_be_large(first)
+            ):
+                env[kname] = _in_place(step.fn, step.inplace)
             args = ", ".join("None" if v is None else local(v) for v in step.inputs)
             outs = [local(v) if v is not None else "_" for v in step.outputs]
             call = f"{kname}({args})"

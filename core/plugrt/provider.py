@@ -122,6 +122,10 @@ class Step:
     op_type: str = ""
     domain: str = ""
     nodes: tuple[str, ...] = ()  # names of the graph nodes this step computes (several when fused)
+    # Optional ``inplace(out, *inputs)``, correct when ``out`` is the first input (an
+    # elementwise op whose output has that input's dtype). The plan calls it when the
+    # first input dies at this step and nothing else refers to its array.
+    inplace: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass

@@ -173,8 +173,10 @@ class Session:
         chosen = self.selection.providers
         passes.inline_functions(ir_model, chosen)
         passes.expand_unsupported_functions(ir_model, chosen)
-        if len(chosen) > 1:
-            passes.infer_types(ir_model)  # providers decide on dtypes; values need them
+        if len(chosen) > 1 or self.options["optimization"] == "all":
+            # providers decide on dtypes, and the plan writes large elementwise results
+            # in place: both need value types and shapes
+            passes.infer_types(ir_model)
         fold_provider = chosen[-1] if chosen else None
         self.optimization_stats = passes.optimize(
             ir_model,

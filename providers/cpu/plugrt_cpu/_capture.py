@@ -52,7 +52,7 @@ def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], N
         for value, array in zip(step.outputs, recorded):
             ctx.set(value, array)  # a view of a persistent buffer: nothing to replay
         return None, ""
-    into = _into_of(step, spec, attributes)
+    into = into_of(step)
     if into is None or not all(isinstance(r, (np.ndarray, np.generic)) for r in recorded):
         return eager_replay(step, inputs, recorded, ctx), "its kernel has no out= variant"
     buffers = _in_place(step, spec, inputs, recorded, ctx) or [ctx.buffer_like(r) for r in recorded]
@@ -80,7 +80,8 @@ def _in_place(step: Step, spec, inputs: list, recorded: list, ctx: CaptureContex
     return [first] if ctx.can_overwrite(step.inputs[0], first) else None
 
 
-def _into_of(step: Step, spec, attributes: dict) -> Callable[..., Any] | None:
+def into_of(step: Step) -> Callable[..., Any] | None:
+    """The step kernel's ``into(out, *inputs)`` variant, attributes bound; None if it has none."""
     fn = step.fn
     into = getattr(fn, "into", None)
     if into is not None:

@@ -25,7 +25,7 @@ from plugrt.provider import (
 )
 
 from . import _registry
-from ._capture import capture_partition
+from ._capture import capture_partition, into_of
 from ._dtypes import numpy_dtype
 
 __all__ = ["CPUProvider"]
@@ -191,6 +191,8 @@ class CPUProvider:
             domain=domain,
             nodes=(label,),
         )
+        if spec.inplace and not spec.multi_output:
+            step.inplace = into_of(step)
         return step, (spec, attributes)
 
 

@@ -116,8 +116,12 @@ _UFUNCS: dict[str, tuple[int, Callable[..., Any]]] = {
     "BitwiseXor": (18, np.bitwise_xor),
 }
 
+# Predicates answer in bool whatever their inputs, so their output never fits the first
+# input's buffer; every other ufunc here keeps its inputs' dtype.
+_PREDICATES = frozenset({"Not", "And", "Or", "Xor", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "IsNaN"})
+
 for _op, (_version, _ufunc) in _UFUNCS.items():
-    kernel(_op, _version, inplace=True)(_ufunc)
+    kernel(_op, _version, inplace=_op not in _PREDICATES)(_ufunc)
 
 
 @kernel("Where", 9)
