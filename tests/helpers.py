@@ -25,6 +25,21 @@ NEG_ADD = model_bytes(
 )
 
 
+#: y = local.Double(x), a model-local function whose body is Add(a, a).
+LOCAL_DOUBLE = model_bytes(
+    """
+    <ir_version: 8, opset_import: ["" : 17, "local" : 1]>
+    g (float[2] x) => (float[2] y) {
+        y = local.Double(x)
+    }
+    <domain: "local", opset_import: ["" : 17]>
+    Double (a) => (b) {
+        b = Add(a, a)
+    }
+    """
+)
+
+
 def fake_entry_points(monkeypatch, *extra: tuple[str, str]) -> None:
     """Make importlib.metadata report the real plugrt entry points plus ``extra``
     (name, "module:attr") pairs, as if more distributions were installed."""

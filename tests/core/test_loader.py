@@ -11,7 +11,7 @@ import plugrt
 from plugrt.errors import ModelLimitError, ModelLoadError, UnsafeExternalDataError
 from plugrt.loader import LoadLimits, load_model
 
-from helpers import model_bytes
+from helpers import LOCAL_DOUBLE, model_bytes
 
 
 def _identity_with_initializer(location: str | None = None) -> onnx.ModelProto:
@@ -196,18 +196,7 @@ class TestExternalData:
 
 
 def test_model_local_functions_are_inlined():
-    data = model_bytes(
-        """
-        <ir_version: 8, opset_import: ["" : 17, "local" : 1]>
-        g (float[2] x) => (float[2] y) {
-            y = local.Double(x)
-        }
-        <domain: "local", opset_import: ["" : 17]>
-        Double (a) => (b) {
-            b = Add(a, a)
-        }
-        """
-    )
+    data = LOCAL_DOUBLE
     session = plugrt.load(data)
     np.testing.assert_array_equal(session.run({"x": np.array([1, 2], np.float32)})["y"], [2, 4])
     assert session.placement.nodes_per_provider == {"cpu": 1}

@@ -9,7 +9,7 @@ import plugrt
 from plugrt.errors import InvalidOptionValueError, PlacementError, ProviderUnavailableError
 from plugrt.registry import ProviderRegistry
 
-from helpers import NEG_ADD, fake_entry_points
+from helpers import LOCAL_DOUBLE, NEG_ADD, fake_entry_points
 X = np.array([1, -2, 3], np.float32)
 
 
@@ -137,20 +137,7 @@ def test_placement_report_lists_partitions_and_fallbacks(monkeypatch):
 
 
 def test_model_local_function_claimed_by_a_provider_is_not_inlined(monkeypatch):
-    from helpers import model_bytes
-
-    data = model_bytes(
-        """
-        <ir_version: 8, opset_import: ["" : 17, "local" : 1]>
-        g (float[2] x) => (float[2] y) {
-            y = local.Double(x)
-        }
-        <domain: "local", opset_import: ["" : 17]>
-        Double (a) => (b) {
-            b = Add(a, a)
-        }
-        """
-    )
+    data = LOCAL_DOUBLE
     registry = _registry(monkeypatch, "with_function", name="funcaccel")
     session = plugrt.load(data, registry=registry)
     assert session.placement.nodes_per_provider == {"funcaccel": 1}
