@@ -11,7 +11,7 @@ import plugrt
 from plugrt.errors import ModelLimitError, ModelLoadError, UnsafeExternalDataError
 from plugrt.loader import LoadLimits, load_model
 
-from helpers import LOCAL_DOUBLE, model_bytes
+from helpers import LOCAL_DOUBLE
 
 
 def _identity_with_initializer(location: str | None = None) -> onnx.ModelProto:
