@@ -32,14 +32,3 @@ def onnx_type(dtype: np.dtype) -> int:
         return int(ir.DataType.STRING)
     return int(ir.DataType.from_numpy(dtype))
 
-
-def type_string(dtype: np.dtype) -> str:
-    """onnxruntime's spelling of a tensor type, e.g. ``tensor(float)``."""
-    dtype = np.dtype(dtype)
-    if dtype.kind in "OUS":
-        return "tensor(string)"
-    name = ir.DataType.from_numpy(dtype).name.lower()
-    return "tensor(" + _ORT_NAMES.get(name, name) + ")"
-
-
-_ORT_NAMES = {"float": "float", "double": "double", "float16": "float16"}

@@ -107,7 +107,6 @@ class CapturedPlan:
         self.bindings = list(bindings)
         self._generations = [b.generation for b in self.bindings]
         self.bound_inputs = {b.input: b for b in self.bindings if b.input}
-        self.bound_outputs = {b.output: b for b in self.bindings if b.output}
         self.replays = 0
         self.misses = 0
         plan = session._plan

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -70,10 +70,6 @@ def tensor_array(tensor: ir.TensorProtocol) -> np.ndarray:
         array = array.view()
         array.flags.writeable = False
     return array
-
-
-def iter_values(values: Iterable[ir.Value | None]) -> Iterator[ir.Value]:
-    return (v for v in values if v is not None)
 
 
 def graph_free_values(graph: ir.Graph) -> list[ir.Value]:

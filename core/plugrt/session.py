@@ -78,9 +78,7 @@ def _type_string(type_: ir.TypeProtocol | None) -> tuple[str, str, np.dtype | No
         dtype = numpy_dtype(int(dtype_enum))
     except ValueError:
         dtype = None
-    name = dtype_enum.name.lower()
-    name = {"float": "float", "double": "double"}.get(name, name)
-    return "tensor", f"tensor({name})", dtype
+    return "tensor", f"tensor({dtype_enum.name.lower()})", dtype
 
 
 def _tensor_info(value: ir.Value) -> TensorInfo:

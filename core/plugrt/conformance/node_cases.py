@@ -7,7 +7,7 @@ import fnmatch
 import signal
 import time
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -159,6 +159,3 @@ def run_case(
             signal.signal(signal.SIGALRM, previous)
     return CaseResult(case.name, ops, status, detail, time.perf_counter() - started)
 
-
-def run_cases(cases: Iterable[NodeCase], make_session=None, *, timeout: float = 60.0) -> list[CaseResult]:
-    return [run_case(c, make_session, timeout=timeout) for c in cases]

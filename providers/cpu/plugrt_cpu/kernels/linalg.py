@@ -77,6 +77,15 @@ def _scaled_into(out: np.ndarray, slot: str, x: np.ndarray, factor: float) -> np
     return np.multiply(x, x.dtype.type(factor), out=target)
 
 
+def _check_c_shape(c: np.ndarray, y: np.ndarray, opset: int) -> None:
+    """Gemm before opset 7 with broadcast=0 needs C of exactly the result's shape."""
+    if c.shape != y.shape:
+        raise ValueError(
+            f"Gemm (opset {opset}, broadcast=0): C has shape {c.shape}, "
+            f"expected {y.shape}; set broadcast=1 to broadcast it"
+        )
+
+
 @kernel_builder("Gemm", 1, 7)
 def gemm(ctx: KernelContext):
     """Y = alpha * A' @ B' + beta * C. What depends on constant B and C is folded once:
@@ -117,11 +126,8 @@ def gemm(ctx: KernelContext):
         if scale_y:
             y = _scaled(y, alpha) if y.dtype.kind in "iu" else np.multiply(y, y.dtype.type(alpha), out=y)
         if c is not None and beta != 0.0:
-            if strict_c_shape and c.shape != y.shape:
-                raise ValueError(
-                    f"Gemm (opset {ctx.opset}, broadcast=0): C has shape {c.shape}, "
-                    f"expected {y.shape}; set broadcast=1 to broadcast it"
-                )
+            if strict_c_shape:
+                _check_c_shape(c, y, ctx.opset)
             if prepared_c is not None:
                 c = prepared_c
             elif beta != 1.0:
@@ -149,11 +155,8 @@ def gemm(ctx: KernelContext):
             else:
                 np.multiply(y, y.dtype.type(alpha), out=y)
         if c is not None and beta != 0.0:
-            if strict_c_shape and c.shape != y.shape:
-                raise ValueError(
-                    f"Gemm (opset {ctx.opset}, broadcast=0): C has shape {c.shape}, "
-                    f"expected {y.shape}; set broadcast=1 to broadcast it"
-                )
+            if strict_c_shape:
+                _check_c_shape(c, y, ctx.opset)
             if prepared_c is not None:
                 c = prepared_c
             elif beta != 1.0:
