@@ -33,7 +33,7 @@ from .ir_utils import tensor_array
 from .loader import LoadLimits, ModelSource, load_model
 from .options import SessionOptions, parse_options
 from .placement import PlacementReport
-from .provider import Device, NotCapturable
+from .provider import Device, DeviceKind, NotCapturable
 from .registry import ProviderRegistry, default_registry
 
 __all__ = ["TensorInfo", "ModelMetadata", "Session", "SessionBuilder", "load"]
@@ -175,7 +175,10 @@ class Session:
             # providers decide on dtypes, and the plan writes large elementwise results
             # in place: both need value types and shapes
             passes.infer_types(ir_model)
-        fold_provider = chosen[-1] if chosen else None
+        # constants fold on the host fallback wherever the list puts it: an accelerator
+        # listed last would evaluate few ops and leave every later pass nothing to fuse
+        host = [p for p in chosen if self.selection.devices[p.name].kind == DeviceKind.CPU]
+        fold_provider = host[-1] if host else (chosen[-1] if chosen else None)
         self.optimization_stats = passes.optimize(
             ir_model,
             self.options["optimization"],
