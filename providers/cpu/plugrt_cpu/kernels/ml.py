@@ -171,7 +171,7 @@ def _label_encoder_v2(attributes: dict[str, Any]) -> _Lookup:
     if values_tensor is not None:
         values = values_tensor.ravel()
         dtype = values.dtype
-        if dtype == object:
+        if dtype.kind == "O":
             values = np.asarray(_texts(values), dtype=object)
     elif attributes.get("values_strings") is not None:
         values, dtype = np.asarray(_texts(attributes["values_strings"]), dtype=object), np.dtype(object)
@@ -187,7 +187,7 @@ def _label_encoder_v2(attributes: dict[str, Any]) -> _Lookup:
     default_tensor = attributes.get("default_tensor")
     if values_tensor is not None and default_tensor is not None:
         default = _text(default_tensor.ravel()[0])
-    elif dtype == object:
+    elif dtype.kind == "O":
         default = _text(attributes.get("default_string", "_Unused"))
     elif dtype.kind in "iu":
         default = attributes.get("default_int64", -1)

@@ -37,7 +37,7 @@ def _scalar_int(value) -> int:
 
 def _zero(dtype: np.dtype):
     """The fill value ONNX uses for padding a tensor of ``dtype``: 0, False or ''."""
-    return "" if dtype == object else np.zeros((), dtype)
+    return "" if dtype.kind == "O" else np.zeros((), dtype)
 
 
 def _element_index(indices: np.ndarray, axis: int) -> tuple:
