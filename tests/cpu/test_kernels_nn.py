@@ -458,12 +458,12 @@ def test_average_pool_over_the_whole_input_is_the_spatial_mean(shape):
 @pytest.mark.parametrize("name", ["3x3_pad", "depthwise_many_channels", "depthwise_multiplier", "pointwise"])
 def test_conv_built_with_a_fused_relu_clamps_its_output(name):
     from plugrt_cpu._registry import KernelContext
-    from plugrt_cpu.kernels import nn
+    from plugrt_cpu.kernels import conv
 
     x_shape, w_shape, attrs = CONV_CASES[name]
     x, w, b = _random(*x_shape), _random(*w_shape, seed=1), _random(w_shape[0], seed=2)
     ctx = KernelContext("Conv", "", 11, attrs, 3, 1, [x.dtype] * 3, [None, w, b])
-    got = nn.build_conv(ctx, relu=True)(x, w, b)
+    got = conv.build_conv(ctx, relu=True)(x, w, b)
     model = _model([helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w, "b": b})
     (expected,) = _reference(model, {"x": x})
     np.testing.assert_allclose(got, np.maximum(expected, 0), rtol=1e-4, atol=1e-4)

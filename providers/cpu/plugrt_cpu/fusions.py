@@ -5,7 +5,7 @@ at optimisation level "all", after constant folding and before placement, so a s
 built at "none" or "basic" never sees a fused node. The nodes they write live in the
 private domain ``plugrt.cpu`` (version 1, added to the model's opset imports by the pass
 that writes one); their kernels are registered at the end of this module and reuse the
-standard kernels (Conv from kernels/nn.py, LayerNormalization, Gelu).
+standard kernels (Conv from kernels/conv.py, LayerNormalization, Gelu).
 
 Every pass fuses only where each intermediate value is read by the next node of the
 pattern alone and is not a graph output, so no value anyone else can see disappears, and
@@ -28,7 +28,8 @@ from plugrt.passes import CLAIMED_BY
 
 from ._provider import CPUProvider
 from ._registry import KernelContext, kernel, kernel_builder
-from .kernels import elementwise, nn, normalization
+from .kernels import conv as convolution
+from .kernels import elementwise, normalization
 
 __all__ = [
     "DOMAIN",
@@ -568,7 +569,7 @@ def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
     activation = attributes.pop("activation", None)
     if activation != "Relu":
         raise NotImplementedError(f"FusedConv: activation={activation!r} is not supported (only 'Relu')")
-    conv = nn.conv(dataclasses.replace(ctx, op_type="Conv", domain="", attributes=attributes))
+    conv = convolution.conv(dataclasses.replace(ctx, op_type="Conv", domain="", attributes=attributes))
 
     def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         y = conv(x, w, b)

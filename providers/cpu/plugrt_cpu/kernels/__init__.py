@@ -4,7 +4,11 @@ from . import (
     elementwise,
     tensor,
     generator,
-    nn,
+    conv,
+    pooling,
+    softmax,
+    dropout,
+    lrn,
     normalization,
     reduction,
     linalg,
@@ -21,4 +25,4 @@ from . import (
     ml,
 )
 
-__all__ = ["elementwise", "tensor", "generator", "nn", "normalization", "reduction", "linalg", "quantization", "controlflow", "sequence", "rnn", "attention", "signal", "image", "text", "loss", "training", "ml", ]
+__all__ = ["elementwise", "tensor", "generator", "conv", "pooling", "softmax", "dropout", "lrn", "normalization", "reduction", "linalg", "quantization", "controlflow", "sequence", "rnn", "attention", "signal", "image", "text", "loss", "training", "ml", ]

@@ -1,0 +1,669 @@
+"""Convolution kernels: Conv, CausalConvWithState, ConvTranspose, Col2Im and DeformConv."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .._registry import KernelContext, kernel, kernel_builder
+from ._window import (
+    _CHUNK_BYTES,
+    _auto_pad,
+    _call,
+    _cast_into_scratch,
+    _compute_dtype,
+    _copied,
+    _copy_to_workspace,
+    _fresh,
+    _ints,
+    _pads,
+    _ShapeCache,
+    _Tap,
+    _tap_range,
+    _taps,
+    _window_geometry,
+    _workspace,
+    _zero_regions,
+    _zeroed,
+)
+from .elementwise import scratch, with_small_buffers
+
+# ---------------------------------------------------------------------------
+# Conv
+# ---------------------------------------------------------------------------
+
+
+class _ConvPlan:
+    """Everything a Conv call needs that depends only on the input shape."""
+
+    def __init__(self, conv: "_Convolution", x_shape: tuple[int, ...], w_shape: tuple[int, ...], itemsize: int):
+        n, c = x_shape[:2]
+        spatial = list(x_shape[2:])
+        rank = len(spatial)
+        kernel = list(w_shape[2:])
+        strides = _ints(conv.strides, rank, 1)
+        dilations = _ints(conv.dilations, rank, 1)
+        pb, pe = _pads(conv.pads, rank)
+        out, pb, pe = _window_geometry(spatial, kernel, strides, dilations, pb, pe, conv.auto_pad)
+        group = conv.group
+        m = w_shape[0]
+        if c != w_shape[1] * group or m % group:
+            raise ValueError(f"Conv: input {x_shape} and weight {w_shape} do not match group={group}")
+        self.out = out
+        self.out_size = math.prod(out)
+        self.m = m
+        ksize = math.prod(kernel)
+        pointwise = ksize == 1 and not any(pb) and all(
+            (o - 1) * s + 1 <= size for o, s, size in zip(out, strides, spatial)
+        )
+        if pointwise:
+            self.kind = "pointwise"
+            self.src = (slice(None), slice(None)) + tuple(
+                slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides)
+            )
+            self.copy_input = any(s != 1 for s in strides) or out != spatial
+            return
+        if w_shape[1] == 1 and group > 1:
+            self.kind = "depthwise"
+            self._plan_depthwise(spatial, kernel, strides, dilations, pb, out)
+            return
+        self.kind = "im2col"
+        # A strided window reads each stride phase of the input with unit steps once that
+        # phase is copied out contiguously: one gather instead of one per tap.
+        self.phase_slices = None
+        if any(st > 1 for st in strides):
+            phases = {t.phase for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty}
+            self.phase_slices = {
+                phase: (slice(None),) + tuple(slice(p, None, st) for p, st in zip(phase, strides)) for phase in phases
+            }
+        # Blocks of whole rows of the first output axis, each small enough to stay in cache.
+        rest = math.prod(out[1:])
+        row_bytes = max(1, c * ksize * rest * itemsize)
+        rows = max(1, min(out[0], _CHUNK_BYTES // row_bytes)) if out[0] else 1
+        self.blocks = []
+        for r0 in range(0, out[0], rows):
+            r1 = min(out[0], r0 + rows)
+            box = [r1 - r0] + out[1:]
+            taps = _taps(spatial, kernel, strides, dilations, pb, [r0] + [0] * (rank - 1), [r1] + out[1:])
+            zeros = tuple(
+                (t.index, region) for t in taps for region in _zero_regions(t, box)
+            )
+            layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
+            self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
+
+    def _plan_depthwise(
+        self,
+        spatial: list[int],
+        kernel: list[int],
+        strides: list[int],
+        dilations: list[int],
+        pb: list[int],
+        out: list[int],
+    ) -> None:
+        """Depthwise taps as flat shifts of stride-phase planes.
+
+        Every tap reads one phase plane (``padded[..., phase::stride]``) at a fixed
+        offset, so on planes flattened to one axis it is a contiguous run: the output is
+        computed on a grid as wide as the planes and cropped once.
+        """
+        rank = len(spatial)
+        phases, shifts = [], []
+        for tap in itertools.product(*(range(k) for k in kernel)):
+            offsets = [t * d for t, d in zip(tap, dilations)]
+            phases.append(tuple(o % st for o, st in zip(offsets, strides)))
+            shifts.append([o // st for o, st in zip(offsets, strides)])
+        most = [max(sh[i] for sh in shifts) for i in range(rank)]
+        plane = [out[i] + most[i] + (1 if i == 0 and rank > 1 else 0) for i in range(rank)]
+        plane_strides = [math.prod(plane[i + 1 :]) for i in range(rank)]
+        self.plane_shape = plane
+        self.grid = out[0] * plane_strides[0]  # outputs (and junk columns) per channel
+        self.phase_fill = {}  # phase -> (plane region, input region)
+        for phase in sorted(set(phases)):
+            dst, src = [], []
+            for i in range(rank):
+                first, last = _tap_range(spatial[i], phase[i] - pb[i], strides[i], 0, plane[i])
+                start = first * strides[i] + phase[i] - pb[i]
+                dst.append(slice(first, last))
+                src.append(slice(start, start + (last - first - 1) * strides[i] + 1, strides[i]) if last > first else slice(0, 0))
+            self.phase_fill[phase] = ((slice(None),) + tuple(dst), (slice(None),) + tuple(src))
+        self.depthwise_taps = [
+            (index, phase, sum(sh * ps for sh, ps in zip(shift, plane_strides)))
+            for index, (phase, shift) in enumerate(zip(phases, shifts))
+        ]
+        self.crop = (slice(None),) + tuple(slice(0, o) for o in out)
+        # Without strides every tap reads the one plane at offsets that form a grid, so all
+        # taps are one strided view (grid position, *kernel, channel) of a channels-last plane.
+        self.tap_grid_steps = None
+        if all(st == 1 for st in strides):
+            self.tap_grid_steps = [d * ps for d, ps in zip(dilations, plane_strides)]
+        self.kernel = list(kernel)
+
+
+class _ConvWeight:
+    """A Conv weight prepared for the GEMM: (group, M/group, C/group * kernel)."""
+
+    def __init__(self, w: np.ndarray, group: int, dtype: np.dtype):
+        self.shape = tuple(w.shape)
+        m = w.shape[0]
+        self.gemm = np.ascontiguousarray(w.reshape(group, m // group, -1), dtype=dtype)
+
+
+class _Convolution:
+    """A Conv node: attributes parsed once, weights reshaped once when constant."""
+
+    def __init__(self, attributes: dict[str, Any], relu: bool = False):
+        self.auto_pad = _auto_pad(attributes.get("auto_pad"))
+        self.dilations = attributes.get("dilations")
+        self.group = int(attributes.get("group", 1))
+        self.pads = attributes.get("pads")
+        self.strides = attributes.get("strides")
+        self.relu = relu  # a fused Relu, applied to each output block while it is in cache
+        self._plans = _ShapeCache(lambda xs, ws, item: _ConvPlan(self, xs, ws, item))
+
+    def prepare_weight(self, w: np.ndarray, dtype: np.dtype) -> "_ConvWeight":
+        return _ConvWeight(w, self.group, dtype)
+
+    def prepare_bias(self, b: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
+        return None if b is None else np.ascontiguousarray(b, dtype=dtype).reshape(-1, 1)
+
+    def __call__(
+        self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The convolution, into the C-contiguous ``y`` (n, M, *out) when given (the
+        ``into`` variant: the same arithmetic, its copies in thread workspaces)."""
+        plan: _ConvPlan = self._plans(x.shape, weight.shape, x.dtype.itemsize)
+        if y is not None and plan.kind != "depthwise":  # no reductions but BLAS ones: see with_small_buffers
+            return with_small_buffers(self._convolve, x, weight, bias, y, plan)
+        return self._convolve(x, weight, bias, y, plan)
+
+    def _convolve(
+        self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None, plan: _ConvPlan
+    ) -> np.ndarray:
+        n, c = x.shape[:2]
+        g = self.group
+        m = plan.m
+        wg = weight.gemm
+        if plan.kind == "pointwise":
+            xs = x[plan.src] if plan.copy_input else x
+            if y is not None and not xs.flags.c_contiguous:
+                # what the reshape below would copy to, in a workspace
+                xs = _copy_to_workspace("pointwise", xs)
+            out = None if y is None else y.reshape(n, m, plan.out_size)
+            if g == 1:
+                y = np.matmul(wg[0], xs.reshape(n, c, plan.out_size), out=out)
+            else:
+                grouped = None if out is None else out.reshape(n, g, m // g, plan.out_size)
+                y = np.matmul(wg, xs.reshape(n, g, c // g, plan.out_size), out=grouped)
+            y = y.reshape(n, m, plan.out_size)
+            if bias is not None:
+                y += bias
+            if self.relu:
+                np.maximum(y, 0, out=y)
+        elif plan.kind == "depthwise":
+            y = self._depthwise(x, wg, plan, bias, y)
+        else:
+            y = self._im2col(x, wg, plan, bias, y)
+        return y.reshape(n, m, *plan.out)
+
+    def _depthwise(
+        self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Per (image, channel) row: the sum over taps of weight * shifted phase plane.
+
+        With more rows than grid positions the planes are laid out channels-last, so that
+        every elementwise step runs along the long axis. With ``y`` (the ``into`` variant)
+        the planes and sums are work arrays of ``y`` and the elementwise steps run with
+        small ufunc buffers; the arithmetic is the same.
+        """
+        n, g = x.shape[:2]
+        mult = wg.shape[1]
+        rows = n * g
+        if rows == 0 or plan.out_size == 0:
+            if y is not None:
+                y.fill(0)
+                return y.reshape(n, g * mult, plan.out_size)
+            return np.zeros((n, g * mult, plan.out_size), dtype=x.dtype)
+        into = y is not None
+        if into:
+            anchor = y
+
+            def allocate(slot: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+                return scratch(anchor, ("depthwise", slot), shape, dtype)
+
+            def elementwise(fn: Callable[..., Any], *args: Any) -> Any:
+                return with_small_buffers(fn, *args)
+
+        else:
+            allocate, elementwise = _fresh, _call
+        xr = x.reshape(rows, *x.shape[2:])
+        taps = wg.shape[2]
+        weights = np.broadcast_to(wg, (n, g, mult, taps))
+        if into:  # what the reshape below copies, in a work array
+            weights = _copied(allocate("weights", weights.shape, wg.dtype), weights)
+        weights = weights.reshape(rows, mult, taps)
+        biases = None
+        if bias is not None:
+            biases = np.broadcast_to(bias.reshape(g, mult), (n, g, mult))
+            if into:
+                biases = _copied(allocate("biases", biases.shape, bias.dtype), biases)
+            biases = biases.reshape(rows, mult)
+        length = plan.grid
+        channels_last = rows * 8 >= length  # measured: channels-last wins unless the planes are much longer
+        planes = {}
+        for phase, (dst, src) in plan.phase_fill.items():
+            shape = (*plan.plane_shape, rows) if channels_last else (rows, *plan.plane_shape)
+            buf = _zeroed(allocate(("plane", phase), shape, x.dtype)) if into else np.zeros(shape, dtype=x.dtype)
+            if channels_last:
+                buf[dst[1:]] = np.moveaxis(xr[src], 0, -1)
+                planes[phase] = buf.reshape(-1, rows)
+            else:
+                buf[dst] = xr[src]
+                planes[phase] = buf.reshape(rows, -1)
+        y = np.empty((n, g, mult, *plan.out), dtype=x.dtype) if y is None else y.reshape(n, g, mult, *plan.out)
+        yr = y.reshape(rows, mult, *plan.out)
+        grid_shape = (plan.out[0], *plan.plane_shape[1:])
+        for j in range(mult):
+            if channels_last:
+                wj = weights[:, j].T  # (K, rows)
+                wj = np.ascontiguousarray(wj) if not into else _copied(allocate(("wj", j), wj.shape, wj.dtype), wj)
+                if plan.tap_grid_steps is not None:
+                    acc_out = allocate("acc", (length, rows), x.dtype) if into else None
+                    acc = self._grid_taps_sum(planes[next(iter(planes))], wj, plan, length, rows, acc_out)
+                else:
+                    acc = elementwise(
+                        self._taps_sum, planes, plan, lambda p, off: p[off : off + length], lambda i: wj[i],
+                        length, rows, False, allocate,
+                    )
+                if biases is not None:
+                    elementwise(np.add, acc, biases[:, j], acc)
+            else:
+                wj = weights[:, j]  # (rows, K)
+                acc = elementwise(
+                    self._taps_sum,
+                    planes, plan, lambda p, off: p[:, off : off + length], lambda i: wj[:, i, None], rows, length, True,
+                    allocate,
+                )
+                if biases is not None:
+                    elementwise(np.add, acc, biases[:, j, None], acc)
+            if self.relu:
+                np.maximum(acc, 0, out=acc)
+            if channels_last:
+                yr[:, j] = np.moveaxis(acc.reshape(*grid_shape, rows)[plan.crop[1:]], -1, 0)
+            else:
+                yr[:, j] = acc.reshape(rows, *grid_shape)[plan.crop]
+        return y.reshape(n, g * mult, plan.out_size)
+
+    @staticmethod
+    def _grid_taps_sum(
+        plane: np.ndarray, weights: np.ndarray, plan: _ConvPlan, length: int, rows: int, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """All taps at once: one einsum over a strided (position, *kernel, channel) view of a
+        channels-last plane, against weights (K, rows)."""
+        rank = len(plan.kernel)
+        item = plane.itemsize
+        windows = np.lib.stride_tricks.as_strided(
+            plane,
+            shape=(length, *plan.kernel, rows),
+            strides=(rows * item, *(step * rows * item for step in plan.tap_grid_steps), item),
+            writeable=False,
+        )
+        taps = list(range(1, rank + 1))
+        channel = rank + 1
+        kernel = weights.reshape(*plan.kernel, rows)
+        return np.einsum(windows, [0, *taps, channel], kernel, [*taps, channel], [0, channel], out=out)
+
+    @staticmethod
+    def _taps_sum(
+        planes, plan, window, weight, outer: int, inner: int, weight_per_outer: bool, allocate=None
+    ) -> np.ndarray:
+        """Sum over the depthwise taps of weight(tap) * window(plane, offset), an (outer, inner)
+        array, in blocks of the outer axis that stay in cache."""
+        allocate = allocate or _fresh
+        dtype = next(iter(planes.values())).dtype
+        acc = allocate("acc", (outer, inner), dtype)
+        block = max(1, (64 << 10) // max(1, inner))
+        tmp = allocate("tmp", (min(block, outer), inner), dtype)
+        for o0 in range(0, outer, block):
+            o1 = min(outer, o0 + block)
+            a, t = acc[o0:o1], tmp[: o1 - o0]
+            for k, (index, phase, offset) in enumerate(plan.depthwise_taps):
+                src = window(planes[phase], offset)[o0:o1]
+                w = weight(index)[o0:o1] if weight_per_outer else weight(index)
+                if k == 0:
+                    np.multiply(src, w, out=a)
+                else:
+                    np.multiply(src, w, out=t)
+                    a += t
+        return acc
+
+    def _im2col(
+        self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
+    ) -> np.ndarray:
+        n, c = x.shape[:2]
+        g = self.group
+        into = y is not None
+        y = np.empty((n, plan.m, plan.out_size), dtype=x.dtype) if y is None else y.reshape(n, plan.m, plan.out_size)
+        whole = (slice(None),)
+        for image in range(n):
+            xi = x[image]
+            planes = None
+            if plan.phase_slices is not None:
+                planes = {
+                    phase: _copy_to_workspace(f"phase{k}", xi[index]) if into else np.ascontiguousarray(xi[index])
+                    for k, (phase, index) in enumerate(plan.phase_slices.items())
+                }
+            for p0, p1, shape, taps, zeros, layout_key in plan.blocks:
+                cols, stale = _workspace("im2col", shape, x.dtype, layout_key)
+                if stale:
+                    for index, region in zeros:
+                        cols[(slice(None), index) + region] = 0
+                if planes is None:
+                    for tap in taps:
+                        cols[(slice(None), tap.index) + tap.dst] = xi[whole + tap.src]
+                else:
+                    for tap in taps:
+                        cols[(slice(None), tap.index) + tap.dst] = planes[tap.phase][whole + tap.phase_src]
+                out = y[image, :, p0:p1]
+                if g == 1:
+                    np.matmul(wg[0], cols.reshape(c * shape[1], p1 - p0), out=out)
+                else:
+                    np.matmul(wg, cols.reshape(g, -1, p1 - p0), out=out.reshape(g, -1, p1 - p0))
+                if bias is not None:
+                    out += bias
+                if self.relu:
+                    np.maximum(out, 0, out=out)
+        return y
+
+
+@kernel_builder("Conv", 1)
+def conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """Conv: im2col in cache-sized blocks and one GEMM per block (per group batch)."""
+    return build_conv(ctx)
+
+
+def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarray]:
+    """The Conv kernel for ``ctx``; with ``relu`` it also applies a Relu block by block
+    (for a fused Conv + Relu node: the output is clamped while still in cache)."""
+    op = _Convolution(ctx.attributes, relu)
+    w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
+    b_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
+    if w_const is not None:
+        # Constant weights (and bias) are reshaped here, once, in the dtype of the arithmetic.
+        dtype = _compute_dtype(w_const.dtype)
+        w_prepared = op.prepare_weight(w_const, dtype)
+        b_prepared = op.prepare_bias(b_const, dtype) if b_const is not None else None
+
+    def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        dtype = _compute_dtype(x.dtype)
+        weight = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
+        bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
+        y = op(x.astype(dtype, copy=False), weight, bias)
+        return y.astype(x.dtype, copy=False)
+
+    def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> None:
+        dtype = _compute_dtype(x.dtype)
+        weight = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
+        bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
+        x = _cast_into_scratch(out, "x", x, dtype)
+        y = out if out.dtype == dtype and out.flags.c_contiguous else scratch(out, "y", out.shape, dtype)
+        op(x, weight, bias, y)
+        if y is not out:
+            np.copyto(out, y, casting="unsafe")
+
+    run.into = run_into
+    return run
+
+
+@kernel("CausalConvWithState", 27, multi_output=True)
+def causal_conv_with_state(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None = None,
+    past_state: np.ndarray | None = None,
+    *,
+    activation: str = "none",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Depthwise causal 1-D convolution carrying the last k-1 inputs as state."""
+    if activation not in ("none", "silu", "swish"):
+        raise NotImplementedError(f"CausalConvWithState: activation={activation!r} is not one of none, silu, swish")
+    if x.ndim != 3 or w.ndim != 3 or w.shape[1] != 1:
+        raise ValueError(f"CausalConvWithState expects input (B, C, L) and weight (C, 1, k), got {x.shape} and {w.shape}")
+    batch, channels, length = x.shape
+    k = w.shape[2]
+    if past_state is None:
+        past_state = np.zeros((batch, channels, k - 1), dtype=x.dtype)
+    padded = np.concatenate([past_state.astype(x.dtype, copy=False), x], axis=2)
+    dtype = _compute_dtype(x.dtype)
+    xp = padded.astype(dtype, copy=False)
+    wk = w.astype(dtype, copy=False)[:, 0, :, None]  # (C, k, 1)
+    y = xp[:, :, 0:length] * wk[:, 0]
+    for j in range(1, k):
+        y += xp[:, :, j : j + length] * wk[:, j]
+    if b is not None:
+        y += b.astype(dtype, copy=False)[:, None]
+    if activation != "none":
+        with np.errstate(over="ignore"):  # exp(-y) overflows to inf for very negative y: silu -> 0
+            y *= 1.0 / (1.0 + np.exp(-y))
+    return y.astype(x.dtype, copy=False), padded[:, :, length:]
+
+
+# ---------------------------------------------------------------------------
+# ConvTranspose and Col2Im: a GEMM to columns, then scatter-add the columns
+# ---------------------------------------------------------------------------
+
+
+def _scatter_taps(
+    image: Sequence[int],
+    blocks: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads_begin: Sequence[int],
+) -> list[_Tap]:
+    """Taps for adding columns (N, C, K, *blocks) into images (N, C, *image), the adjoint of
+    im2col: block position ``i`` of tap ``t`` lands on image position
+    ``i * stride + t * dilation - pad``, the im2col ranges with image and blocks swapped
+    (``tap.src`` slices the image, ``tap.dst`` the blocks)."""
+    taps = _taps(image, kernel, strides, dilations, pads_begin, [0] * len(blocks), blocks)
+    return [t for t in taps if not t.empty]
+
+
+def _scatter_columns(cols: np.ndarray, out: np.ndarray, taps: list[_Tap]) -> None:
+    lead = (slice(None), slice(None))
+    for tap in taps:
+        out[lead + tap.src] += cols[lead + (tap.index,) + tap.dst]
+
+
+class _ConvTransposePlan:
+    def __init__(self, op: "_ConvTransposition", x_shape: tuple[int, ...], w_shape: tuple[int, ...]):
+        spatial = list(x_shape[2:])
+        rank = len(spatial)
+        kernel = list(w_shape[2:])
+        strides = _ints(op.strides, rank, 1)
+        dilations = _ints(op.dilations, rank, 1)
+        out_pad = _ints(op.output_padding, rank, 0)
+        pb, pe = _pads(op.pads, rank)
+        full = [
+            strides[i] * (spatial[i] - 1) + out_pad[i] + (kernel[i] - 1) * dilations[i] + 1 for i in range(rank)
+        ]
+        if op.output_shape is not None and len(op.output_shape):
+            out = [int(v) for v in op.output_shape][-rank:]
+        elif op.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            out = [spatial[i] * strides[i] for i in range(rank)]
+        else:
+            out = None
+        if out is not None:
+            # The spec puts the extra odd padding at the end for SAME_UPPER, at the start otherwise.
+            pb = []
+            for i in range(rank):
+                total = full[i] - out[i]
+                pb.append(total // 2 if op.auto_pad == "SAME_UPPER" else total - total // 2)
+        else:
+            out = [full[i] - pb[i] - pe[i] for i in range(rank)]
+        self.out = out
+        self.kernel = kernel
+        self.taps = _scatter_taps(out, spatial, kernel, strides, dilations, pb)
+
+
+class _ConvTransposition:
+    def __init__(self, attributes: dict[str, Any]):
+        self.auto_pad = _auto_pad(attributes.get("auto_pad"))
+        self.dilations = attributes.get("dilations")
+        self.group = int(attributes.get("group", 1))
+        self.output_padding = attributes.get("output_padding")
+        self.output_shape = attributes.get("output_shape")
+        self.pads = attributes.get("pads")
+        self.strides = attributes.get("strides")
+        self._plans = _ShapeCache(lambda xs, ws: _ConvTransposePlan(self, xs, ws))
+
+    def prepare_weight(self, w: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, tuple[int, ...]]:
+        """W (C, M/group, *k) as (group, M/group * K, C/group): the GEMM's left operand."""
+        g = self.group
+        c = w.shape[0]
+        wt = w.reshape(g, c // g, -1).transpose(0, 2, 1)
+        return np.ascontiguousarray(wt, dtype=dtype), w.shape
+
+    def __call__(self, x: np.ndarray, wt: np.ndarray, w_shape: tuple[int, ...], b: np.ndarray | None) -> np.ndarray:
+        n, c = x.shape[:2]
+        if c != w_shape[0] or c % self.group:
+            raise ValueError(f"ConvTranspose: input {x.shape} and weight {w_shape} do not match group={self.group}")
+        plan: _ConvTransposePlan = self._plans(x.shape, w_shape)
+        g = self.group
+        m = w_shape[1] * g
+        ksize = math.prod(plan.kernel)
+        in_size = math.prod(x.shape[2:])
+        if g == 1:
+            cols = np.matmul(wt[0], x.reshape(n, c, in_size))
+        else:
+            cols = np.matmul(wt, x.reshape(n, g, c // g, in_size))
+        cols = cols.reshape(n, m, ksize, *x.shape[2:])
+        y = np.zeros((n, m, *plan.out), dtype=x.dtype)
+        _scatter_columns(cols, y, plan.taps)
+        if b is not None:
+            y += b.astype(x.dtype, copy=False).reshape(m, *([1] * len(plan.out)))
+        return y
+
+
+@kernel_builder("ConvTranspose", 1)
+def conv_transpose(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """ConvTranspose: one GEMM from input channels to columns, then a scatter-add per tap."""
+    op = _ConvTransposition(ctx.attributes)
+    w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
+    if w_const is not None:
+        w_prepared = op.prepare_weight(w_const, _compute_dtype(w_const.dtype))
+
+    def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        dtype = _compute_dtype(x.dtype)
+        wt, w_shape = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
+        y = op(x.astype(dtype, copy=False), wt, w_shape, b)
+        return y.astype(x.dtype, copy=False)
+
+    return run
+
+
+@kernel("Col2Im", 18)
+def col2im(
+    x: np.ndarray,
+    image_shape: np.ndarray,
+    block_shape: np.ndarray,
+    *,
+    dilations: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Col2Im: sum the sliding blocks (N, C*K, L) back into images (N, C, *image_shape)."""
+    image = [int(v) for v in np.asarray(image_shape).reshape(-1)]
+    kernel = [int(v) for v in np.asarray(block_shape).reshape(-1)]
+    rank = len(image)
+    if len(kernel) != rank:
+        raise ValueError(f"Col2Im: image_shape {image} and block_shape {kernel} differ in rank")
+    stride_list = _ints(strides, rank, 1)
+    dilation_list = _ints(dilations, rank, 1)
+    pb, pe = _pads(pads, rank)
+    blocks, _, _ = _window_geometry(image, kernel, stride_list, dilation_list, pb, pe, "NOTSET")
+    n, ck, length = x.shape
+    ksize = math.prod(kernel)
+    if ck % ksize or length != math.prod(blocks):
+        raise ValueError(
+            f"Col2Im: input {x.shape} does not hold C*{ksize} rows of {math.prod(blocks)} blocks {blocks}"
+        )
+    c = ck // ksize
+    dtype = _compute_dtype(x.dtype)
+    cols = x.astype(dtype, copy=False).reshape(n, c, ksize, *blocks)
+    y = np.zeros((n, c, *image), dtype=dtype)
+    _scatter_columns(cols, y, _scatter_taps(image, blocks, kernel, stride_list, dilation_list, pb))
+    return y.astype(x.dtype, copy=False)
+
+
+@kernel("DeformConv", 19)
+def deform_conv(
+    x: np.ndarray,
+    w: np.ndarray,
+    offset: np.ndarray,
+    b: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    *,
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    offset_group: int = 1,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """DeformConv: sample every tap at its offset position (multilinear, zero outside), then GEMM."""
+    n, c = x.shape[:2]
+    spatial = list(x.shape[2:])
+    rank = len(spatial)
+    kernel = list(w.shape[2:])
+    m = w.shape[0]
+    if c != w.shape[1] * group or m % group or c % offset_group:
+        raise ValueError(f"DeformConv: input {x.shape}, weight {w.shape}, group={group}, offset_group={offset_group}")
+    stride_list = _ints(strides, rank, 1)
+    dilation_list = _ints(dilations, rank, 1)
+    pb, pe = _pads(pads, rank)
+    out, _, _ = _window_geometry(spatial, kernel, stride_list, dilation_list, pb, pe, "NOTSET")
+    ksize = math.prod(kernel)
+    size = math.prod(out)
+    if tuple(offset.shape) != (n, offset_group * ksize * rank, *out):
+        raise ValueError(f"DeformConv: offset shape {offset.shape} != {(n, offset_group * ksize * rank, *out)}")
+    dtype = _compute_dtype(x.dtype)
+    pos_dtype = np.result_type(dtype, offset.dtype, np.float32)
+    off = offset.astype(pos_dtype, copy=False).reshape(n, offset_group, ksize, rank, size)
+    # Undisplaced sample position of every (tap, output) pair on each axis.
+    taps = np.array(list(itertools.product(*(range(k) for k in kernel))), dtype=np.int64).reshape(ksize, rank)
+    grids = np.meshgrid(*(np.arange(o) for o in out), indexing="ij")
+    base = [
+        (taps[:, i, None] * dilation_list[i] + grids[i].reshape(1, size) * stride_list[i] - pb[i]).astype(pos_dtype)
+        for i in range(rank)
+    ]
+    pos = [base[i] + off[:, :, :, i] for i in range(rank)]  # each (n, og, K, P)
+    floor = [np.floor(p) for p in pos]
+    frac = [p - f for p, f in zip(pos, floor)]
+    floor = [f.astype(np.int64) for f in floor]
+    cog = c // offset_group
+    xf = x.astype(dtype, copy=False).reshape(n, offset_group, cog, math.prod(spatial))
+    cols = np.zeros((n, offset_group, cog, ksize * size), dtype=dtype)
+    plane_strides = [math.prod(spatial[i + 1 :]) for i in range(rank)]
+    for corner in itertools.product((0, 1), repeat=rank):
+        weight = np.ones((n, offset_group, ksize, size), dtype=pos_dtype)
+        flat = np.zeros((n, offset_group, ksize, size), dtype=np.int64)
+        valid = np.ones((n, offset_group, ksize, size), dtype=bool)
+        for i, bit in enumerate(corner):
+            idx = floor[i] + bit
+            weight *= frac[i] if bit else 1 - frac[i]
+            valid &= (idx >= 0) & (idx < spatial[i])
+            flat += np.clip(idx, 0, spatial[i] - 1) * plane_strides[i]
+        weight = np.where(valid, weight, 0).astype(dtype, copy=False)
+        values = np.take_along_axis(xf, flat.reshape(n, offset_group, 1, ksize * size), axis=3)
+        cols += values * weight.reshape(n, offset_group, 1, ksize * size)
+    cols = cols.reshape(n, offset_group, cog, ksize, size)
+    if mask is not None:
+        cols *= mask.astype(dtype, copy=False).reshape(n, offset_group, 1, ksize, size)
+    wg = w.astype(dtype, copy=False).reshape(group, m // group, -1)
+    y = np.matmul(wg, cols.reshape(n, group, (c // group) * ksize, size)).reshape(n, m, size)
+    if b is not None:
+        y += b.astype(dtype, copy=False).reshape(m, 1)
+    return y.reshape(n, m, *out).astype(x.dtype, copy=False)

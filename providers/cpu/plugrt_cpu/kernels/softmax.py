@@ -1,0 +1,133 @@
+"""Softmax kernels: Softmax, LogSoftmax and Hardmax (opset 1-12 on 2-D, 13+ on one axis)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from .._registry import kernel
+from .elementwise import scratch, with_small_buffers
+
+# Each takes ``out`` for the ``into`` variants: the same steps into it, with the per-row
+# statistics in a work array.
+
+
+def _row_statistics(x: np.ndarray, axis: int, out: np.ndarray | None, dtype: Any = None) -> np.ndarray | None:
+    """The work array for per-row values of x along ``axis`` (keepdims), or None (eager)."""
+    if out is None:
+        return None
+    shape = list(x.shape)
+    shape[axis] = 1
+    return scratch(out, ("statistics", dtype), tuple(shape), dtype or x.dtype)
+
+
+def _per_row(ufunc: np.ufunc, a: np.ndarray, b: np.ndarray, out: np.ndarray | None, into: bool) -> np.ndarray:
+    """ufunc(a, b, out=out), b broadcast per row: in an ``into`` call with small buffers."""
+    with np.errstate(invalid="ignore"):  # an all -inf row gives NaN, as in onnx's reference
+        return with_small_buffers(ufunc, a, b, out) if into else ufunc(a, b, out=out)
+
+
+def _softmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    statistics = _row_statistics(x, axis, out)
+    into = out is not None
+    y = _per_row(np.subtract, x, x.max(axis=axis, keepdims=True, out=statistics), out, into)
+    np.exp(y, out=y)
+    _per_row(np.divide, y, y.sum(axis=axis, keepdims=True, out=statistics), y, into)
+    return y
+
+
+def _log_softmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    statistics = _row_statistics(x, axis, out)
+    into = out is not None
+    y = _per_row(np.subtract, x, x.max(axis=axis, keepdims=True, out=statistics), out, into)
+    exp = np.exp(y, out=None if out is None else scratch(out, "exp", y.shape, y.dtype))
+    _per_row(np.subtract, y, np.log(exp.sum(axis=axis, keepdims=True, out=statistics), out=statistics), y, into)
+    return y
+
+
+def _hardmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    if out is None:
+        y = np.zeros_like(x)
+        np.put_along_axis(y, np.expand_dims(np.argmax(x, axis=axis), axis), 1, axis=axis)
+        return y
+    out.fill(0)
+    first = np.argmax(x, axis=axis, keepdims=True, out=_row_statistics(x, axis, out, np.intp))
+    np.put_along_axis(out, first, 1, axis=axis)
+    return out
+
+
+def _on_axis(
+    fn: Callable[..., np.ndarray], x: np.ndarray, axis: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    # Every step rounds to the input's own type (float16 / bfloat16 too), as onnx's
+    # reference does: its expected outputs differ from a float32 computation by an ulp.
+    if x.size == 0:
+        return x.copy() if out is None else out
+    return fn(x, axis) if out is None else fn(x, axis, out)
+
+
+def _on_2d(fn: Callable[..., np.ndarray], x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The opset 1-12 semantics: coerce to (prod(shape[:axis]), prod(shape[axis:]))."""
+    if axis < 0:
+        axis += x.ndim
+    if not 0 <= axis <= x.ndim:
+        raise ValueError(f"axis {axis} is out of range for rank {x.ndim}")
+    rows = math.prod(x.shape[:axis])
+    if out is None:
+        return _on_axis(fn, x.reshape(rows, -1), 1).reshape(x.shape)
+    if not out.flags.c_contiguous:
+        np.copyto(out, _on_2d(fn, x, axis))
+        return out
+    _on_axis(fn, x.reshape(rows, -1), 1, out.reshape(rows, -1))
+    return out
+
+
+@kernel("Softmax", 1)
+def softmax_2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _on_2d(_softmax_axis, x, axis)
+
+
+@kernel("Softmax", 13)
+def softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _on_axis(_softmax_axis, x, axis)
+
+
+@kernel("LogSoftmax", 1)
+def log_softmax_2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _on_2d(_log_softmax_axis, x, axis)
+
+
+@kernel("LogSoftmax", 13)
+def log_softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _on_axis(_log_softmax_axis, x, axis)
+
+
+@kernel("Hardmax", 1)
+def hardmax_2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    return _on_2d(_hardmax_axis, x, axis)
+
+
+@kernel("Hardmax", 13)
+def hardmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    return _on_axis(_hardmax_axis, x, axis)
+
+
+def _2d_into(fn: Callable[..., np.ndarray]) -> Callable[..., None]:
+    def into(out: np.ndarray, x: np.ndarray, *, axis: int = 1) -> None:
+        _on_2d(fn, x, axis, out)
+
+    return into
+
+
+def _axis_into(fn: Callable[..., np.ndarray]) -> Callable[..., None]:
+    def into(out: np.ndarray, x: np.ndarray, *, axis: int = -1) -> None:
+        _on_axis(fn, x, axis, out)
+
+    return into
+
+
+softmax_2d.into, softmax.into = _2d_into(_softmax_axis), _axis_into(_softmax_axis)
+log_softmax_2d.into, log_softmax.into = _2d_into(_log_softmax_axis), _axis_into(_log_softmax_axis)
+hardmax_2d.into, hardmax.into = _2d_into(_hardmax_axis), _axis_into(_hardmax_axis)
