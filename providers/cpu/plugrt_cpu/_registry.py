@@ -6,7 +6,16 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
-__all__ = ["KernelSpec", "KernelContext", "kernel", "kernel_builder", "lookup", "versions", "registered_ops"]
+__all__ = [
+    "KernelSpec",
+    "KernelContext",
+    "kernel",
+    "kernel_builder",
+    "declare_into",
+    "lookup",
+    "versions",
+    "registered_ops",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +84,21 @@ def _register(spec: KernelSpec) -> None:
     entries.sort(key=lambda e: e.since_version)
 
 
+def declare_into(into: Callable[..., Any], *kernels: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare ``into(out, *inputs, **attributes)`` as the capture variant of ``kernels``.
+
+    The variant writes the kernel's result into the preallocated ``out`` instead of
+    returning a new array, so a captured plan replays it without allocating. A kernel
+    builder declares it on the callable it returns. Returns ``into``.
+    """
+    if not callable(into):
+        raise TypeError(f"capture variant {into!r} is not callable")
+    for fn in kernels:
+        # stored on the kernel itself, so that partials binding its attributes find it too
+        setattr(fn, "into", into)  # noqa: B010
+    return into
+
+
 def kernel(
     op_type: str,
     *since_versions: int,
@@ -82,6 +106,7 @@ def kernel(
     multi_output: bool = False,
     data_dependent: bool = False,
     inplace: bool = False,
+    into: Callable[..., Any] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a plain kernel for ``op_type`` at each of ``since_versions`` (default 1).
 
@@ -90,9 +115,12 @@ def kernel(
     or a tuple of all its outputs when ``multi_output`` is true. ``data_dependent``: its
     output depends on input values beyond shapes (never captured). ``inplace``: its
     ``into`` variant (or ufunc) is correct when given its first input as the output.
+    ``into``: the capture variant, as for :func:`declare_into`.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if into is not None:
+            declare_into(into, fn)
         names = _attribute_names(fn)
         for version in since_versions or (1,):
             _register(

@@ -7,7 +7,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from .elementwise import scratch, with_small_buffers
 
 # Statistics of half-precision inputs are computed in float32 (the spec's stash_type=1).
@@ -168,7 +168,7 @@ def batch_normalization(ctx: KernelContext):
         if len(out) > 2:
             np.copyto(out[2], var)
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -247,7 +247,7 @@ def _instance_normalization_into(out, x, scale, bias, *, epsilon=1e-5):
     _affine_channels(normalized, scale, bias, x, out)
 
 
-instance_normalization.into = _instance_normalization_into
+declare_into(_instance_normalization_into, instance_normalization)
 
 
 @kernel("GroupNormalization", 18)
@@ -264,7 +264,7 @@ def _group_normalization_18_into(out, x, scale, bias, *, epsilon=1e-5, num_group
     _affine_channels(normalized, np.repeat(scale, per_group), np.repeat(bias, per_group), x, out)
 
 
-group_normalization_18.into = _group_normalization_18_into
+declare_into(_group_normalization_18_into, group_normalization_18)
 
 
 @kernel_builder("GroupNormalization", 21)
@@ -282,7 +282,7 @@ def group_normalization_21(ctx: KernelContext):
         normalized = _group_statistics_normalize_into(out, x, num_groups, epsilon)
         _affine_channels(normalized, scale, bias, x, out)
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -334,7 +334,7 @@ def layer_normalization(ctx: KernelContext):
         if len(out) > 2:
             np.copyto(out[2], inv_std.reshape(stats_shape), casting="unsafe")
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -367,7 +367,7 @@ def rms_normalization(ctx: KernelContext):
         if not np.may_share_memory(y, out):
             np.copyto(out, y, casting="unsafe")
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -409,7 +409,7 @@ def lp_normalization(ctx: KernelContext):
             np.divide(work, norm, out=magnitude)
             np.copyto(out, magnitude, casting="unsafe")
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -441,4 +441,4 @@ def _mean_variance_normalization_into(out, x, *, axes=(0, 2, 3)):
         np.copyto(out, centered, casting="unsafe")
 
 
-mean_variance_normalization.into = _mean_variance_normalization_into
+declare_into(_mean_variance_normalization_into, mean_variance_normalization)

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from .elementwise import scratch, with_small_buffers
 
 # ---------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def reshape(data, shape, *, allowzero=0):
     return _reshape(data, shape.tolist(), allowzero)
 
 
-reshape_1.into = reshape.into = _reshaped_into
+declare_into(_reshaped_into, reshape_1, reshape)
 
 
 @kernel("Transpose", 1)
@@ -134,7 +134,7 @@ def transpose(data, *, perm=None):
     return data.transpose(perm)
 
 
-transpose.into = _view_into(transpose)
+declare_into(_view_into(transpose), transpose)
 
 
 # Squeeze treats empty axes like absent ones (every size-1 axis goes), as onnxruntime does.
@@ -186,7 +186,7 @@ def flatten(data, *, axis=1):
     return data.reshape(math.prod(shape[:axis]), math.prod(shape[axis:]))
 
 
-squeeze_1.into = squeeze.into = unsqueeze_1.into = unsqueeze.into = flatten.into = _reshaped_into
+declare_into(_reshaped_into, squeeze_1, squeeze, unsqueeze_1, unsqueeze, flatten)
 
 
 @kernel("Expand", 8)
@@ -208,7 +208,7 @@ def expand(data, shape):
     return np.broadcast_to(data, out_shape)
 
 
-expand.into = _view_into(expand)
+declare_into(_view_into(expand), expand)
 
 
 @kernel("Identity", 1)
@@ -216,7 +216,7 @@ def identity(data):
     return data
 
 
-identity.into = _view_into(identity)
+declare_into(_view_into(identity), identity)
 
 
 @kernel("Shape", 1)
@@ -228,7 +228,7 @@ def _shape_1_into(out, data):
     out[...] = data.shape
 
 
-shape_1.into = _shape_1_into
+declare_into(_shape_1_into, shape_1)
 
 
 @kernel("Shape", 15)
@@ -241,7 +241,7 @@ def _shape_into(out, data, *, start=0, end=None):
     out[...] = data.shape[start:end]
 
 
-shape.into = _shape_into
+declare_into(_shape_into, shape)
 
 
 @kernel("Size", 1)
@@ -253,7 +253,7 @@ def _size_into(out, data):
     out[...] = data.size
 
 
-size.into = _size_into
+declare_into(_size_into, size)
 
 
 # ---------------------------------------------------------------------------
@@ -285,8 +285,8 @@ def _concat_1_into(out, *inputs, axis=1):
     _concat_into(out, *inputs, axis=axis)
 
 
-concat.into = _concat_into
-concat_1.into = _concat_1_into
+declare_into(_concat_into, concat)
+declare_into(_concat_1_into, concat_1)
 
 
 def _split_sizes(dim: int, parts: int) -> list[int]:
@@ -331,7 +331,7 @@ def split(ctx: KernelContext):
             sizes = _split_sizes(data.shape[_axis(axis, data.ndim)], parts)
         return _split(data, sizes, axis)
 
-    run.into = _view_into(run)
+    declare_into(_view_into(run), run)
     return run
 
 
@@ -371,7 +371,7 @@ def slice_1(data, *, starts=None, ends=None, axes=None):
     return _slice(data, list(starts), list(ends), list(axes) if axes else None, None)
 
 
-slice_1.into = _view_into(slice_1)
+declare_into(_view_into(slice_1), slice_1)
 
 
 @kernel("Slice", 10)
@@ -385,7 +385,7 @@ def slice_(data, starts, ends, axes=None, steps=None):
     )
 
 
-slice_.into = _view_into(slice_)
+declare_into(_view_into(slice_), slice_)
 
 
 def _tile_into(out: np.ndarray, data: np.ndarray) -> None:
@@ -408,7 +408,7 @@ def tile_1(data, tiles, axis):
     return np.tile(data, repeats)
 
 
-tile_1.into = lambda out, data, tiles, axis: _tile_into(out, data)
+declare_into(lambda out, data, tiles, axis: _tile_into(out, data), tile_1)
 
 
 @kernel("Tile", 6)
@@ -419,7 +419,7 @@ def tile(data, repeats):
     return np.tile(data, reps)
 
 
-tile.into = lambda out, data, repeats: _tile_into(out, data)
+declare_into(lambda out, data, repeats: _tile_into(out, data), tile)
 
 
 def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | None, out=None) -> np.ndarray:
@@ -493,7 +493,9 @@ def pad(data, pads, constant_value=None, axes=None, *, mode="constant"):
     return _pad_into(None, data, pads, constant_value, axes, mode=mode)
 
 
-pad_1.into, pad_2.into, pad.into = _pad_1_into, _pad_2_into, _pad_into
+declare_into(_pad_1_into, pad_1)
+declare_into(_pad_2_into, pad_2)
+declare_into(_pad_into, pad)
 
 
 @kernel("CenterCropPad", 18)
@@ -545,7 +547,7 @@ def _gather_into(out, data, indices, *, axis=0):
     np.take(data, indices, axis=axis, out=out, mode="wrap")
 
 
-gather.into = _gather_into
+declare_into(_gather_into, gather)
 
 
 @kernel("GatherElements", 11)
@@ -590,7 +592,7 @@ def _gather_elements_flat(out, data, indices, axis):
     np.take(data.reshape(-1), flat, out=out, mode="wrap")
 
 
-gather_elements.into = _gather_elements_into
+declare_into(_gather_elements_into, gather_elements)
 
 
 def _nd_index(indices: np.ndarray) -> tuple:
@@ -647,7 +649,9 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     return _scatter_nd_into(None, data, indices, updates, reduction=reduction)
 
 
-scatter.into, scatter_elements.into, scatter_nd.into = _scatter_into, _scatter_elements_into, _scatter_nd_into
+declare_into(_scatter_into, scatter)
+declare_into(_scatter_elements_into, scatter_elements)
+declare_into(_scatter_nd_into, scatter_nd)
 
 
 @kernel("TensorScatter", 24)
@@ -680,7 +684,7 @@ def _tensor_scatter_into(out, past_cache, update, write_indices=None, *, mode="l
     return out
 
 
-tensor_scatter.into = _tensor_scatter_into
+declare_into(_tensor_scatter_into, tensor_scatter)
 
 
 # ---------------------------------------------------------------------------
@@ -718,7 +722,7 @@ def _depth_to_space_into(out, data, *, blocksize, mode="DCR"):
     _reshaped_into(out, _depth_to_space(data, blocksize, mode)[0])
 
 
-depth_to_space.into = _depth_to_space_into
+declare_into(_depth_to_space_into, depth_to_space)
 
 
 def _space_to_depth(data, blocksize: int, mode: str) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -746,7 +750,7 @@ def _space_to_depth_into(out, data, *, blocksize, mode="DCR"):
     _reshaped_into(out, _space_to_depth(data, blocksize, mode)[0])
 
 
-space_to_depth.into = _space_to_depth_into
+declare_into(_space_to_depth_into, space_to_depth)
 
 
 @kernel("Trilu", 14)
@@ -770,7 +774,7 @@ def _trilu_into(out, data, k=None, *, upper=1):
     np.copyto(out, 0, where=zeroed)
 
 
-trilu.into = _trilu_into
+declare_into(_trilu_into, trilu)
 
 
 @kernel("ReverseSequence", 10)
@@ -822,7 +826,7 @@ def _cumsum_into(out, x, axis, *, exclusive=0, reverse=0):
     _cumulative(x, axis, exclusive, reverse, np.add, 0, out)
 
 
-cumsum.into = _cumsum_into
+declare_into(_cumsum_into, cumsum)
 
 
 @kernel("CumProd", 26)
@@ -834,7 +838,7 @@ def _cumprod_into(out, x, axis, *, exclusive=0, reverse=0):
     _cumulative(x, axis, exclusive, reverse, np.multiply, 1, out)
 
 
-cumprod.into = _cumprod_into
+declare_into(_cumprod_into, cumprod)
 
 
 # ---------------------------------------------------------------------------
