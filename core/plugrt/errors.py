@@ -31,6 +31,10 @@ __all__ = [
     "EpContextAmbiguousError",
     "EpContextMissingPrimaryError",
     "EpContextPathError",
+    "RunTerminatedError",
+    "NotSupportedError",
+    "ConformanceInputError",
+    "ProviderNameMismatchError",
 ]
 
 
@@ -344,3 +348,45 @@ class EpContextPathError(EpContextError):
     def __init__(self, path: str, node: str, why: str):
         self.path = path
         super().__init__(f"EPContext node {node!r}: context file {path!r} {why}", node=node)
+
+# --- onnxruntime compatibility, conformance and provider packaging ----------------------
+
+
+class RunTerminatedError(PlugrtError):
+    """A run stopped between steps because its ``RunOptions.terminate`` was set."""
+
+    def __init__(self, run_tag: str = ""):
+        self.run_tag = run_tag
+        tag = f" (run_tag {run_tag!r})" if run_tag else ""
+        super().__init__(f"Exiting due to terminate flag being set to true{tag}; clear RunOptions.terminate to run again")
+
+
+class NotSupportedError(PlugrtError, AttributeError):
+    """An onnxruntime API plugrt does not offer; ``alternative`` says what to use instead."""
+
+    def __init__(self, name: str, alternative: str):
+        self.name = name
+        self.alternative = alternative
+        super().__init__(f"{name} is not supported by plugrt; {alternative}")
+
+
+class ConformanceInputError(PlugrtError):
+    """A conformance run was asked for something it cannot check (a bad expectations file,
+    a filter that selects no case)."""
+
+    def __init__(self, message: str, *, path: str | None = None, filter: str | None = None):
+        self.path = path
+        self.filter = filter
+        super().__init__(message)
+
+
+class ProviderNameMismatchError(PlugrtError):
+    """A provider labelled its compiled partition with another provider's name."""
+
+    def __init__(self, provider: str, labelled: str):
+        self.provider = provider
+        self.labelled = labelled
+        super().__init__(
+            f"provider {provider!r} returned a CompiledPartition labelled {labelled!r}; leave "
+            f"CompiledPartition's provider out (plugrt fills in {provider!r}) or rename it to match"
+        )
