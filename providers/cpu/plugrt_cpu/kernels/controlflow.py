@@ -55,6 +55,8 @@ def _subgraph(ctx: KernelContext, name: str):
     graph = ctx.attributes.get(name)
     if graph is None:
         raise NotImplementedError(f"{ctx.op_type} needs the graph attribute {name!r}")
+    if ctx.compile_subgraph is None:
+        raise RuntimeError(f"{ctx.op_type} needs a provider that compiles subgraphs")
     return ctx.compile_subgraph(graph)
 
 

@@ -440,7 +440,7 @@ class _Forest:
         flat = sample * n_targets + self.entry_target[entry]
         weight = self.entry_weight[entry]
         if aggregate in ("SUM", "AVERAGE"):
-            out = np.bincount(flat, weights=weight, minlength=n * n_targets).reshape(n, n_targets)
+            out: np.ndarray = np.bincount(flat, weights=weight, minlength=n * n_targets).reshape(n, n_targets)
             if aggregate == "AVERAGE":
                 out /= len(self.roots)
             return out.astype(dtype, copy=False)

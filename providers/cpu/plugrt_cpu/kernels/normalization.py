@@ -130,7 +130,8 @@ def batch_normalization(ctx: KernelContext):
     constants = ctx.constant_inputs[1:5]
     folded = None
     if len(constants) == 4 and all(c is not None for c in constants):
-        folded = _batch_norm_affine(*constants, epsilon)
+        scale, bias, mean, var = constants
+        folded = _batch_norm_affine(scale, bias, mean, var, epsilon)
     cache: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # folded affine per (dtype, rank) of x
 
     def affine_for(x, scale, bias, mean, var) -> tuple[np.ndarray, np.ndarray]:

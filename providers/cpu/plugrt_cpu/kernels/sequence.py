@@ -129,6 +129,8 @@ def sequence_map(ctx: KernelContext):
     graph = ctx.attributes.get("body")
     if graph is None:
         raise NotImplementedError("SequenceMap needs the graph attribute 'body'")
+    if ctx.compile_subgraph is None:
+        raise RuntimeError("SequenceMap needs a provider that compiles subgraphs")
     body = ctx.compile_subgraph(graph)
     names = ctx.implicit_inputs
     num_declared = ctx.num_inputs

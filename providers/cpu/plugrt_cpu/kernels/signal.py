@@ -55,6 +55,7 @@ def _dft(x: np.ndarray, dft_length, axis: int, inverse: int, onesided: int) -> n
         length = _scalar(dft_length, "dft_length")
     if length < 1:
         raise ValueError(f"dft_length must be positive, got {length}")
+    result: np.ndarray
     if inverse and onesided:
         result = np.fft.irfft(signal, n=length, axis=axis)
     elif inverse:

@@ -455,7 +455,7 @@ def _pad(data: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | 
         raise NotImplementedError(f"Pad mode {mode!r} is not supported (constant, reflect, edge, wrap)")
     if data.size == 0:
         raise ValueError(f"Pad mode {mode!r} cannot pad an empty tensor")
-    padded = np.pad(data, list(zip(begin, end)), mode=mode)
+    padded = np.pad(data, list(zip(begin, end)), mode=mode)  # type: ignore[call-overload]  # mode checked above
     if out is not None:
         np.copyto(out, padded)  # numpy.pad has no out=: these modes allocate on replay too
     return padded
@@ -616,7 +616,7 @@ def gather_nd(data, indices, *, batch_dims=0):
     flat_data = data.reshape((batch, *data.shape[batch_dims:]))
     flat_indices = indices.reshape(batch, math.prod(indices.shape[batch_dims:-1]), depth)
     rows = np.broadcast_to(np.arange(batch)[:, None], flat_indices.shape[:2])
-    gathered = flat_data[(rows, *_nd_index(flat_indices))]
+    gathered = flat_data[(rows,) + tuple(_nd_index(flat_indices))]
     return gathered.reshape(batch_shape + indices.shape[batch_dims:-1] + data.shape[batch_dims + depth :])
 
 
