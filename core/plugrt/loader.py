@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Union
+import stat
+from typing import Iterable, Iterator, Union
 
 import onnx
 import onnx_ir as ir
@@ -13,7 +14,7 @@ from google.protobuf.message import DecodeError
 from onnx_ir import external_data as ir_external_data
 from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
-from .errors import ModelLimitError, ModelLoadError, UnsafeExternalDataError
+from .errors import ModelLimitError, ModelLoadError, PlugrtError, UnsafeExternalDataError
 
 __all__ = ["ModelSource", "LoadLimits", "LoadedModel", "load_model", "KNOWN_DOMAINS"]
 
@@ -42,26 +43,55 @@ class LoadedModel:
     source: str  # a path, or "<bytes>"
 
 
+def read_regular_file(
+    path: str | os.PathLike, max_bytes: int, limit: str, label: str, error: type[PlugrtError]
+) -> bytes:
+    """Read a whole regular file of at most ``max_bytes``.
+
+    Opened non-blocking, so a FIFO cannot stall the open, then checked with ``fstat`` on
+    the open descriptor (no race with a swapped path): devices, FIFOs, sockets and
+    folders are refused, and the read stops one byte past the limit whatever the file
+    claims its size is (``/proc`` files report 0).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except (OSError, ValueError) as exc:
+        raise error(f"cannot read {os.fspath(path)!r}: {getattr(exc, 'strerror', None) or exc}", source=label) from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise error(
+                f"{os.fspath(path)!r} is not a regular file (a device, FIFO, socket or folder); "
+                "give the path of a model file",
+                source=label,
+            )
+        if info.st_size > max_bytes:
+            raise ModelLimitError(limit, info.st_size, max_bytes, source=label)
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = -1
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise error(f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}", source=label) from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > max_bytes:
+        raise ModelLimitError(limit, len(data), max_bytes, source=label)
+    return data
+
+
 def _read_proto(source: ModelSource, limits: LoadLimits) -> tuple[onnx.ModelProto, str, str]:
     if isinstance(source, onnx.ModelProto):
+        if source.ByteSize() > limits.model_bytes:
+            raise ModelLimitError("model_bytes", source.ByteSize(), limits.model_bytes, source="<ModelProto>")
         return source, "", "<ModelProto>"
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         label, base_dir = "<bytes>", ""
     elif isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        label = path
-        try:
-            size = os.path.getsize(path)
-        except OSError as exc:
-            raise ModelLoadError(f"cannot read the model file: {exc.strerror}", source=label) from exc
-        if size > limits.model_bytes:
-            raise ModelLimitError("model_bytes", size, limits.model_bytes, source=label)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise ModelLoadError(f"cannot read the model file: {exc.strerror}", source=label) from exc
+        label = str(path)
+        data = read_regular_file(path, limits.model_bytes, "model_bytes", label, ModelLoadError)
         base_dir = os.path.dirname(os.path.abspath(path))
     else:
         raise ModelLoadError(
@@ -99,17 +129,64 @@ def _check_opsets(proto: onnx.ModelProto, label: str) -> None:
         )
 
 
-def _walk_protos(graph: onnx.GraphProto, depth: int, limits: LoadLimits, label: str):
+def _walk_protos(graph: onnx.GraphProto, depth: int, limits: LoadLimits, label: str) -> Iterator[onnx.GraphProto]:
     if depth > limits.subgraph_depth:
         raise ModelLimitError("subgraph_depth", depth, limits.subgraph_depth, source=label)
     yield graph
     for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _walk_protos(attr.g, depth + 1, limits, label)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _walk_protos(g, depth + 1, limits, label)
+        yield from _node_subgraphs(node, depth, limits, label)
+
+
+def _node_subgraphs(node: onnx.NodeProto, depth: int, limits: LoadLimits, label: str) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield from _walk_protos(attr.g, depth + 1, limits, label)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for g in attr.graphs:
+                yield from _walk_protos(g, depth + 1, limits, label)
+
+
+def _attribute_tensors(attributes: Iterable[onnx.AttributeProto]) -> Iterator[onnx.TensorProto]:
+    for attr in attributes:
+        if attr.type == onnx.AttributeProto.TENSOR:
+            yield attr.t
+        elif attr.type == onnx.AttributeProto.TENSORS:
+            yield from attr.tensors
+        elif attr.type == onnx.AttributeProto.SPARSE_TENSOR:
+            yield attr.sparse_tensor.values
+            yield attr.sparse_tensor.indices
+        elif attr.type == onnx.AttributeProto.SPARSE_TENSORS:
+            for sparse in attr.sparse_tensors:
+                yield sparse.values
+                yield sparse.indices
+
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor a graph holds itself (not those of its subgraphs)."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        yield from _attribute_tensors(node.attribute)
+
+
+def _function_graphs(function: onnx.FunctionProto, limits: LoadLimits, label: str) -> Iterator[onnx.GraphProto]:
+    for node in function.node:
+        yield from _node_subgraphs(node, 0, limits, label)
+
+
+def all_tensors(proto: onnx.ModelProto, limits: LoadLimits, label: str) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto in the model, wherever it sits: the graph, its subgraphs at any
+    depth, model-local functions (their nodes, their attribute defaults, their subgraphs)."""
+    for graph in _walk_protos(proto.graph, 0, limits, label):
+        yield from _graph_tensors(graph)
+    for function in proto.functions:
+        yield from _attribute_tensors(function.attribute_proto)
+        for node in function.node:
+            yield from _attribute_tensors(node.attribute)
+        for graph in _function_graphs(function, limits, label):
+            yield from _graph_tensors(graph)
 
 
 def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
@@ -125,71 +202,157 @@ def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
     return count * max(itemsize, 1)
 
 
+_PACKED_TYPES = frozenset(
+    getattr(onnx.TensorProto, name, -1)
+    for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+)
+
+
 def _check_tensor(tensor: onnx.TensorProto, limits: LoadLimits, label: str, base_dir: str) -> None:
     try:
         nbytes = _tensor_nbytes(tensor)
     except ValueError as exc:
-        raise ModelLoadError(f"initializer {tensor.name!r} has {exc}", source=label) from exc
+        raise ModelLoadError(f"tensor {tensor.name!r} has {exc}", source=label) from exc
     if nbytes > limits.tensor_bytes:
         raise ModelLimitError("tensor_bytes", nbytes, limits.tensor_bytes, source=label)
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        info = {e.key: e.value for e in tensor.external_data}
-        location = info.get("location", "")
-        _check_external_location(tensor.name, location, base_dir, label)
-    elif tensor.HasField("raw_data") and tensor.data_type not in (
-        onnx.TensorProto.STRING,
-    ):
+        _check_external(tensor, nbytes, base_dir, label)
+    elif tensor.HasField("raw_data") and tensor.data_type != onnx.TensorProto.STRING:
         # Sub-byte types pack several values a byte; compare only where the size is exact.
-        if tensor.data_type in (
-            onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1,
-        ) or getattr(onnx.TensorProto, "INT2", -1) == tensor.data_type or getattr(
-            onnx.TensorProto, "UINT2", -1
-        ) == tensor.data_type:
+        if tensor.data_type in _PACKED_TYPES:
             return
         if len(tensor.raw_data) != nbytes:
             raise ModelLoadError(
-                f"initializer {tensor.name!r} holds {len(tensor.raw_data)} bytes but its shape "
+                f"tensor {tensor.name!r} holds {len(tensor.raw_data)} bytes but its shape "
                 f"{list(tensor.dims)} needs {nbytes}; the file is corrupt or truncated",
                 source=label,
             )
 
 
-def _check_external_location(name: str, location: str, base_dir: str, label: str) -> None:
+def _check_external(tensor: onnx.TensorProto, nbytes: int, base_dir: str, label: str) -> None:
+    info = {e.key: e.value for e in tensor.external_data}
+    target = contained_path(tensor.name, info.get("location", ""), base_dir, label)
+    try:
+        offset = int(info.get("offset") or 0)
+        length = int(info["length"]) if info.get("length") else None
+    except ValueError as exc:
+        raise ModelLoadError(
+            f"tensor {tensor.name!r} has a non-integer external data offset or length", source=label
+        ) from exc
+    size = os.stat(target).st_size
+    if offset < 0 or (length is not None and length < 0):
+        raise ModelLoadError(f"tensor {tensor.name!r} has a negative external data offset or length", source=label)
+    needed = length if length is not None else nbytes
+    if tensor.data_type not in _PACKED_TYPES and tensor.data_type != onnx.TensorProto.STRING and needed < nbytes:
+        raise ModelLoadError(
+            f"tensor {tensor.name!r} declares {needed} bytes of external data but its shape needs {nbytes}",
+            source=label,
+        )
+    if offset + needed > size:
+        raise ModelLoadError(
+            f"tensor {tensor.name!r} reads bytes {offset}..{offset + needed} of {info.get('location')!r}, "
+            f"which holds only {size} bytes; the external data file is truncated or the wrong one",
+            source=label,
+            reason="external data past the end of its file",
+        )
+
+
+def contained_path(name: str, location: str, base_dir: str, label: str) -> str:
+    """The real path of ``location`` when it is a regular file inside ``base_dir``; raises
+    otherwise. Absolute paths, ``..`` parts, links that lead out, devices and FIFOs are all
+    refused, and nothing is resolved against the working directory."""
     if not location:
-        raise ModelLoadError(f"initializer {name!r} has external data without a location", source=label)
+        raise ModelLoadError(f"tensor {name!r} has external data without a location", source=label)
     if not base_dir:
         raise ModelLoadError(
-            f"initializer {name!r} stores its data in an external file ({location!r}), but the "
+            f"tensor {name!r} stores its data in an external file ({location!r}), but the "
             "model was given as bytes; load it from its path so the file can be found",
             source=label,
         )
-    if os.path.isabs(location) or location.startswith(("/", "\\")) or ".." in location.replace(
-        "\\", "/"
-    ).split("/"):
+    parts = location.replace("\\", "/").split("/")
+    if (
+        os.path.isabs(location)
+        or location.startswith(("/", "\\"))
+        or ".." in parts
+        or "\0" in location
+        or (len(location) > 1 and location[1] == ":")  # a Windows drive
+    ):
         raise UnsafeExternalDataError(name, location, source=label)
     root = os.path.realpath(base_dir)
-    target = os.path.realpath(os.path.join(base_dir, location))
+    target = os.path.realpath(os.path.join(root, location))
     if os.path.commonpath([root, target]) != root:
         raise UnsafeExternalDataError(name, location, source=label)
-    if not os.path.isfile(target):
+    try:
+        info = os.stat(target)
+    except OSError as exc:
         raise ModelLoadError(
-            f"initializer {name!r} refers to external data file {location!r}, which does not exist "
+            f"tensor {name!r} refers to external data file {location!r}, which does not exist "
             f"beside the model",
             source=label,
-        )
+        ) from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeExternalDataError(name, location, source=label)
+    return target
+
+
+def _function_key(domain: str, name: str, overload: str = "") -> tuple[str, str, str]:
+    return (domain or "", name, overload or "")
+
+
+def _expanded_node_count(proto: onnx.ModelProto, limits: LoadLimits, label: str) -> int:
+    """Nodes the model has once every model-local function call is inlined, subgraphs
+    included, computed without inlining anything (a function calling another function
+    ten times, ten levels deep, is 10**10 nodes from a few kilobytes). Recursive
+    functions are refused: they cannot be inlined."""
+    functions = {_function_key(f.domain, f.name, f.overload): f for f in proto.functions}
+    cost: dict[tuple[str, str, str], int] = {}
+    visiting: set[tuple[str, str, str]] = set()
+
+    def nodes_cost(nodes: Iterable[onnx.NodeProto], depth: int) -> int:
+        if depth > limits.subgraph_depth:
+            raise ModelLimitError("subgraph_depth", depth, limits.subgraph_depth, source=label)
+        total = 0
+        for node in nodes:
+            key = _function_key(node.domain, node.op_type, node.overload)
+            total += function_cost(key) if key in functions else 1
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    total += nodes_cost(attr.g.node, depth + 1)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    total += sum(nodes_cost(g.node, depth + 1) for g in attr.graphs)
+            if total > limits.nodes:
+                raise ModelLimitError("nodes", total, limits.nodes, source=label)
+        return total
+
+    def function_cost(key: tuple[str, str, str]) -> int:
+        if key in cost:
+            return cost[key]
+        if key in visiting:
+            raise ModelLoadError(
+                f"function {key[0]}::{key[1]} calls itself (directly or through other functions); "
+                "ONNX functions cannot be recursive",
+                source=label,
+                reason="recursive function",
+            )
+        visiting.add(key)
+        cost[key] = nodes_cost(functions[key].node, 0)
+        visiting.discard(key)
+        return cost[key]
+
+    total = nodes_cost(proto.graph.node, 0)
+    for key in functions:
+        function_cost(key)  # unused functions are still checked for recursion and size
+    return total
 
 
 def _validate_proto(proto: onnx.ModelProto, limits: LoadLimits, label: str, base_dir: str) -> None:
     _check_opsets(proto, label)
     imports = {op.domain or "" for op in proto.opset_import}
     local_functions = {(f.domain, f.name) for f in proto.functions}
-    nodes = 0
+    _expanded_node_count(proto, limits, label)
+    for tensor in all_tensors(proto, limits, label):
+        _check_tensor(tensor, limits, label, base_dir)
     for graph in _walk_protos(proto.graph, 0, limits, label):
-        nodes += len(graph.node)
-        if nodes > limits.nodes:
-            raise ModelLimitError("nodes", nodes, limits.nodes, source=label)
-        for tensor in graph.initializer:
-            _check_tensor(tensor, limits, label, base_dir)
         for node in graph.node:
             domain = "" if node.domain == "ai.onnx" else node.domain
             if domain not in imports and (node.domain, node.op_type) not in local_functions:
@@ -200,9 +363,6 @@ def _validate_proto(proto: onnx.ModelProto, limits: LoadLimits, label: str, base
                     source=label,
                     reason="unknown opset domain",
                 )
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.TENSOR:
-                    _check_tensor(attr.t, limits, label, base_dir)
 
 
 def _validate_ir(model: ir.Model, label: str) -> None:
@@ -244,6 +404,24 @@ def _validate_ir(model: ir.Model, label: str) -> None:
         ) from exc
 
 
+def _set_base_dir(model: ir.Model, base_dir: str) -> None:
+    """Resolve every external tensor against the model's folder, functions included: a
+    tensor without a base directory would be resolved against the working directory."""
+    ir_external_data.set_base_dir(model.graph, base_dir)
+    for function in model.functions.values():
+        for node in ir.traversal.RecursiveGraphIterator(function):
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR:
+                    tensors = [attr.value]
+                elif attr.type == ir.AttributeType.TENSORS:
+                    tensors = list(attr.value)
+                else:
+                    continue
+                for tensor in tensors:
+                    if isinstance(tensor, ir.ExternalTensor):
+                        tensor.base_dir = base_dir
+
+
 def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedModel:
     """Read, validate and convert a model. Raises ModelLoadError (or a subclass)."""
     limits = limits or LoadLimits()
@@ -261,7 +439,7 @@ def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedM
     finally:
         ir_logger.setLevel(previous)
     if base_dir:
-        ir_external_data.set_base_dir(model.graph, base_dir)
+        _set_base_dir(model, base_dir)
     if proto.ir_version < 4:
         # Before IR 4 every initializer had to be listed as an input; like onnxruntime,
         # treat them as constants rather than as inputs a caller may override.

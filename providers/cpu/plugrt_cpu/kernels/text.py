@@ -9,7 +9,6 @@ and back costs as much as the operation), so element-wise string work goes throu
 from __future__ import annotations
 
 import operator
-import re
 
 import numpy as np
 
@@ -32,13 +31,31 @@ def string_concat(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return _object_result(_concat(x.astype(object, copy=False), y.astype(object, copy=False)), shape)
 
 
+def _re2_options():
+    import re2  # google-re2: linear-time matching, the syntax the ONNX spec names
+
+    options = re2.Options()
+    options.log_errors = False  # the error is raised to the caller, not printed to stderr
+    return re2, options
+
+
 @kernel("RegexFullMatch", 20)
 def regex_full_match(x: np.ndarray, *, pattern: str) -> np.ndarray:
-    # The spec asks for RE2 syntax; Python's re accepts a superset of what these models use.
+    # The spec asks for RE2 semantics. Python's backtracking `re` takes exponential time on
+    # patterns such as (a+)+$, so a tiny hostile model could hang the process: RE2 matches
+    # in time linear in the input and rejects what it cannot match that way (backreferences,
+    # lookaround).
     try:
-        regex = re.compile(pattern)
-    except re.error as e:
-        raise ValueError(f"RegexFullMatch: invalid pattern {pattern!r}: {e}") from e
+        re2, options = _re2_options()
+    except ImportError as e:
+        raise ValueError(
+            "RegexFullMatch needs the google-re2 package for RE2 semantics; pip install google-re2"
+        ) from e
+    try:
+        regex = re2.compile(pattern, options)
+    except re2.error as e:
+        detail = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise ValueError(f"RegexFullMatch: pattern {pattern!r} is not valid RE2 syntax: {detail}") from e
     match = np.frompyfunc(lambda s: regex.fullmatch(s) is not None, 1, 1)
     return np.asarray(match(x), dtype=np.bool_).reshape(x.shape)
 
