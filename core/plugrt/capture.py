@@ -16,7 +16,7 @@ import numpy as np
 
 from .bindings import DeviceBinding
 from .errors import InvalidInputError, KernelError, MissingInputError, PlugrtError, StaleCaptureError
-from .provider import CaptureContext, CaptureMiss, CompiledPartition, NotCapturable, Step
+from .provider import CaptureContext, CaptureMiss, CompiledPartition, MemoryCapability, NotCapturable, Step
 
 if TYPE_CHECKING:
     from .session import Session
@@ -46,6 +46,112 @@ class Captured:
 
     report: CaptureReport
     captured: bool = True
+
+
+def _root(array: Any) -> Any:
+    while getattr(array, "base", None) is not None:
+        array = array.base
+    return array
+
+
+class CaptureBuffers:
+    """The session's :class:`~plugrt.provider.CaptureContext`: every value's persistent
+    array, with a buffer pool per memory space (host buffers by size, device buffers by
+    shape and dtype, allocated by the provider that owns the memory)."""
+
+    def __init__(
+        self,
+        arrays: dict[Any, Any],
+        last_use: dict[Any, int] | None = None,
+        memories: Sequence[MemoryCapability] = (),
+    ):
+        self._arrays = dict(arrays)
+        self._last_use = last_use or {}  # value -> index of the last step reading it
+        self._memories = list(memories)
+        self._step = 0
+        self._pool: dict[Any, list[Any]] = {}  # host: nbytes, device: (memory, shape, dtype) -> free roots
+        self._roots: dict[int, Any] = {}  # id(root) -> root, for pooled buffers
+        self._live: dict[int, int] = {}  # id(root) -> number of live values in it
+        self.allocated_bytes = 0
+
+    def array(self, value: Any) -> Any:
+        return None if value is None else self._arrays[value]
+
+    def owner(self, array: Any) -> MemoryCapability | None:
+        """The provider whose memory holds ``array`` (None: host memory)."""
+        if isinstance(array, (np.ndarray, np.generic)):
+            return None
+        for memory in self._memories:
+            if memory.owns(array):
+                return memory
+        return None
+
+    def buffer_like(self, array: Any) -> Any:
+        """A buffer of ``array``'s shape, dtype and memory order, reused when one is free."""
+        memory = self.owner(array)
+        if memory is not None:
+            key = (memory.memory, tuple(array.shape), np.dtype(array.dtype))
+            free = self._pool.get(key)
+            root = free.pop() if free else None
+            if root is None:
+                root = memory.allocate(key[1], key[2], memory.default_device)
+                self.allocated_bytes += int(np.prod(key[1], dtype=np.int64)) * key[2].itemsize
+            self._roots[id(root)] = (root, key)
+            return root
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:  # keep its memory order (a kernel may rely on it)
+            self.allocated_bytes += array.nbytes
+            return np.empty_like(array)
+        nbytes = max(array.nbytes, 1)
+        sizes = [size for size, free in self._pool.items() if free and isinstance(size, int) and nbytes <= size <= 2 * nbytes]
+        if sizes:
+            root = self._pool[min(sizes)].pop()
+        else:
+            root = np.empty(nbytes, np.uint8)
+            self.allocated_bytes += nbytes
+        self._roots[id(root)] = (root, root.nbytes)
+        return root[: array.nbytes].view(array.dtype).reshape(array.shape)
+
+    def _root_of(self, array: Any) -> Any:
+        root = _root(array)
+        return root if id(root) in self._roots else None
+
+    def set(self, value: Any, array: Any) -> None:
+        if value is None:
+            return
+        self._arrays[value] = array
+        root = self._root_of(array)
+        if root is not None:
+            self._live[id(root)] = self._live.get(id(root), 0) + 1
+
+    def can_overwrite(self, value: Any, array: Any) -> bool:
+        if value is None or self._last_use.get(value, -1) != self._step:
+            return False
+        root = self._root_of(array)
+        flags = getattr(array, "flags", None)
+        contiguous = bool(flags.c_contiguous) if flags is not None else True
+        return root is not None and self._live.get(id(root)) == 1 and contiguous
+
+    def step_done(self, step: Step) -> None:
+        index = self._step
+        self._step += 1
+        for value in {v for v in list(step.inputs) + list(step.outputs) if v is not None}:
+            if self._last_use.get(value, index) <= index and value in self._arrays:
+                root = self._root_of(self._arrays[value])
+                if root is None:
+                    continue
+                self._live[id(root)] -= 1
+                if self._live[id(root)] == 0:
+                    held, key = self._roots[id(root)]
+                    self._pool.setdefault(key, []).append(held)
+
+    def is_persistent(self, array: Any) -> bool:
+        if isinstance(array, np.ndarray):
+            return any(isinstance(b, np.ndarray) and np.shares_memory(array, b) for b in self._arrays.values())
+        if self.owner(array) is None:
+            return False
+        root = _root(array)
+        return any(_root(b) is root for b in self._arrays.values() if b is not None)
 
 
 def outputs_of(step: Step, result: Any) -> list:
@@ -140,7 +246,7 @@ class CapturedPlan:
                 index += 1
         for value in plan.outputs:
             last_use[value] = index
-        ctx = CaptureContext(arrays, last_use)
+        ctx = CaptureBuffers(arrays, last_use)
         providers = {p.name: p for p in session.selection.providers}
         runs: list[Callable[[], None]] = []
         nodes: list[tuple[str, bool, str]] = []

@@ -9,12 +9,12 @@ import onnx_ir as ir
 
 from .errors import PlacementError, ProviderUnavailableError, UnsupportedOpError
 from .ir_utils import implicit_inputs
-from .provider import ExecutionProvider, Partition, Support, SupportContext
+from .provider import ExecutionProvider, Partition, Support, SupportContext, node_label
 
 if TYPE_CHECKING:
     from .registry import ProviderRegistry
 
-__all__ = ["Fallback", "PartitionInfo", "Transfer", "PlacementReport", "assign", "make_partitions"]
+__all__ = ["Fallback", "PartitionInfo", "Transfer", "PlacementReport", "assign", "make_partitions", "node_label"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +76,6 @@ class PlacementReport:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def node_label(node: ir.Node) -> str:
-    return node.name or f"{node.op_type}<{', '.join(v.name or '' for v in node.outputs if v is not None)}>"
 
 
 def _ask(

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+
+from ._dtypes import numpy_dtype, onnx_type
+from .ir_utils import constant_array, graph_free_values, implicit_inputs, is_constant, subgraphs, tensor_array
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -25,11 +28,35 @@ __all__ = [
     "Step",
     "CompiledPartition",
     "ExecutionProvider",
-    "CAPABILITIES",
     "CaptureMiss",
     "CaptureContext",
     "CapturedPartition",
     "NotCapturable",
+    "SubgraphPlan",
+    # optional capabilities
+    "MemoryCapability",
+    "CaptureCapability",
+    "ContextCapability",
+    "ContextCompatibilityCapability",
+    "PassesCapability",
+    "FunctionCapability",
+    "AvailabilityCapability",
+    "CAPABILITIES",
+    "CAPABILITY_PROTOCOLS",
+    "SUPPORTED_PROTOCOL_VERSIONS",
+    "HOST_MEMORY",
+    "protocol_version",
+    "memory_of",
+    # helpers for providers
+    "node_label",
+    "numpy_dtype",
+    "onnx_type",
+    "constant_array",
+    "tensor_array",
+    "is_constant",
+    "implicit_inputs",
+    "graph_free_values",
+    "subgraphs",
 ]
 
 PROTOCOL_VERSION = 1
@@ -102,6 +129,16 @@ class Partition:
     outputs: list["ir.Value"]  # values read after the partition or model outputs
     opset_imports: dict[str, int]
     device: Device | None = None
+    # ``build_subgraph(graph, outer_values)`` plans a subgraph (an If branch, a Loop body)
+    # on this partition's provider alone; the result's ``run(*inputs, *outer)`` returns
+    # the subgraph's outputs. Set by the session before ``compile``.
+    build_subgraph: "Callable[[ir.Graph, Sequence[ir.Value]], SubgraphPlan] | None" = None
+
+
+class SubgraphPlan(Protocol):
+    """What ``Partition.build_subgraph`` returns: a planned subgraph."""
+
+    def run(self, *args: Any) -> list: ...
 
 
 @dataclasses.dataclass
@@ -144,89 +181,42 @@ class CaptureMiss(Exception):
     eagerly run step produced a different shape); the session then runs eagerly."""
 
 
-class CaptureContext:
-    """The persistent arrays of a capture: every value's buffer lives here.
+@runtime_checkable
+class CaptureContext(Protocol):
+    """The persistent arrays of a capture, as a provider's ``capture`` sees them.
 
     A provider's ``capture`` reads its inputs with :meth:`array`, takes output buffers
-    from :meth:`buffer_like` (a pool: a buffer whose values are all dead is handed out
-    again, so a capture needs about as much memory as a run), registers each output with
-    :meth:`set` and calls :meth:`step_done` after each step. Replay callables must write
-    into those buffers and never rebind them.
+    from :meth:`buffer_like` (pooled per memory space: a buffer whose values are all dead
+    is handed out again, so a capture needs about as much memory as a run), registers each
+    output with :meth:`set` and calls :meth:`step_done` after each step. Replay callables
+    must write into those buffers and never rebind them. The session's implementation
+    lives in ``plugrt.capture``.
     """
 
-    def __init__(self, arrays: dict["ir.Value", Any], last_use: dict["ir.Value", int] | None = None):
-        self._arrays = dict(arrays)
-        self._last_use = last_use or {}  # value -> index of the last step reading it
-        self._step = 0
-        self._pool: dict[int, list[Any]] = {}  # nbytes -> free root buffers
-        self._roots: dict[int, Any] = {}  # id(root) -> root, for pooled buffers
-        self._live: dict[int, int] = {}  # id(root) -> number of live values in it
-
     def array(self, value: "ir.Value | None") -> Any:
-        return None if value is None else self._arrays[value]
+        """The persistent array of ``value`` (None for an omitted optional input)."""
+        ...
 
     def buffer_like(self, array: Any) -> Any:
-        """A buffer of ``array``'s shape, dtype and memory order, reused when one is free."""
-        import numpy as np
-
-        array = np.asarray(array)
-        if not array.flags.c_contiguous:  # keep its memory order (a kernel may rely on it)
-            return np.empty_like(array)
-        nbytes = max(array.nbytes, 1)
-        root = self._take_free(nbytes)
-        if root is None:
-            root = np.empty(nbytes, np.uint8)
-        self._roots[id(root)] = root
-        return root[: array.nbytes].view(array.dtype).reshape(array.shape)
-
-    def _take_free(self, nbytes: int) -> Any:
-        """The smallest free buffer of at least ``nbytes`` (and at most twice that)."""
-        sizes = [size for size, free in self._pool.items() if free and nbytes <= size <= 2 * nbytes]
-        if not sizes:
-            return None
-        return self._pool[min(sizes)].pop()
-
-    def _root_of(self, array: Any) -> Any:
-        while getattr(array, "base", None) is not None:
-            array = array.base
-        return array if id(array) in self._roots else None
+        """A persistent buffer of ``array``'s shape and dtype, in ``array``'s memory space."""
+        ...
 
     def set(self, value: "ir.Value | None", array: Any) -> None:
-        if value is None:
-            return
-        self._arrays[value] = array
-        root = self._root_of(array)
-        if root is not None:
-            self._live[id(root)] = self._live.get(id(root), 0) + 1
+        """Register ``array`` as the persistent buffer of ``value``."""
+        ...
 
     def can_overwrite(self, value: "ir.Value | None", array: Any) -> bool:
-        """True when the current step reads ``value`` for the last time and ``array`` (its
-        buffer) holds no other live value: the step may write its output over it."""
-        if value is None or self._last_use.get(value, -1) != self._step:
-            return False
-        root = self._root_of(array)
-        return root is not None and self._live.get(id(root)) == 1 and bool(array.flags.c_contiguous)
+        """True when the current step reads ``value`` for the last time and ``array`` holds
+        no other live value: the step may write its output over it."""
+        ...
 
     def step_done(self, step: "Step") -> None:
         """Release the buffers of values this step read (or made) for the last time."""
-        index = self._step
-        self._step += 1
-        for value in {v for v in list(step.inputs) + list(step.outputs) if v is not None}:
-            if self._last_use.get(value, index) <= index and value in self._arrays:
-                root = self._root_of(self._arrays[value])
-                if root is None:
-                    continue
-                self._live[id(root)] -= 1
-                if self._live[id(root)] == 0:
-                    self._pool.setdefault(root.nbytes, []).append(root)
+        ...
 
     def is_persistent(self, array: Any) -> bool:
         """True when ``array`` is (a view of) a buffer this capture owns or was given."""
-        import numpy as np
-
-        if not isinstance(array, np.ndarray):
-            return False
-        return any(isinstance(b, np.ndarray) and np.shares_memory(array, b) for b in self._arrays.values())
+        ...
 
 
 @dataclasses.dataclass
@@ -252,8 +242,9 @@ class NotCapturable:
 
 @runtime_checkable
 class ExecutionProvider(Protocol):
-    """What every provider implements. Optional capabilities are listed in CAPABILITIES
-    and discovered with ``hasattr``."""
+    """What every provider implements. Optional capabilities are the ``*Capability``
+    protocols below, checked with ``isinstance``; ``protocol_version`` (default 1) must be
+    in :data:`SUPPORTED_PROTOCOL_VERSIONS`."""
 
     name: str
     priority: int  # auto mode prefers higher; the CPU provider is 0; < 0: only when asked by name
@@ -272,21 +263,180 @@ class ExecutionProvider(Protocol):
         ...
 
 
-#: Optional members a provider may implement, with what each is for.
-CAPABILITIES: dict[str, str] = {
-    "unavailable_reason": "str: why devices() is empty",
-    "allocate": "allocate(shape, dtype, device) -> device array (device memory)",
-    "to_device": "to_device(array, device) -> device array",
-    "to_host": "to_host(array) -> numpy.ndarray",
-    "capture": "capture(compiled, ctx: CaptureContext) -> CapturedPartition | NotCapturable",
-    "save_context": "save_context(compiled) -> bytes (EPContext export)",
-    "load_context": "load_context(blob, meta) -> CompiledPartition (EPContext restore)",
-    "context_source_keys": "tuple[str, ...]: EPContext 'source' values this provider restores",
-    "passes": "passes(model) -> onnx_ir passes run before placement at optimization='all'; they must "
-    "leave alone nodes whose meta['plugrt.claimed_by'] names a higher-priority provider",
-    "memory": "str: 'host' (default) when the provider's arrays are numpy arrays in host memory; "
-    "anything else makes the session insert transfers (to_host/to_device)",
-    "default_device": "the device to_device targets when a value moves onto this provider",
-    "sdk_version": "str: written as ep_sdk_version in exported EPContext nodes",
-    "supports_function": "supports_function(domain, name, ctx) -> Support: keep a model-local function un-inlined",
+# -- optional capabilities -------------------------------------------------------------
+#
+# Each capability is one runtime-checkable Protocol. The core checks a provider with
+# ``isinstance(provider, Capability)`` and calls only the members listed here; a provider
+# that implements part of a capability does not have it.
+
+
+@runtime_checkable
+class MemoryCapability(Protocol):
+    """Arrays in the provider's own memory space (device memory), with its allocator and
+    the copies in and out of it.
+
+    The core never touches a device array's data: it reads ``.shape`` and ``.dtype``,
+    slices it with a tuple of ``slice`` objects (a view, for a binding's logical region)
+    and passes it to this provider's members and kernels. Everything else goes through
+    these members:
+
+    - ``memory``: the name of the memory space (not ``"host"``, which means numpy arrays
+      in host memory and needs no capability).
+    - ``default_device``: the :class:`Device` that values moved onto this provider land on.
+    - ``allocate(shape, dtype, device)``: a new array (contents undefined); bindings and
+      capture buffers come from here.
+    - ``to_device(array, device)``: a new device array holding a host ``numpy.ndarray``.
+    - ``to_host(array)``: a new host ``numpy.ndarray`` holding a device array.
+    - ``copy_into(source, target)``: write ``source`` (a host ndarray or an array of this
+      memory space, same shape and dtype) into the existing device array ``target``.
+    - ``owns(array)``: True when ``array`` lives in this provider's memory space.
+    """
+
+    memory: str
+    default_device: Device
+
+    def allocate(self, shape: tuple[int, ...], dtype: Any, device: Device | None) -> Any: ...
+
+    def to_device(self, array: Any, device: Device | None) -> Any: ...
+
+    def to_host(self, array: Any) -> Any: ...
+
+    def copy_into(self, source: Any, target: Any) -> None: ...
+
+    def owns(self, array: Any) -> bool: ...
+
+
+@runtime_checkable
+class CaptureCapability(Protocol):
+    """Capture of a compiled partition for replay.
+
+    ``capture(compiled, ctx)`` runs the partition once on ``ctx``'s arrays and returns a
+    :class:`CapturedPartition` (replay callables writing into buffers from
+    ``ctx.buffer_like``) or :class:`NotCapturable` with each node's reason. Transfers
+    between memory spaces are never inside a provider's capture: the session stages them
+    between captured segments. Without this capability a partition runs eagerly between
+    captured segments.
+    """
+
+    def capture(self, compiled: CompiledPartition, ctx: CaptureContext) -> "CapturedPartition | NotCapturable": ...
+
+
+@runtime_checkable
+class ContextCapability(Protocol):
+    """EPContext export and restore (a compiled partition saved as a blob).
+
+    - ``context_source_keys``: the EPContext ``source`` values this provider restores;
+      the first is written on export.
+    - ``save_context(compiled)``: the blob (bytes) of a compiled partition.
+    - ``load_context(blob, meta)``: a :class:`CompiledPartition` from a blob; ``meta``
+      holds the node's attributes (``partition``, ``partition_name``, ``source``,
+      ``main_context``, ``embed_mode``, ``ep_sdk_version``, ``notes``).
+    """
+
+    context_source_keys: tuple[str, ...]
+
+    def save_context(self, compiled: CompiledPartition) -> bytes: ...
+
+    def load_context(self, blob: bytes, meta: dict[str, Any]) -> CompiledPartition: ...
+
+
+@runtime_checkable
+class ContextCompatibilityCapability(Protocol):
+    """A check, before restore, that a saved context fits this provider and machine.
+
+    ``check_context(meta)`` (``meta`` as for ``load_context``, e.g. its
+    ``ep_sdk_version``) returns :meth:`Support.yes` or :meth:`Support.no` with a reason
+    (e.g. "saved by SDK 2.1, this is 3.0: re-export the model"). ``sdk_version`` is
+    written as ``ep_sdk_version`` on export.
+    """
+
+    sdk_version: str
+
+    def check_context(self, meta: dict[str, Any]) -> Support: ...
+
+
+@runtime_checkable
+class PassesCapability(Protocol):
+    """Graph passes the provider runs before placement (optimisation level "all").
+
+    ``passes(model)`` returns onnx_ir passes. They must leave alone nodes whose
+    ``meta["plugrt.claimed_by"]`` names a higher-priority provider.
+    """
+
+    def passes(self, model: "ir.Model") -> list: ...
+
+
+@runtime_checkable
+class FunctionCapability(Protocol):
+    """Model-local functions run as one op instead of being inlined.
+
+    ``supports_function(domain, name, ctx)`` returns :class:`Support`; a "yes" keeps calls
+    of that function as nodes, which ``supports_op`` must then claim.
+    """
+
+    def supports_function(self, domain: str, name: str, ctx: SupportContext) -> Support: ...
+
+
+@runtime_checkable
+class AvailabilityCapability(Protocol):
+    """``unavailable_reason``: why ``devices()`` is empty (shown by ``plugrt providers``)."""
+
+    unavailable_reason: str
+
+
+#: The protocol versions this core can load. A provider declares ``protocol_version``
+#: (an int; a provider without one is taken as version 1); any other version is listed by
+#: ``plugrt providers`` with the reason and never loaded.
+SUPPORTED_PROTOCOL_VERSIONS: frozenset[int] = frozenset({1})
+
+#: The capability protocols, by the name ``plugrt providers`` and the docs use.
+CAPABILITY_PROTOCOLS: dict[str, type] = {
+    "memory": MemoryCapability,
+    "capture": CaptureCapability,
+    "context": ContextCapability,
+    "context_compatibility": ContextCompatibilityCapability,
+    "passes": PassesCapability,
+    "functions": FunctionCapability,
+    "availability": AvailabilityCapability,
 }
+
+#: Every optional member a provider may implement, with what it is for (the Protocols
+#: above are the definitions; this is their one-line summary).
+CAPABILITIES: dict[str, str] = {
+    "protocol_version": "int: the protocol version the provider was written against (default 1)",
+    "unavailable_reason": "str: why devices() is empty (AvailabilityCapability)",
+    "memory": "str: the memory space's name; with allocate, to_device, to_host, copy_into, owns and "
+    "default_device it makes MemoryCapability (device memory)",
+    "capture": "capture(compiled, ctx: CaptureContext) -> CapturedPartition | NotCapturable (CaptureCapability)",
+    "save_context": "save_context(compiled) -> bytes (ContextCapability)",
+    "load_context": "load_context(blob, meta) -> CompiledPartition (ContextCapability)",
+    "context_source_keys": "tuple[str, ...]: EPContext 'source' values this provider restores (ContextCapability)",
+    "check_context": "check_context(meta) -> Support: a saved context fits (ContextCompatibilityCapability)",
+    "sdk_version": "str: written as ep_sdk_version in exported EPContext nodes",
+    "passes": "passes(model) -> onnx_ir passes run before placement at optimization='all' (PassesCapability)",
+    "supports_function": "supports_function(domain, name, ctx) -> Support (FunctionCapability)",
+}
+
+
+def protocol_version(provider: Any) -> Any:
+    """The protocol version a provider declares (1 when it declares none)."""
+    return getattr(provider, "protocol_version", 1)
+
+
+def memory_of(provider: Any) -> MemoryCapability | None:
+    """The provider as a MemoryCapability when its arrays live outside host memory."""
+    if isinstance(provider, MemoryCapability) and provider.memory != HOST_MEMORY:
+        return provider
+    return None
+
+
+#: The memory space of numpy arrays in host memory.
+HOST_MEMORY = "host"
+
+
+# -- helpers a provider may use (so that it needs no other plugrt module) ----------------
+
+
+def node_label(node: "ir.Node") -> str:
+    """The name placement reports and errors use for ``node``."""
+    return node.name or f"{node.op_type}<{', '.join(v.name or '' for v in node.outputs if v is not None)}>"

@@ -13,7 +13,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import ProviderUnavailableError
-from .provider import Device, ExecutionProvider
+from .provider import SUPPORTED_PROTOCOL_VERSIONS, Device, ExecutionProvider, protocol_version
 
 __all__ = ["ProviderFailure", "ProviderRegistry", "default_registry", "DISABLE_ENV"]
 
@@ -26,7 +26,7 @@ class ProviderFailure:
     """Why a plugin or provider could not be used."""
 
     name: str  # entry-point or provider name
-    stage: str  # "import", "init", "devices", "supports_op", "compile"
+    stage: str  # "import", "init", "protocol", "devices", "supports_op", "compile"
     cause: str  # "ExceptionType: message"
     detail: str = ""  # formatted traceback
 
@@ -110,6 +110,17 @@ class ProviderRegistry:
                     )
                     continue
                 if name in self.disabled:
+                    continue
+                version = protocol_version(provider)
+                if version not in SUPPORTED_PROTOCOL_VERSIONS:
+                    # never half-loaded: an incompatible provider is listed, not offered
+                    self._failures[name] = ProviderFailure(
+                        name,
+                        "protocol",
+                        f"declares protocol_version {version!r}; this plugrt supports "
+                        f"{sorted(SUPPORTED_PROTOCOL_VERSIONS)}: install a matching release of the "
+                        "provider or of plugrt",
+                    )
                     continue
                 if name in providers:
                     self._failures[name] = ProviderFailure(
