@@ -287,9 +287,15 @@ class MemoryCapability(Protocol):
       capture buffers come from here.
     - ``to_device(array, device)``: a new device array holding a host ``numpy.ndarray``.
     - ``to_host(array)``: a new host ``numpy.ndarray`` holding a device array.
-    - ``copy_into(source, target)``: write ``source`` (a host ndarray or an array of this
-      memory space, same shape and dtype) into the existing device array ``target``.
+    - ``copy_into(source, target)``: copy ``source`` into the existing array ``target``
+      (same shape and dtype); each is a host ``numpy.ndarray`` or an array of this memory
+      space, at least one of them the latter (upload into a buffer, download into a host
+      buffer, device-to-device copy). Capture replays and bindings copy only through this,
+      so that replay allocates nothing.
     - ``owns(array)``: True when ``array`` lives in this provider's memory space.
+
+    Optional: ``allocated_bytes()`` (int, bytes the provider has allocated so far) lets the
+    session count what a replay allocates.
     """
 
     memory: str
