@@ -1,0 +1,419 @@
+"""onnxruntime's OrtValue, IOBinding and RunOptions, built on plugrt's device bindings."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from ._dtypes import numpy_dtype
+from .bindings import DeviceBinding
+from .errors import InvalidInputError, NotSupportedError, ProviderUnavailableError, RunTerminatedError
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["OrtValue", "IOBinding", "RunOptions", "guarded_run"]
+
+#: onnxruntime's device names and the plugrt providers whose memory they mean.
+_DEVICE_PROVIDERS = {"cuda": "cuda", "gpu": "cuda"}
+_GPU_GRAPH_ID = "gpu_graph_id"
+
+
+def _onnx_type_name(dtype: np.dtype) -> str:
+    """onnxruntime's spelling of a tensor type, e.g. ``tensor(float)``."""
+    import onnx
+
+    if dtype.kind in "OUS":
+        return "tensor(string)"
+    enum = onnx.helper.np_dtype_to_tensor_dtype(dtype)
+    return f"tensor({onnx.TensorProto.DataType.Name(enum).lower()})"
+
+
+def _element_dtype(element_type: Any) -> np.dtype:
+    """A numpy type or an ONNX element type number, as numpy's dtype."""
+    if isinstance(element_type, (int, np.integer)) and not isinstance(element_type, bool):
+        try:
+            return numpy_dtype(int(element_type))
+        except ValueError as exc:
+            raise InvalidInputError(f"element type {element_type} has no numpy equivalent in plugrt") from exc
+    try:
+        return np.dtype(element_type)
+    except TypeError as exc:
+        raise InvalidInputError(f"element_type must be a numpy type or an ONNX type number, got {element_type!r}") from exc
+
+
+def _device_provider(device_type: str) -> Any:
+    """The installed provider whose memory ``device_type`` names (``cuda``), loaded on demand."""
+    from .registry import default_registry
+
+    kind = device_type.lower()
+    name = _DEVICE_PROVIDERS.get(kind, kind)
+    provider = default_registry().get(name)  # ProviderUnavailableError with the cause
+    if not hasattr(provider, "allocate"):
+        raise ProviderUnavailableError(
+            name, "it keeps its values in host memory", hint="use device_type='cpu' for host arrays"
+        )
+    return provider
+
+
+class OrtValue:
+    """A tensor on the host (a numpy array, shared, not copied) or on a provider's device."""
+
+    __slots__ = ("_data", "_device", "_provider")
+
+    def __init__(self, data: Any, device: str = "cpu", provider: Any = None) -> None:
+        self._data = data
+        self._device = device
+        self._provider = provider
+
+    # -- construction ----------------------------------------------------------------
+
+    @classmethod
+    def ortvalue_from_numpy(cls, numpy_obj: np.ndarray, /, device_type: str = "cpu", device_id: int = 0, vendor_id: int = -1) -> "OrtValue":
+        """Wrap ``numpy_obj`` (no copy on the host, as onnxruntime) or upload it to a device."""
+        array = np.asarray(numpy_obj)
+        if device_type.lower() == "cpu":
+            return cls(array)
+        provider = _device_provider(device_type)
+        device = provider.devices()[device_id]
+        buffer = provider.allocate(array.shape, array.dtype, device)
+        provider.upload(np.ascontiguousarray(array), buffer)
+        return cls(buffer, device_type.lower(), provider)
+
+    @classmethod
+    def ortvalue_from_shape_and_type(
+        cls, shape: Sequence[int], element_type: Any, device_type: str = "cpu", device_id: int = 0, vendor_id: int = -1
+    ) -> "OrtValue":
+        """An uninitialised tensor (zeros here) of ``shape`` and ``element_type``."""
+        dtype = _element_dtype(element_type)
+        shape = tuple(int(d) for d in shape)
+        if device_type.lower() == "cpu":
+            return cls(np.zeros(shape, dtype))
+        provider = _device_provider(device_type)
+        return cls(provider.allocate(shape, dtype, provider.devices()[device_id]), device_type.lower(), provider)
+
+    # -- what onnxruntime reports ----------------------------------------------------
+
+    def data_ptr(self) -> int:
+        data = self._data
+        if isinstance(data, np.ndarray):
+            return int(data.ctypes.data)
+        return int(data.data.ptr)  # cupy-style device arrays
+
+    def device_name(self) -> str:
+        return self._device
+
+    def shape(self) -> list[int]:
+        return [int(d) for d in self._data.shape]
+
+    def data_type(self) -> str:
+        return _onnx_type_name(np.dtype(self._data.dtype))
+
+    def element_type(self) -> int:
+        import onnx
+
+        return int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(self._data.dtype)))
+
+    def tensor_size_in_bytes(self) -> int:
+        return int(self._data.nbytes)
+
+    def has_value(self) -> bool:
+        return self._data is not None
+
+    def is_tensor(self) -> bool:
+        return self._data is not None and hasattr(self._data, "shape")
+
+    def is_sparse_tensor(self) -> bool:
+        return False
+
+    def is_tensor_sequence(self) -> bool:
+        return isinstance(self._data, list)
+
+    def numpy(self) -> np.ndarray:
+        """The host array (shared with this value on the host; a download from a device)."""
+        if self._provider is None:
+            return self._data
+        return self._provider.to_host(self._data)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self.numpy()
+        if copy is not None:
+            return np.array(array, dtype=dtype, copy=copy)
+        return array if dtype is None else np.asarray(array, dtype=dtype)
+
+    def update_inplace(self, data: Any) -> None:
+        """Copy ``data`` (a numpy array or an OrtValue) into this value's memory."""
+        if isinstance(data, OrtValue):
+            data = data.numpy()
+        if not isinstance(data, np.ndarray):
+            raise InvalidInputError(f"update_inplace takes a numpy array or an OrtValue, got {type(data).__name__}")
+        if tuple(data.shape) != tuple(self._data.shape) or data.dtype != self._data.dtype:
+            raise InvalidInputError(
+                f"update_inplace: this value is {self._data.dtype}{list(self._data.shape)}, "
+                f"got {data.dtype}{list(data.shape)}; make a new OrtValue for another shape"
+            )
+        if self._provider is None:
+            np.copyto(self._data, data)
+        else:
+            self._provider.upload(np.ascontiguousarray(data), self._data)
+
+    def binding(self, session: "Session", *, input: str | None = None, output: str | None = None) -> DeviceBinding:
+        """This value's memory as a plugrt binding of ``session`` (no copy)."""
+        if self._provider is None:
+            return session.bind_array(self._data, input=input, output=output)
+        provider = self._provider
+        return DeviceBinding(
+            input=input,
+            output=output,
+            buffer=self._data,
+            shape=self._data.shape,
+            device=None,
+            upload=lambda host, target: provider.upload(host, target),
+            download=provider.to_host,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotSupportedError(
+            f"OrtValue.{name}", "plugrt OrtValues hold dense tensors; use numpy() for the array"
+        )
+
+    def __repr__(self) -> str:
+        return f"OrtValue({self.data_type()}, shape={self.shape()}, device={self._device!r})"
+
+
+def host_value(value: Any) -> Any:
+    """A feed as the session takes it: an OrtValue's array, anything else unchanged."""
+    if isinstance(value, OrtValue):
+        return value._data if value._provider is None else value.numpy()
+    return value
+
+
+class RunOptions:
+    """Per-run settings. ``terminate`` stops a run between steps (RunTerminatedError);
+    ``gpu_graph_id`` selects a capture slot for ``run_with_iobinding``."""
+
+    def __init__(self) -> None:
+        self.log_severity_level = 2
+        self.log_verbosity_level = 0
+        self.logid = ""  # onnxruntime's run tag
+        self.terminate = False
+        self.only_execute_path_to_fetches = False
+        self._configs: dict[str, str] = {}
+
+    @property
+    def run_tag(self) -> str:
+        """The C API's name for ``logid``."""
+        return self.logid
+
+    @run_tag.setter
+    def run_tag(self, tag: str) -> None:
+        self.logid = tag
+
+    def add_run_config_entry(self, key: str, value: str) -> None:
+        self._configs[str(key)] = str(value)
+
+    def get_run_config_entry(self, key: str) -> str:
+        try:
+            return self._configs[key]
+        except KeyError:
+            # onnxruntime raises RuntimeError here; a KeyError with its message is kinder
+            raise InvalidInputError(f"RunOptions does not have configuration with key: {key}") from None
+
+    def add_active_adapter(self, adapter: Any) -> None:
+        raise NotSupportedError("RunOptions.add_active_adapter", "plugrt has no LoRA adapters; merge them into the model")
+
+    def graph_id(self) -> int | None:
+        """The capture slot this run selects, or None (``gpu_graph_id`` unset or -1)."""
+        entry = self._configs.get(_GPU_GRAPH_ID)
+        if entry is None:
+            return None
+        try:
+            graph = int(entry)
+        except ValueError:
+            raise InvalidInputError(f"run option {_GPU_GRAPH_ID!r} must be an integer, got {entry!r}") from None
+        return None if graph == -1 else graph
+
+
+def guarded_run(run_options: RunOptions | None, run: Callable[[], Any]) -> Any:
+    """``run()``, stopped with RunTerminatedError before the next step once
+    ``run_options.terminate`` is set (from any thread). Costs nothing without RunOptions."""
+    if run_options is None:
+        return run()
+    if run_options.terminate:
+        raise RunTerminatedError(run_options.run_tag)
+
+    # Every step of a plan is a call: a profile hook sees each one before it starts, so
+    # a flag set by another thread stops the run at the next step boundary.
+    def check(frame: Any, event: str, arg: Any) -> None:
+        if run_options.terminate and event in ("call", "c_call"):
+            sys.setprofile(None)
+            raise RunTerminatedError(run_options.run_tag)
+
+    previous = sys.getprofile()
+    sys.setprofile(check)
+    try:
+        return run()
+    finally:
+        sys.setprofile(previous)
+
+
+class IOBinding:
+    """Inputs and outputs bound to memory for ``run_with_iobinding``: host arrays without a
+    copy, device values (OrtValues on a device) left on the device."""
+
+    def __init__(self, session: "Session") -> None:
+        self._session = session
+        self._inputs: dict[str, DeviceBinding] = {}
+        self._outputs: dict[str, tuple[str, DeviceBinding | None]] = {}  # name -> (device, binding)
+        self._results: list[OrtValue] = []
+        self._captured_slots: set[Any] = set()
+
+    # -- inputs ----------------------------------------------------------------------
+
+    def bind_cpu_input(self, name: str, arr_on_cpu: Any) -> None:
+        """Bind a host array; the run reads it as it is then (no copy now)."""
+        array = arr_on_cpu if isinstance(arr_on_cpu, np.ndarray) else np.asarray(arr_on_cpu)
+        self._inputs[name] = self._session.bind_array(array, input=name)
+
+    def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any, shape: Sequence[int], buffer_ptr: int) -> None:
+        """Bind memory given by address. Host addresses only: a device value is bound with
+        ``bind_ortvalue_input``."""
+        if device_type.lower() != "cpu":
+            raise NotSupportedError(
+                f"IOBinding.bind_input on {device_type!r} by address",
+                "make an OrtValue on that device (OrtValue.ortvalue_from_numpy(x, device_type)) and bind it "
+                "with bind_ortvalue_input",
+            )
+        self._inputs[name] = self._session.bind_array(_host_array(element_type, shape, buffer_ptr), input=name)
+
+    def bind_ortvalue_input(self, name: str, ortvalue: OrtValue) -> None:
+        self._inputs[name] = ortvalue.binding(self._session, input=name)
+
+    def synchronize_inputs(self) -> None:
+        _synchronize(self._inputs.values())
+
+    # -- outputs ---------------------------------------------------------------------
+
+    def bind_output(
+        self,
+        name: str,
+        device_type: str = "cpu",
+        device_id: int = 0,
+        element_type: Any = None,
+        shape: Sequence[int] | None = None,
+        buffer_ptr: int | None = None,
+    ) -> None:
+        """Bind an output: to memory at ``buffer_ptr`` (host only), or to a device, where
+        the session allocates it on each run (it stays there)."""
+        device = device_type.lower()
+        if buffer_ptr is not None:
+            if element_type is None or shape is None:
+                raise InvalidInputError("`element_type` and `shape` are to be provided if pre-allocated memory is provided")
+            if device != "cpu":
+                raise NotSupportedError(
+                    f"IOBinding.bind_output on {device_type!r} by address",
+                    "bind an OrtValue made with OrtValue.ortvalue_from_shape_and_type(shape, type, device_type) "
+                    "with bind_ortvalue_output",
+                )
+            array = _host_array(element_type, shape, buffer_ptr)
+            self._outputs[name] = ("cpu", self._session.bind_array(array, output=name))
+            return
+        if device != "cpu":
+            _device_provider(device_type)  # refused now if there is no such device
+        outputs = [o.name for o in self._session.outputs]
+        if name not in outputs:
+            raise InvalidInputError(f"unknown output {name!r}; the model's outputs are {outputs}")
+        self._outputs[name] = (device, None)
+
+    def bind_ortvalue_output(self, name: str, ortvalue: OrtValue) -> None:
+        self._outputs[name] = (ortvalue.device_name(), ortvalue.binding(self._session, output=name))
+
+    def synchronize_outputs(self) -> None:
+        _synchronize(b for _, b in self._outputs.values() if b is not None)
+
+    # -- results ---------------------------------------------------------------------
+
+    def get_outputs(self) -> list[OrtValue]:
+        """The outputs of the last run, in the order they were bound."""
+        return list(self._results)
+
+    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
+        return [np.array(v.numpy(), copy=True) for v in self._results]
+
+    def clear_binding_inputs(self) -> None:
+        self._inputs.clear()
+
+    def clear_binding_outputs(self) -> None:
+        self._outputs.clear()
+        self._results = []
+
+    # -- running ---------------------------------------------------------------------
+
+    def run(self, run_options: RunOptions | None) -> None:
+        """Run the session on these bindings (``InferenceSession.run_with_iobinding``)."""
+        if not self._outputs:
+            raise InvalidInputError("At least one output should be requested: bind one with bind_output")
+        session = self._session
+        bindings = list(self._inputs.values()) + [b for _, b in self._outputs.values() if b is not None]
+        slot = run_options.graph_id() if run_options is not None else None
+        if slot is not None:
+            results = guarded_run(run_options, lambda: self._replay(slot, bindings))
+        else:
+            results = guarded_run(run_options, lambda: session.run(bindings=bindings))
+        values = []
+        for name, (device, binding) in self._outputs.items():
+            if binding is not None:
+                values.append(OrtValue(binding.view(), device, None if device == "cpu" else _device_provider(device)))
+            elif device == "cpu":
+                values.append(OrtValue(results[name]))
+            else:
+                values.append(OrtValue.ortvalue_from_numpy(results[name], device))
+        self._results = values
+
+    def _replay(self, slot: Any, bindings: list[DeviceBinding]) -> dict[str, Any]:
+        """Capture on the first run of a ``gpu_graph_id``, replay on the next ones."""
+        from .capture import Captured
+
+        session = self._session
+        slotted = _takes_slot(session)
+        if slot != 0 and not slotted:
+            raise NotSupportedError(
+                f"gpu_graph_id {slot}", "this plugrt session keeps one capture: use gpu_graph_id 0 or -1"
+            )
+        extra = {"slot": str(slot)} if slotted else {}
+        if slot not in self._captured_slots:
+            captured = session.try_capture(bindings=bindings, **extra)
+            if not isinstance(captured, Captured):
+                return session.run(bindings=bindings)
+            self._captured_slots.add(slot)
+        return session.replay(bindings=bindings, **extra)
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotSupportedError(f"IOBinding.{name}", "use get_outputs() or copy_outputs_to_cpu()")
+
+
+def _takes_slot(session: "Session") -> bool:
+    import inspect
+
+    return "slot" in inspect.signature(session.try_capture).parameters
+
+
+def _host_array(element_type: Any, shape: Sequence[int], buffer_ptr: int) -> np.ndarray:
+    """The host memory at ``buffer_ptr`` as an array (no copy): the caller keeps it alive."""
+    import ctypes
+
+    dtype = _element_dtype(element_type)
+    shape = tuple(int(d) for d in shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(int(buffer_ptr))
+    return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+
+
+def _synchronize(bindings: Any) -> None:
+    for binding in bindings:
+        sync = getattr(binding.buffer, "device", None)
+        synchronize = getattr(sync, "synchronize", None)
+        if synchronize is not None:
+            synchronize()
