@@ -23,7 +23,18 @@ from .errors import (
     UnsafeExternalDataError,
     UnsupportedOpError,
 )
-from .ort import InferenceSession, SessionOptions, get_available_providers
+from .ort import (
+    ExecutionMode,
+    GraphOptimizationLevel,
+    InferenceSession,
+    IOBinding,
+    OrtValue,
+    RunOptions,
+    SessionOptions,
+    get_all_providers,
+    get_available_providers,
+    get_device,
+)
 from .provider import (
     CompiledPartition,
     Device,
@@ -49,6 +60,13 @@ __all__ = [
     "InferenceSession",
     "SessionOptions",
     "get_available_providers",
+    "get_all_providers",
+    "get_device",
+    "RunOptions",
+    "OrtValue",
+    "IOBinding",
+    "GraphOptimizationLevel",
+    "ExecutionMode",
     # providers
     "ExecutionProvider",
     "Device",
