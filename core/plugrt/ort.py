@@ -235,6 +235,13 @@ def _node_arg(info: TensorInfo) -> NodeArg:
 def _inferred_outputs(session: Session) -> list[TensorInfo]:
     """The outputs with the shapes inference found where the model declares none."""
     inferred = {v.name: v for v in session.model.graph.outputs}
+    if any(inferred[o.name].shape is None for o in session.outputs if o.shape is None and o.name in inferred):
+        import onnx_ir as ir
+        from onnx_ir.passes.common import ShapeInferencePass
+
+        model = ir.from_proto(ir.to_proto(session.model))  # a copy: the session's graph stays as built
+        ShapeInferencePass()(model)
+        inferred = {v.name: v for v in model.graph.outputs}
     result = []
     for info in session.outputs:
         value = inferred.get(info.name)

@@ -1,0 +1,145 @@
+"""Where plugrt's onnxruntime facade departs from onnxruntime on purpose, and what it adds."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+
+import plugrt as ort
+from plugrt._ort_values import guarded_run
+from plugrt.errors import (
+    NotSupportedError,
+    PlacementError,
+    ProviderUnavailableError,
+    RunTerminatedError,
+    UnknownOptionError,
+)
+
+MODEL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[3, 2] X) => (float[3, 2] Y) {
+    Y = Relu(X)
+}
+"""
+
+UNDECLARED_OUTPUT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N, 4] X) => (float[M, K] Y) {
+    Y = Transpose <perm = [1, 0]> (X)
+}
+"""
+
+X = np.array([[1.0, -2.0], [3.0, -4.0], [5.0, -6.0]], dtype=np.float32)
+
+
+@pytest.fixture
+def model_bytes():
+    return onnx.parser.parse_model(MODEL).SerializeToString()
+
+
+def test_a_string_of_providers_is_one_name(model_bytes):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        session = ort.InferenceSession(model_bytes, providers="CPUExecutionProvider")
+    assert session.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_no_available_provider_raises(model_bytes):
+    with pytest.warns(UserWarning), pytest.raises(ProviderUnavailableError, match="none of the requested"):
+        ort.InferenceSession(model_bytes, providers=["NoSuchExecutionProvider"])
+
+
+def test_strict_refuses_an_unavailable_provider(model_bytes):
+    with pytest.raises(ProviderUnavailableError):
+        ort.InferenceSession(model_bytes, providers=["NoSuchExecutionProvider", "CPUExecutionProvider"], strict=True)
+
+
+def test_unknown_config_key_is_rejected():
+    options = ort.SessionOptions()
+    with pytest.raises(UnknownOptionError, match="session.not_a_key"):
+        options.add_session_config_entry("session.not_a_key", "1")
+
+
+def test_unknown_constructor_keyword_is_rejected(model_bytes):
+    with pytest.raises(UnknownOptionError, match="bogus"):
+        ort.InferenceSession(model_bytes, bogus=1)
+
+
+def test_disable_cpu_ep_fallback_maps_to_strict(model_bytes):
+    pytest.importorskip("plugrt_provider_template")
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["" : 17]> g (float[2] X) => (int64[1] S) { S = Shape(X) }'
+    )
+    with pytest.raises(PlacementError):
+        ort.InferenceSession(model.SerializeToString(), options, providers=["template", "CPUExecutionProvider"])
+
+
+def test_unsupported_api_names_the_plugrt_alternative(model_bytes):
+    session = ort.InferenceSession(model_bytes)
+    with pytest.raises(NotSupportedError, match="OrtValue.ortvalue_from_shape_and_type"):
+        session.create_ortvalue_from_shape_and_type([1], np.float32, "cpu")
+    with pytest.raises(NotSupportedError, match="docs/writing-a-provider.md"):
+        ort.SessionOptions().register_custom_ops_library("libcustom.so")
+
+
+@pytest.mark.parametrize("level", [ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL])
+def test_get_outputs_reports_inferred_shapes(level):
+    model = onnx.parser.parse_model(UNDECLARED_OUTPUT)
+    model.graph.output[0].type.tensor_type.ClearField("shape")  # declared without a shape
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    session = ort.InferenceSession(model.SerializeToString(), options)
+    assert list(session.get_outputs()[0].shape) == [4, "N"]
+
+
+def test_terminate_set_during_a_run_stops_before_the_next_step(model_bytes):
+    session = ort.InferenceSession(model_bytes)
+    run_options = ort.RunOptions()
+    run_options.run_tag = "job-7"
+    steps = []
+
+    def run():
+        run_options.terminate = True  # as another thread would, mid-run
+        steps.append("started")
+        return session.run(None, {"X": X})
+
+    with pytest.raises(RunTerminatedError) as caught:
+        guarded_run(run_options, run)
+    assert caught.value.run_tag == "job-7" and steps == []
+
+
+def test_gpu_graph_id_captures_then_replays_with_the_bound_input_as_it_is_now(model_bytes):
+    session = ort.InferenceSession(model_bytes)
+    x = X.copy()
+    binding = session.io_binding()
+    binding.bind_cpu_input("X", x)
+    binding.bind_output("Y")
+    run_options = ort.RunOptions()
+    run_options.add_run_config_entry("gpu_graph_id", "0")
+    session.run_with_iobinding(binding, run_options)
+    assert session.session.capture_report is not None
+    x[...] = -X
+    session.run_with_iobinding(binding, run_options)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], np.maximum(-X, 0))
+
+
+def test_run_with_iobinding_without_outputs_is_refused(model_bytes):
+    session = ort.InferenceSession(model_bytes)
+    binding = session.io_binding()
+    binding.bind_cpu_input("X", X)
+    with pytest.raises(ort.errors.InvalidInputError, match="At least one output"):
+        session.run_with_iobinding(binding)
+
+
+def test_device_output_on_a_machine_without_that_device_is_refused(model_bytes):
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is available here")
+    session = ort.InferenceSession(model_bytes)
+    with pytest.raises(ProviderUnavailableError):
+        session.io_binding().bind_output("Y", "cuda")
