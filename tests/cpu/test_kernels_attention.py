@@ -12,39 +12,9 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 import plugrt
+from helpers import node_model, reference_node, run_node
 from plugrt_cpu import kernels  # noqa: F401  (registers the kernels)
 from plugrt_cpu._registry import KernelContext, lookup
-
-
-def _model(op, inputs, outputs, opset, domain="", **attributes) -> onnx.ModelProto:
-    names = [name if value is not None else "" for name, value in inputs.items()]
-    while names and not names[-1]:
-        names.pop()
-    graph_inputs = [
-        helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
-        for name, value in inputs.items()
-        if value is not None
-    ]
-    node = helper.make_node(op, names, outputs, domain=domain, **attributes)
-    graph_outputs = [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in outputs if o]
-    graph = helper.make_graph([node], "g", graph_inputs, graph_outputs)
-    opsets = [helper.make_opsetid("", opset)]
-    if domain:
-        opsets.append(helper.make_opsetid(domain, 1))
-    return helper.make_model(graph, opset_imports=opsets)
-
-
-def _feeds(inputs):
-    return {name: value for name, value in inputs.items() if value is not None}
-
-
-def _run(op, inputs, outputs, opset, **attributes):
-    model = _model(op, inputs, outputs, opset, **attributes)
-    return plugrt.InferenceSession(model.SerializeToString()).run(None, _feeds(inputs))
-
-
-def _reference(op, inputs, outputs, opset, **attributes):
-    return ReferenceEvaluator(_model(op, inputs, outputs, opset, **attributes)).run(None, _feeds(inputs))
 
 
 def _random(*shape, seed=0, dtype=np.float32):
@@ -78,8 +48,8 @@ def test_grouped_attention_with_past_matches_onnx_reference(kv_heads, mode):
     inputs["past_value"] = _random(2, kv_heads, 3, 4, seed=11)
     attributes = {"is_causal": 1, "qk_matmul_output_mode": mode, "scale": 0.3}
     _assert_all_close(
-        _run("Attention", inputs, _ATTENTION_OUTPUTS, 23, **attributes),
-        _reference("Attention", inputs, _ATTENTION_OUTPUTS, 23, **attributes),
+        run_node("Attention", inputs, 23, outputs=_ATTENTION_OUTPUTS, **attributes),
+        reference_node("Attention", inputs, 23, outputs=_ATTENTION_OUTPUTS, **attributes),
     )
 
 
@@ -88,15 +58,15 @@ def test_softcap_mode_one_reports_capped_scores_before_the_mask():
     inputs["attn_mask"] = np.random.default_rng(1).random((5, 7)) > 0.3
     attributes = {"softcap": 1.5, "qk_matmul_output_mode": 1}
     _assert_all_close(
-        _run("Attention", inputs, _ATTENTION_OUTPUTS, 23, **attributes),
-        _reference("Attention", inputs, _ATTENTION_OUTPUTS, 23, **attributes),
+        run_node("Attention", inputs, 23, outputs=_ATTENTION_OUTPUTS, **attributes),
+        reference_node("Attention", inputs, 23, outputs=_ATTENTION_OUTPUTS, **attributes),
     )
 
 
 def test_mode_zero_reports_the_raw_scaled_product_even_with_softcap():
     # The spec: mode 0 is the QK matmul output; mode 1 is the one after softcap.
     inputs = _qkv_4d(q_heads=2, kv_heads=2, seed=30)
-    y, _, _, qk = _run("Attention", inputs, _ATTENTION_OUTPUTS, 23, softcap=0.5, qk_matmul_output_mode=0)
+    y, _, _, qk = run_node("Attention", inputs, 23, outputs=_ATTENTION_OUTPUTS, softcap=0.5, qk_matmul_output_mode=0)
     expected = inputs["q"] @ np.swapaxes(inputs["k"], -1, -2) / np.sqrt(8)
     np.testing.assert_allclose(qk, expected, rtol=1e-5, atol=1e-5)
     assert np.abs(qk).max() > 0.5  # not capped
@@ -111,7 +81,7 @@ def _numpy_attention(q, k, v, allowed):
 
 def test_3d_inputs_split_and_merge_heads():
     q, k, v = _random(2, 4, 12, seed=40), _random(2, 6, 4, seed=41), _random(2, 6, 10, seed=42)
-    (y,) = _run("Attention", {"q": q, "k": k, "v": v}, ["y"], 23, q_num_heads=3, kv_num_heads=1)
+    (y,) = run_node("Attention", {"q": q, "k": k, "v": v}, 23, outputs=["y"], q_num_heads=3, kv_num_heads=1)
     heads = lambda x, h: x.reshape(x.shape[0], x.shape[1], h, -1).transpose(0, 2, 1, 3)  # noqa: E731
     expected = _numpy_attention(heads(q, 3), heads(k, 1), heads(v, 1), np.ones((4, 6), bool))
     np.testing.assert_allclose(y, expected.transpose(0, 2, 1, 3).reshape(2, 4, 30), rtol=1e-5, atol=1e-6)
@@ -120,7 +90,7 @@ def test_3d_inputs_split_and_merge_heads():
 def test_causal_mask_is_bottom_right_aligned_after_past():
     inputs = _qkv_4d(q_heads=2, kv_heads=2, q_len=3, kv_len=3, seed=50)
     past_k, past_v = _random(2, 2, 4, 8, seed=51), _random(2, 2, 4, 4, seed=52)
-    y = _run("Attention", dict(inputs, attn_mask=None, past_key=past_k, past_value=past_v), ["y"], 23, is_causal=1)[0]
+    y = run_node("Attention", dict(inputs, attn_mask=None, past_key=past_k, past_value=past_v), 23, outputs=["y"], is_causal=1)[0]
     k = np.concatenate([past_k, inputs["k"]], axis=2)
     v = np.concatenate([past_v, inputs["v"]], axis=2)
     allowed = np.arange(7)[None, :] <= np.arange(3)[:, None] + 4
@@ -134,7 +104,7 @@ def test_nonpad_kv_seqlen_masks_padding_and_shifts_the_causal_frontier():
     inputs["nonpad_kv_seqlen"] = np.array([8, 5, 3], dtype=np.int64)
     attributes = {"is_causal": 1}
     _assert_all_close(
-        _run("Attention", inputs, ["y"], 24, **attributes), _reference("Attention", inputs, ["y"], 24, **attributes)
+        run_node("Attention", inputs, 24, outputs=["y"], **attributes), reference_node("Attention", inputs, 24, outputs=["y"], **attributes)
     )
 
 
@@ -144,7 +114,7 @@ def test_sliding_window_matches_onnx_reference(left, right, causal):
     inputs["attn_mask"] = np.random.default_rng(2).random((2, 1, 6, 6)) > 0.2
     attributes = {"left_window_size": left, "right_window_size": right, "is_causal": causal}
     _assert_all_close(
-        _run("Attention", inputs, ["y"], 25, **attributes), _reference("Attention", inputs, ["y"], 25, **attributes)
+        run_node("Attention", inputs, 25, outputs=["y"], **attributes), reference_node("Attention", inputs, 25, outputs=["y"], **attributes)
     )
 
 
@@ -153,7 +123,7 @@ def test_fully_masked_rows_give_zeros_not_nan():
     mask = np.ones((3, 4), dtype=bool)
     mask[1] = False
     inputs["attn_mask"] = mask
-    y, _, _, probs = _run("Attention", inputs, _ATTENTION_OUTPUTS, 23, qk_matmul_output_mode=3)
+    y, _, _, probs = run_node("Attention", inputs, 23, outputs=_ATTENTION_OUTPUTS, qk_matmul_output_mode=3)
     assert not np.isnan(y).any()
     np.testing.assert_array_equal(y[:, :, 1], 0)
     np.testing.assert_array_equal(probs[:, :, 1], 0)
@@ -163,15 +133,15 @@ def test_fully_masked_rows_give_zeros_not_nan():
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 def test_attention_keeps_the_input_dtype(dtype):
     inputs = {name: value.astype(dtype) for name, value in _qkv_4d(seed=90).items()}
-    (y,) = _run("Attention", inputs, ["y"], 23, is_causal=1)
-    (expected,) = _reference("Attention", inputs, ["y"], 23, is_causal=1)
+    (y,) = run_node("Attention", inputs, 23, outputs=["y"], is_causal=1)
+    (expected,) = reference_node("Attention", inputs, 23, outputs=["y"], is_causal=1)
     assert y.dtype == dtype
     np.testing.assert_allclose(y, expected, rtol=1e-3, atol=1e-3)
 
 
 def test_4d_inputs_reject_head_count_attributes_from_opset_25():
     with pytest.raises(Exception, match="q_num_heads"):
-        _run("Attention", _qkv_4d(seed=95), ["y"], 25, q_num_heads=6, kv_num_heads=2)
+        run_node("Attention", _qkv_4d(seed=95), 25, outputs=["y"], q_num_heads=6, kv_num_heads=2)
 
 
 @pytest.mark.parametrize("interleaved", [0, 1])
@@ -186,14 +156,14 @@ def test_rotary_embedding_with_position_ids_matches_onnx_reference(interleaved, 
     }
     attributes = {"interleaved": interleaved, "rotary_embedding_dim": rotary_dim}
     _assert_all_close(
-        _run("RotaryEmbedding", inputs, ["y"], 23, **attributes),
-        _reference("RotaryEmbedding", inputs, ["y"], 23, **attributes),
+        run_node("RotaryEmbedding", inputs, 23, outputs=["y"], **attributes),
+        reference_node("RotaryEmbedding", inputs, 23, outputs=["y"], **attributes),
     )
 
 
 def test_rotary_embedding_on_3d_input_without_position_ids_rotates_halves():
     x, cos, sin = _random(2, 5, 12, seed=110), _random(2, 5, 3, seed=111), _random(2, 5, 3, seed=112)
-    (y,) = _run("RotaryEmbedding", {"x": x, "cos": cos, "sin": sin}, ["y"], 23, num_heads=2)
+    (y,) = run_node("RotaryEmbedding", {"x": x, "cos": cos, "sin": sin}, 23, outputs=["y"], num_heads=2)
     heads = x.reshape(2, 5, 2, 6)
     c, s = cos[:, :, None], sin[:, :, None]
     first, second = heads[..., :3], heads[..., 3:]
@@ -204,7 +174,7 @@ def test_rotary_embedding_on_3d_input_without_position_ids_rotates_halves():
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_swiglu_is_swish_gate_times_value(dtype):
     a, b = _random(4, 16, seed=120, dtype=dtype), _random(4, 16, seed=121, dtype=dtype)
-    (y,) = _run("SwiGLU", {"a": a, "b": b}, ["y"], 28, alpha=1.7)
+    (y,) = run_node("SwiGLU", {"a": a, "b": b}, 28, outputs=["y"], alpha=1.7)
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     expected = a64 / (1 + np.exp(-1.7 * a64)) * b64
     assert y.dtype == dtype
@@ -231,20 +201,20 @@ def test_linear_attention_matches_onnx_reference(rule, per_dim_decay):
         inputs["beta"] = rng.random((batch, steps, kv_heads)).astype(np.float32)
     attributes = {"q_num_heads": q_heads, "kv_num_heads": kv_heads, "update_rule": rule}
     _assert_all_close(
-        _run("LinearAttention", inputs, ["y", "state"], 27, **attributes),
-        _reference("LinearAttention", inputs, ["y", "state"], 27, **attributes),
+        run_node("LinearAttention", inputs, 27, outputs=["y", "state"], **attributes),
+        reference_node("LinearAttention", inputs, 27, outputs=["y", "state"], **attributes),
     )
 
 
 def test_linear_attention_rule_without_its_decay_is_rejected():
     inputs = {"query": _random(1, 2, 4), "key": _random(1, 2, 4), "value": _random(1, 2, 4)}
     with pytest.raises(Exception, match="decay"):
-        _run("LinearAttention", inputs, ["y"], 27, q_num_heads=1, kv_num_heads=1, update_rule="gated")
+        run_node("LinearAttention", inputs, 27, outputs=["y"], q_num_heads=1, kv_num_heads=1, update_rule="gated")
 
 
 def test_flex_attention_without_modifiers_matches_onnx_reference():
     inputs = _qkv_4d(seed=140)
-    model = _model("FlexAttention", inputs, ["y"], 26, domain="ai.onnx.preview", scale=0.25)
+    model = node_model("FlexAttention", inputs, 26, outputs=["y"], domain="ai.onnx.preview", scale=0.25)
     (y,) = plugrt.InferenceSession(model.SerializeToString()).run(None, inputs)
     (expected,) = ReferenceEvaluator(model).run(None, inputs)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
@@ -280,7 +250,7 @@ def test_flex_attention_score_modifier_reads_an_outer_scope_value_in_a_session()
         [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, None)],
         [helper.make_tensor_value_info("modified", onnx.TensorProto.FLOAT, None)],
     )
-    model = _model("FlexAttention", dict(inputs, bias=None), ["y"], 26, domain="ai.onnx.preview", score_mod=score_mod)
+    model = node_model("FlexAttention", dict(inputs, bias=None), 26, outputs=["y"], domain="ai.onnx.preview", score_mod=score_mod)
     model.graph.input.append(helper.make_tensor_value_info("bias", onnx.TensorProto.FLOAT, bias.shape))
     (y,) = plugrt.InferenceSession(model.SerializeToString()).run(None, dict(inputs, bias=bias))
     k = np.repeat(inputs["k"], 2, axis=1)

@@ -8,22 +8,12 @@ import onnx.parser
 import pytest
 from onnx.reference import ReferenceEvaluator
 
-import plugrt
-
-
-def _model(text: str) -> onnx.ModelProto:
-    model = onnx.parser.parse_model(text)
-    onnx.checker.check_model(model)
-    return model
-
-
-def _run(model: onnx.ModelProto, feeds: dict) -> list:
-    return plugrt.InferenceSession(model.SerializeToString()).run(None, feeds)
+from helpers import run_model, text_model
 
 
 def _check_against_reference(model: onnx.ModelProto, feeds: dict) -> list:
     expected = ReferenceEvaluator(model).run(None, feeds)
-    actual = _run(model, feeds)
+    actual = run_model(model, feeds)
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         assert a.dtype == e.dtype
@@ -56,11 +46,11 @@ def test_if_nested_reads_outer_scope(c1, c2):
         "c1": np.array(c1), "c2": np.array(c2),
         "x": rng.standard_normal(3).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32),
     }
-    _check_against_reference(_model(IF_NESTED), feeds)
+    _check_against_reference(text_model(IF_NESTED), feeds)
 
 
 def test_if_cond_of_shape_one_and_multiple_outputs():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 13]>
     g (bool[1] c, int32[2] x) => (int32[2] y, int32[2] z) {
         y, z = If (c) <
@@ -70,7 +60,7 @@ def test_if_cond_of_shape_one_and_multiple_outputs():
     }
     """)
     x = np.array([1, -2], dtype=np.int32)
-    y, z = _run(model, {"c": np.array([False]), "x": x})
+    y, z = run_model(model, {"c": np.array([False]), "x": x})
     assert y.dtype == np.int32
     np.testing.assert_array_equal(y, -x)
     np.testing.assert_array_equal(z, x)
@@ -97,7 +87,7 @@ def test_loop_for_matches_reference():
         "m": np.array(5, dtype=np.int64), "c": np.array(True),
         "s0": np.array([1.0, -1.0], dtype=np.float32), "w": np.array([0.5, 2.0], dtype=np.float32),
     }
-    s, trace = _check_against_reference(_model(LOOP_FOR), feeds)
+    s, trace = _check_against_reference(text_model(LOOP_FOR), feeds)
     assert trace.shape == (5, 2) and trace.dtype == np.float32
     np.testing.assert_allclose(s, feeds["s0"] + feeds["w"] * 10)
 
@@ -107,7 +97,7 @@ def test_loop_zero_trips_keeps_initial_values_and_typed_empty_scan_output():
         "m": np.array(0, dtype=np.int64), "c": np.array(True),
         "s0": np.array([1.0, -1.0], dtype=np.float32), "w": np.array([0.5, 2.0], dtype=np.float32),
     }
-    s, trace = _run(_model(LOOP_FOR), feeds)
+    s, trace = run_model(text_model(LOOP_FOR), feeds)
     np.testing.assert_array_equal(s, feeds["s0"])
     assert trace.shape == (0, 2) and trace.dtype == np.float32
 
@@ -117,13 +107,13 @@ def test_loop_false_initial_cond_runs_no_iteration():
         "m": np.array(4, dtype=np.int64), "c": np.array(False),
         "s0": np.array([1.0, -1.0], dtype=np.float32), "w": np.array([0.5, 2.0], dtype=np.float32),
     }
-    s, trace = _run(_model(LOOP_FOR), feeds)
+    s, trace = run_model(text_model(LOOP_FOR), feeds)
     np.testing.assert_array_equal(s, feeds["s0"])
     assert trace.shape == (0, 2)
 
 
 def test_loop_while_without_trip_count():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 17]>
     g (bool c, int64 limit) => (int64 n, int64[K] its) {
         n, its = Loop ("", c, limit) <body = body (int64 i, bool cin, int64 lim) => (bool cout, int64 lout, int64 iout) {
@@ -138,7 +128,7 @@ def test_loop_while_without_trip_count():
     # (onnx.reference stacks 0-d scan outputs with vstack, giving shape (4, 1); the spec
     # stacks them on a new leading axis, shape (4,), as onnxruntime does.)
     feeds = {"c": np.array(True), "limit": np.array(4, dtype=np.int64)}
-    n, its = _run(model, feeds)
+    n, its = run_model(model, feeds)
     assert n.dtype == np.int64 and int(n) == 4
     assert its.dtype == np.int64
     np.testing.assert_array_equal(its, np.arange(4, dtype=np.int64))
@@ -146,7 +136,7 @@ def test_loop_while_without_trip_count():
 
 def test_loop_without_cond_input_ignores_the_body_condition():
     # Spec: with cond omitted ("for" loop) the body's condition output is ignored.
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 17]>
     g (int64 m, float x0) => (float x) {
         x = Loop (m, "", x0) <body = body (int64 i, bool cin, float xin) => (bool cout, float xout) {
@@ -156,13 +146,13 @@ def test_loop_without_cond_input_ignores_the_body_condition():
         }>
     }
     """)
-    (x,) = _run(model, {"m": np.array(3, dtype=np.int64), "x0": np.array(1.5, dtype=np.float32)})
+    (x,) = run_model(model, {"m": np.array(3, dtype=np.int64), "x0": np.array(1.5, dtype=np.float32)})
     assert x.dtype == np.float32
     np.testing.assert_allclose(x, 12.0)
 
 
 def test_loop_carries_a_sequence_and_nests_an_if():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 17]>
     g (int64 m, float[2] x) => (seq(float[2]) out) {
         empty = SequenceEmpty <dtype = 1> ()
@@ -181,7 +171,7 @@ def test_loop_carries_a_sequence_and_nests_an_if():
     }
     """)
     x = np.array([1.0, 2.0], dtype=np.float32)
-    (out,) = _run(model, {"m": np.array(3, dtype=np.int64), "x": x})
+    (out,) = run_model(model, {"m": np.array(3, dtype=np.int64), "x": x})
     assert isinstance(out, list) and len(out) == 3
     for k, item in enumerate(out):
         np.testing.assert_array_equal(item, x if k % 2 == 0 else -x)
@@ -190,7 +180,7 @@ def test_loop_carries_a_sequence_and_nests_an_if():
 # -- Scan -------------------------------------------------------------------------------
 
 def _scan9(attrs: str, opset: int = 16) -> onnx.ModelProto:
-    return _model(f"""
+    return text_model(f"""
     <ir_version: 8, opset_import: ["" : {opset}]>
     g (float[2, 3] s0, float[2, 4, 3] x, float[2, 3] w) => (float[2, 3] s, float[A, B, C] y) {{
         s, y = Scan (s0, x) <num_scan_inputs = 1{attrs}, body = body (float[2, 3] sin, float[2, 3] xi) => (float[2, 3] sout, float[2, 3] yo) {{
@@ -220,7 +210,7 @@ def test_scan9_axes_and_directions(in_dir, out_axis, out_dir):
         f", scan_input_axes = [1], scan_input_directions = [{in_dir}]"
         f", scan_output_axes = [{out_axis}], scan_output_directions = [{out_dir}]"
     )
-    s, y = _run(_scan9(attrs), feeds)
+    s, y = run_model(_scan9(attrs), feeds)
     steps = np.moveaxis(feeds["x"], 1, 0)  # (4, 2, 3)
     if in_dir:
         steps = steps[::-1]
@@ -236,7 +226,7 @@ def test_scan9_axes_and_directions(in_dir, out_axis, out_dir):
 
 
 def test_scan9_axis0_matches_reference_with_outer_value():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 19]>
     g (float[3] s0, float[5, 3] x, float[5, 3] z, float[3] w) => (float[3] s, float[5, 3] y) {
         s, y = Scan (s0, x, z) <num_scan_inputs = 2, body = body (float[3] sin, float[3] xi, float[3] zi) => (float[3] sout, float[3] yo) {
@@ -257,7 +247,7 @@ def test_scan9_axis0_matches_reference_with_outer_value():
 
 
 def test_scan9_zero_length_gives_typed_empty_output():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 16]>
     g (float[3] s0, float[N, 3] x) => (float[3] s, float[M, 3] y) {
         s, y = Scan (s0, x) <num_scan_inputs = 1, scan_output_axes = [1], body = body (float[3] sin, float[3] xi) => (float[3] sout, float[3] yo) {
@@ -267,7 +257,7 @@ def test_scan9_zero_length_gives_typed_empty_output():
     }
     """)
     s0 = np.ones(3, dtype=np.float32)
-    s, y = _run(model, {"s0": s0, "x": np.zeros((0, 3), dtype=np.float32)})
+    s, y = run_model(model, {"s0": s0, "x": np.zeros((0, 3), dtype=np.float32)})
     np.testing.assert_array_equal(s, s0)
     assert y.shape == (3, 0) and y.dtype == np.float32
 
@@ -298,7 +288,7 @@ def test_scan8_batch_and_sequence_lens(direction, lens):
     feeds = {"s0": s0, "x": x}
     if lens is not None:
         feeds["lens"] = np.array(lens, dtype=np.int32)
-    s, y = _run(model, feeds)
+    s, y = run_model(model, feeds)
     assert s.dtype == np.float32 and y.dtype == np.float32 and y.shape == (2, 3, 2)
     for b in range(2):
         length = 3 if lens is None else lens[b]

@@ -8,40 +8,13 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
-from onnx.reference import ReferenceEvaluator
 
 import plugrt_cpu.kernels  # noqa: F401  (registers the kernels)
+from helpers import reference_node, run_kernel
 from plugrt_cpu._registry import KernelContext, lookup
 from plugrt_cpu.kernels.elementwise import erf, sigmoid
 
 RNG = np.random.default_rng(20240611)
-
-
-def run_kernel(op: str, opset: int, *inputs, constants=None, **attributes):
-    """Run the kernel for ``op`` the way the provider binds it."""
-    spec = lookup("", op, opset)
-    assert spec is not None, f"no kernel for {op} at opset {opset}"
-    if spec.builder:
-        ctx = KernelContext(
-            op, "", opset, attributes, len(inputs), 1,
-            [getattr(x, "dtype", None) for x in inputs],
-            list(constants) if constants is not None else [None] * len(inputs),
-        )
-        return spec.fn(ctx)(*inputs)
-    return spec.fn(*inputs, **attributes)
-
-
-def run_reference(op: str, opset: int, *inputs, **attributes):
-    names = [f"x{i}" for i in range(len(inputs))]
-    node = helper.make_node(op, names, ["y"], **attributes)
-    graph = helper.make_graph(
-        [node], "g",
-        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in names],
-        [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    return ReferenceEvaluator(model).run(None, dict(zip(names, inputs)))[0]
 
 
 def random_float32(*shape: int, scale: float = 3.0) -> np.ndarray:
@@ -79,7 +52,7 @@ def test_erf_special_values(dtype):
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_erf_keeps_narrow_float_dtypes(dtype):
     x = np.array([-2.0, -0.5, 0.0, 0.25, 1.0, 3.0], dtype=dtype)
-    got = run_kernel("Erf", 13, x)
+    got = run_kernel("Erf", 13, x)[0]
     assert got.dtype == dtype
     np.testing.assert_allclose(got.astype(np.float64), _math_erf(x.astype(np.float64)), atol=1e-2)
 
@@ -104,20 +77,20 @@ def test_gelu_exact_matches_math_erf():
     x = random_float32(64, 33)
     x64 = x.astype(np.float64)
     expected = 0.5 * x64 * (1 + _math_erf(x64 / math.sqrt(2)))
-    got = run_kernel("Gelu", 20, x)
+    got = run_kernel("Gelu", 20, x)[0]
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_gelu_tanh_matches_reference():
     x = random_float32(64, 33)
-    got = run_kernel("Gelu", 20, x, approximate="tanh")
-    np.testing.assert_allclose(got, run_reference("Gelu", 20, x, approximate="tanh"), rtol=1e-5, atol=1e-6)
+    got = run_kernel("Gelu", 20, x, approximate="tanh")[0]
+    np.testing.assert_allclose(got, reference_node("Gelu", [x], 20, approximate="tanh")[0], rtol=1e-5, atol=1e-6)
 
 
 def test_gelu_rejects_an_unknown_approximation():
     with pytest.raises(NotImplementedError, match="approximate"):
-        run_kernel("Gelu", 20, random_float32(3), approximate="fast")
+        run_kernel("Gelu", 20, random_float32(3), approximate="fast")[0]
 
 
 # --- Sigmoid ----------------------------------------------------------------------------
@@ -127,7 +100,7 @@ def test_sigmoid_is_exact_in_both_tails_without_warnings():
     x = np.array([-np.inf, -200.0, -100.0, -30.0, -1.0, 0.0, 1.0, 30.0, 200.0, np.inf], dtype=np.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = run_kernel("Sigmoid", 13, x)
+        got = run_kernel("Sigmoid", 13, x)[0]
     expected = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
     assert got.dtype == np.float32
     # relative accuracy down to float32's smallest normal number, not just absolute
@@ -174,10 +147,10 @@ def test_activation_matches_reference(op, opset, attributes):
     x[0, :4] = [0.0, -0.0, 80.0, -80.0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = run_kernel(op, opset, x, **attributes)
+        got = run_kernel(op, opset, x, **attributes)[0]
     assert got.dtype == np.float32
     assert got.shape == x.shape
-    np.testing.assert_allclose(got, run_reference(op, opset, x, **attributes), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, reference_node(op, [x], opset, **attributes)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_activation_keeps_nan():
@@ -185,12 +158,12 @@ def test_activation_keeps_nan():
     for op, opset, attributes in ACTIVATIONS:
         if op in ("ThresholdedRelu", "Shrink"):  # NaN fails both comparisons: 0 by the spec
             continue
-        assert np.isnan(run_kernel(op, opset, x, **attributes)[0]), op
+        assert np.isnan(run_kernel(op, opset, x, **attributes)[0][0]), op
 
 
 def test_shrink_keeps_integer_dtype():
     x = np.arange(-5, 6, dtype=np.int8)
-    got = run_kernel("Shrink", 9, x, bias=1.0, lambd=2.0)
+    got = run_kernel("Shrink", 9, x, bias=1.0, lambd=2.0)[0]
     assert got.dtype == np.int8
     np.testing.assert_array_equal(got, [-4, -3, -2, 0, 0, 0, 0, 0, 2, 3, 4])
 
@@ -198,14 +171,14 @@ def test_shrink_keeps_integer_dtype():
 def test_prelu_broadcasts_slope_to_x():
     x = random_float32(2, 3, 4, 5)
     slope = random_float32(4, 1)
-    np.testing.assert_allclose(run_kernel("PRelu", 16, x, slope), np.where(x < 0, x * slope, x))
+    np.testing.assert_allclose(run_kernel("PRelu", 16, x, slope)[0], np.where(x < 0, x * slope, x))
 
 
 def test_prelu_before_opset_7_applies_a_vector_slope_per_channel():
     x = random_float32(2, 3, 4, 3)
     slope = np.array([0.1, 0.2, 0.3], dtype=np.float32)
     expected = np.where(x < 0, x * slope[None, :, None, None], x)
-    np.testing.assert_allclose(run_kernel("PRelu", 6, x, slope), expected)
+    np.testing.assert_allclose(run_kernel("PRelu", 6, x, slope)[0], expected)
 
 
 # --- Arithmetic -------------------------------------------------------------------------
@@ -219,7 +192,7 @@ def test_integer_div_truncates_toward_zero(dtype):
     b[b == 0] = 7
     a[:4], b[:4] = [-7, 7, -7, 7], [2, -2, -2, 2]
     expected = [int(x) // int(y) if (x < 0) == (y < 0) else -(abs(int(x)) // abs(int(y))) for x, y in zip(a, b)]
-    got = run_kernel("Div", 14, a, b)
+    got = run_kernel("Div", 14, a, b)[0]
     assert got.dtype == dtype
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(got[:4], [-3, -3, 3, 3])
@@ -240,7 +213,7 @@ def test_mod_follows_the_divisor_or_the_dividend(fmod, dtype):
     b = np.array([3, -3, -3, 3, 2, 5], dtype=dtype)
     remainder = math.fmod if fmod else (lambda x, y: x % y)
     expected = [remainder(float(x), float(y)) for x, y in zip(a, b)]
-    got = run_kernel("Mod", 13, a, b, fmod=fmod)
+    got = run_kernel("Mod", 13, a, b, fmod=fmod)[0]
     assert got.dtype == dtype
     np.testing.assert_array_equal(got, expected)
 
@@ -248,10 +221,10 @@ def test_mod_follows_the_divisor_or_the_dividend(fmod, dtype):
 def test_pow_keeps_the_base_dtype():
     base = np.array([1.5, 2.0, -3.0], dtype=np.float32)
     exponent = np.array([2, 3, 2], dtype=np.int64)
-    got = run_kernel("Pow", 15, base, exponent)
+    got = run_kernel("Pow", 15, base, exponent)[0]
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, [2.25, 8.0, 9.0])
-    ints = run_kernel("Pow", 15, np.array([4, 9, 2], dtype=np.int64), np.array([0.5, 0.5, 3.0], dtype=np.float32))
+    ints = run_kernel("Pow", 15, np.array([4, 9, 2], dtype=np.int64), np.array([0.5, 0.5, 3.0], dtype=np.float32))[0]
     assert ints.dtype == np.int64
     np.testing.assert_array_equal(ints, [2, 3, 8])
 
@@ -259,7 +232,7 @@ def test_pow_keeps_the_base_dtype():
 def test_integer_pow_with_a_negative_exponent_truncates():
     base = np.array([2, 1, -1, -1, 5], dtype=np.int32)
     exponent = np.array([-1, -3, -3, -2, 0], dtype=np.int32)
-    got = run_kernel("Pow", 15, base, exponent)
+    got = run_kernel("Pow", 15, base, exponent)[0]
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, [int(math.pow(a, b)) for a, b in zip(base.tolist(), exponent.tolist())])
 
@@ -267,28 +240,28 @@ def test_integer_pow_with_a_negative_exponent_truncates():
 def test_pow_with_a_constant_exponent_of_two_squares():
     base = random_float32(10)
     exponent = np.array(2.0, dtype=np.float32)
-    got = run_kernel("Pow", 15, base, exponent, constants=[None, exponent])
-    np.testing.assert_allclose(got, run_reference("Pow", 15, base, exponent), rtol=1e-6)
+    got = run_kernel("Pow", 15, base, exponent, constants=[None, exponent])[0]
+    np.testing.assert_allclose(got, reference_node("Pow", [base, exponent], 15)[0], rtol=1e-6)
     assert got.dtype == np.float32
 
 
 def test_round_is_half_to_even():
     x = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 2.4, 2.6], dtype=np.float32)
-    np.testing.assert_array_equal(run_kernel("Round", 11, x), [-2, -2, -0, 0, 2, 2, 2, 3])
+    np.testing.assert_array_equal(run_kernel("Round", 11, x)[0], [-2, -2, -0, 0, 2, 2, 2, 3])
 
 
 @pytest.mark.parametrize("op, combine", [("Max", np.maximum), ("Min", np.minimum), ("Sum", np.add)])
 def test_variadic_ops_broadcast_all_inputs(op, combine):
     a, b, c = random_float32(3, 1, 4), random_float32(5, 1), random_float32(4)
-    got = run_kernel(op, 13, a, b, c)
+    got = run_kernel(op, 13, a, b, c)[0]
     assert got.shape == (3, 5, 4)
     np.testing.assert_allclose(got, combine(combine(a, b), c), rtol=1e-6)
-    assert run_kernel(op, 13, a) is a or np.array_equal(run_kernel(op, 13, a), a)
+    assert run_kernel(op, 13, a)[0] is a or np.array_equal(run_kernel(op, 13, a)[0], a)
 
 
 def test_mean_of_three_broadcast_inputs():
     a, b, c = random_float32(3, 1), random_float32(1, 4), random_float32(4)
-    got = run_kernel("Mean", 13, a, b, c)
+    got = run_kernel("Mean", 13, a, b, c)[0]
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, (a.astype(np.float64) + b + c) / 3, rtol=1e-5, atol=1e-6)
 
@@ -299,15 +272,15 @@ def test_mean_of_three_broadcast_inputs():
 def test_clip_inputs_may_be_omitted_or_cross():
     x = np.array([-3.0, -1.0, 0.0, 2.0, np.inf], dtype=np.float32)
     high = np.array(1.0, dtype=np.float32)
-    np.testing.assert_array_equal(run_kernel("Clip", 13, x, None, high), [-3, -1, 0, 1, 1])
-    np.testing.assert_array_equal(run_kernel("Clip", 13, x), x)
+    np.testing.assert_array_equal(run_kernel("Clip", 13, x, None, high)[0], [-3, -1, 0, 1, 1])
+    np.testing.assert_array_equal(run_kernel("Clip", 13, x)[0], x)
     low = np.array(2.0, dtype=np.float32)
-    np.testing.assert_array_equal(run_kernel("Clip", 13, x, low, high), run_reference("Clip", 13, x, low, high))
+    np.testing.assert_array_equal(run_kernel("Clip", 13, x, low, high)[0], reference_node("Clip", [x, low, high], 13)[0])
 
 
 def test_clip_integers_keep_dtype():
     x = np.arange(-5, 5, dtype=np.int64)
-    got = run_kernel("Clip", 13, x, np.array(-2, dtype=np.int64), np.array(3, dtype=np.int64))
+    got = run_kernel("Clip", 13, x, np.array(-2, dtype=np.int64), np.array(3, dtype=np.int64))[0]
     assert got.dtype == np.int64
     np.testing.assert_array_equal(got, np.clip(x, -2, 3))
 
@@ -315,15 +288,15 @@ def test_clip_integers_keep_dtype():
 def test_clip_opset_6_takes_attributes():
     x = random_float32(20)
     x[0] = np.inf
-    np.testing.assert_array_equal(run_kernel("Clip", 6, x, min=-0.5, max=0.5), run_reference("Clip", 6, x, min=-0.5, max=0.5))
-    np.testing.assert_array_equal(run_kernel("Clip", 6, x), run_reference("Clip", 6, x))
+    np.testing.assert_array_equal(run_kernel("Clip", 6, x, min=-0.5, max=0.5)[0], reference_node("Clip", [x], 6, min=-0.5, max=0.5)[0])
+    np.testing.assert_array_equal(run_kernel("Clip", 6, x)[0], reference_node("Clip", [x], 6)[0])
 
 
 def test_clip_opset_6_default_bounds_leave_float16_alone():
     x = np.array([-np.inf, -1.0, 60000.0, np.inf], dtype=np.float16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = run_kernel("Clip", 6, x, max=2.0)
+        got = run_kernel("Clip", 6, x, max=2.0)[0]
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got, [-np.inf, -1, 2, 2])
 
@@ -336,16 +309,16 @@ def test_clip_opset_6_default_bounds_leave_float16_alone():
 def test_opset_6_broadcast_aligns_b_at_axis(op, combine):
     a = np.abs(random_float32(2, 3, 4, 5)) + 0.5
     b = np.abs(random_float32(3, 4)) + 0.5
-    got = run_kernel(op, 6, a, b, broadcast=1, axis=1)
+    got = run_kernel(op, 6, a, b, broadcast=1, axis=1)[0]
     np.testing.assert_allclose(got, combine(a, b[None, :, :, None]), rtol=1e-6)
     trailing = random_float32(5)
-    np.testing.assert_allclose(run_kernel(op, 6, a, np.abs(trailing), broadcast=1), combine(a, np.abs(trailing)), rtol=1e-6)
+    np.testing.assert_allclose(run_kernel(op, 6, a, np.abs(trailing), broadcast=1)[0], combine(a, np.abs(trailing)), rtol=1e-6)
 
 
 def test_opset_1_comparison_with_broadcast_axis():
     a = random_float32(2, 3)
     b = random_float32(2)
-    np.testing.assert_array_equal(run_kernel("Greater", 1, a, b, broadcast=1, axis=0), a > b[:, None])
+    np.testing.assert_array_equal(run_kernel("Greater", 1, a, b, broadcast=1, axis=0)[0], a > b[:, None])
 
 
 # --- Comparison, logic, bitwise ---------------------------------------------------------
@@ -354,7 +327,7 @@ def test_opset_1_comparison_with_broadcast_axis():
 def test_equal_compares_strings():
     a = np.array(["a", "bc", ""], dtype=object)
     b = np.array(["a", "b", ""], dtype=object)
-    np.testing.assert_array_equal(run_kernel("Equal", 19, a, b), [True, False, True])
+    np.testing.assert_array_equal(run_kernel("Equal", 19, a, b)[0], [True, False, True])
 
 
 @pytest.mark.parametrize("direction", ["LEFT", "RIGHT"])
@@ -363,14 +336,14 @@ def test_bitshift_out_of_range_amounts_match_reference(direction, dtype):
     bits = np.iinfo(dtype).bits
     x = np.array([1, 5, -3, 100, -128, 7, 1, -1], dtype=np.int64).astype(dtype)
     y = np.array([0, 1, 2, bits - 1, bits, bits + 3, -1, 3], dtype=np.int64).astype(dtype)
-    got = run_kernel("BitShift", 28, x, y, direction=direction)
+    got = run_kernel("BitShift", 28, x, y, direction=direction)[0]
     assert got.dtype == dtype
-    np.testing.assert_array_equal(got, run_reference("BitShift", 28, x, y, direction=direction))
+    np.testing.assert_array_equal(got, reference_node("BitShift", [x, y], 28, direction=direction)[0])
 
 
 def test_bitshift_rejects_an_unknown_direction():
     with pytest.raises(ValueError, match="direction"):
-        run_kernel("BitShift", 11, np.uint8([1]), np.uint8([1]), direction="UP")
+        run_kernel("BitShift", 11, np.uint8([1]), np.uint8([1]), direction="UP")[0]
 
 
 @pytest.mark.parametrize("negative, positive, expected", [
@@ -381,6 +354,6 @@ def test_bitshift_rejects_an_unknown_direction():
 ])
 def test_isinf_detects_the_requested_signs(negative, positive, expected):
     x = np.array([np.inf, -np.inf, np.nan, 1.0], dtype=np.float32)
-    got = run_kernel("IsInf", 20, x, detect_negative=negative, detect_positive=positive)
+    got = run_kernel("IsInf", 20, x, detect_negative=negative, detect_positive=positive)[0]
     np.testing.assert_array_equal(got, expected)
     assert got.dtype == np.bool_

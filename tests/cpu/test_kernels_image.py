@@ -7,42 +7,9 @@ import struct
 import zlib
 
 import numpy as np
-import onnx
 import pytest
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
-import plugrt
-
-
-def _model(op: str, opset: int, inputs: dict[str, np.ndarray | None], **attributes) -> onnx.ModelProto:
-    """A one-node model; an input given as None is an omitted optional input."""
-    names = [name if value is not None else "" for name, value in inputs.items()]
-    node = helper.make_node(op, names, ["y"], **attributes)
-    graph = helper.make_graph(
-        [node],
-        "g",
-        [
-            helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
-            for name, value in inputs.items()
-            if value is not None
-        ],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-
-
-def _feeds(inputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
-    return {name: value for name, value in inputs.items() if value is not None}
-
-
-def _run(op: str, opset: int, inputs: dict[str, np.ndarray | None], **attributes) -> np.ndarray:
-    model = _model(op, opset, inputs, **attributes)
-    return plugrt.InferenceSession(model.SerializeToString()).run(None, _feeds(inputs))[0]
-
-
-def _reference(op: str, opset: int, inputs: dict[str, np.ndarray | None], **attributes) -> np.ndarray:
-    return ReferenceEvaluator(_model(op, opset, inputs, **attributes)).run(None, _feeds(inputs))[0]
+from helpers import reference_node, run_node
 
 
 def _random(*shape, dtype=np.float32, seed=0) -> np.ndarray:
@@ -70,47 +37,47 @@ def _uniform(low: float, high: float, *shape, seed=0) -> np.ndarray:
 )
 def test_resize_matches_reference_on_a_large_random_input(attributes):
     inputs = {"x": _random(2, 3, 17, 23), "roi": None, "scales": np.array([1, 1, 0.43, 1.7], np.float32)}
-    got = _run("Resize", 19, inputs, **attributes)
+    got = run_node("Resize", inputs, 19, **attributes)[0]
     assert got.dtype == np.float32
-    np.testing.assert_allclose(got, _reference("Resize", 19, inputs, **attributes), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, reference_node("Resize", inputs, 19, **attributes)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_resize_on_uint8_rounds_and_saturates_like_the_reference():
     image = np.random.default_rng(1).integers(0, 256, (1, 3, 9, 11), dtype=np.uint8)
     inputs = {"x": image, "roi": None, "scales": None, "sizes": np.array([1, 3, 14, 5], np.int64)}
-    got = _run("Resize", 19, inputs, mode="cubic")  # cubic overshoots past 0 and 255
+    got = run_node("Resize", inputs, 19, mode="cubic")[0]  # cubic overshoots past 0 and 255
     assert got.dtype == np.uint8
-    np.testing.assert_array_equal(got, _reference("Resize", 19, inputs, mode="cubic"))
+    np.testing.assert_array_equal(got, reference_node("Resize", inputs, 19, mode="cubic")[0])
 
 
 def test_resize_nearest_keeps_integer_values_exactly():
     x = np.arange(2 * 5, dtype=np.int64).reshape(2, 5) * (1 << 40)
-    got = _run("Resize", 19, {"x": x, "roi": None, "scales": np.array([1.0, 2.0], np.float32)}, mode="nearest")
+    got = run_node("Resize", {"x": x, "roi": None, "scales": np.array([1.0, 2.0], np.float32)}, 19, mode="nearest")[0]
     np.testing.assert_array_equal(got, np.repeat(x, 2, axis=1))
 
 
 def test_resize_with_axes_and_keep_aspect_ratio_resizes_only_those_axes():
     inputs = {"x": _random(2, 4, 6, 3), "roi": None, "scales": None, "sizes": np.array([3, 9], np.int64)}
     attributes = {"mode": "linear", "axes": [1, 2], "keep_aspect_ratio_policy": "not_larger"}
-    got = _run("Resize", 19, inputs, **attributes)
+    got = run_node("Resize", inputs, 19, **attributes)[0]
     assert got.shape == (2, 3, 5, 3)  # scale min(3/4, 9/6) = 0.75; 6 * 0.75 rounds half up
-    np.testing.assert_allclose(got, _reference("Resize", 19, inputs, **attributes), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, reference_node("Resize", inputs, 19, **attributes)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_resize_10_nearest_rounds_down_upsampling_and_up_downsampling():
     # Resize-10 has no nearest_mode: asymmetric coordinates, floor when upsampling and
     # ceil when downsampling (onnxruntime's rule for the legacy op).
     x = np.arange(8, dtype=np.float32).reshape(1, 8)
-    down = _run("Resize", 10, {"x": x, "scales": np.array([1, 0.6], np.float32)}, mode="nearest")
+    down = run_node("Resize", {"x": x, "scales": np.array([1, 0.6], np.float32)}, 10, mode="nearest")[0]
     source = np.ceil(np.arange(4) / np.float32(0.6)).clip(0, 7)
     np.testing.assert_array_equal(down, x[:, source.astype(int)])
-    up = _run("Resize", 10, {"x": x, "scales": np.array([1, 1.5], np.float32)}, mode="nearest")
+    up = run_node("Resize", {"x": x, "scales": np.array([1, 1.5], np.float32)}, 10, mode="nearest")[0]
     np.testing.assert_array_equal(up, x[:, np.floor(np.arange(12) / 1.5).astype(int)])
 
 
 def test_resize_10_linear_uses_asymmetric_coordinates():
     x = np.array([[0.0, 10.0, 20.0]], np.float32)
-    got = _run("Resize", 10, {"x": x, "scales": np.array([1, 2], np.float32)}, mode="linear")
+    got = run_node("Resize", {"x": x, "scales": np.array([1, 2], np.float32)}, 10, mode="linear")[0]
     np.testing.assert_allclose(got, [[0, 5, 10, 15, 20, 20]])
 
 
@@ -120,17 +87,17 @@ def test_upsample_repeats_pixels_for_integer_scales(opset):
     scales = [1.0, 1.0, 2.0, 3.0]
     inputs = {"x": x} if opset == 7 else {"x": x, "scales": np.array(scales, np.float32)}
     attributes = {"scales": scales} if opset == 7 else {}
-    got = _run("Upsample", opset, inputs, mode="nearest", **attributes)
+    got = run_node("Upsample", inputs, opset, mode="nearest", **attributes)[0]
     np.testing.assert_array_equal(got, np.repeat(np.repeat(x, 2, axis=2), 3, axis=3))
 
 
 def test_resize_tf_half_pixel_for_nn_is_valid_before_opset_18_only():
     inputs = {"x": _random(1, 4), "roi": None, "scales": np.array([1, 2], np.float32)}
-    got = _run("Resize", 13, inputs, coordinate_transformation_mode="tf_half_pixel_for_nn")
+    got = run_node("Resize", inputs, 13, coordinate_transformation_mode="tf_half_pixel_for_nn")[0]
     # x_original = (i + 0.5) / 2, rounded half down
     np.testing.assert_array_equal(got, inputs["x"][:, np.ceil((np.arange(8) + 0.5) / 2 - 0.5).astype(int).clip(0, 3)])
     with pytest.raises(Exception, match="tf_half_pixel_for_nn"):
-        _run("Resize", 18, inputs, coordinate_transformation_mode="tf_half_pixel_for_nn")
+        run_node("Resize", inputs, 18, coordinate_transformation_mode="tf_half_pixel_for_nn")[0]
 
 
 def test_resize_rejects_both_scales_and_sizes():
@@ -141,7 +108,7 @@ def test_resize_rejects_both_scales_and_sizes():
         "sizes": np.array([1, 8], np.int64),
     }
     with pytest.raises(Exception, match="only one of 'scales' and 'sizes'"):
-        _run("Resize", 19, inputs)
+        run_node("Resize", inputs, 19)[0]
 
 
 # --------------------------------------------------------------------------- GridSample / AffineGrid
@@ -153,15 +120,15 @@ def test_resize_rejects_both_scales_and_sizes():
 def test_grid_sample_matches_reference_including_out_of_range_points(mode, padding_mode, align_corners):
     inputs = {"x": _random(2, 2, 4, 5), "grid": _uniform(-1.6, 1.6, 2, 3, 4, 2, seed=3)}
     attributes = {"mode": mode, "padding_mode": padding_mode, "align_corners": align_corners}
-    expected = _reference("GridSample", 20, inputs, **attributes)
-    np.testing.assert_allclose(_run("GridSample", 20, inputs, **attributes), expected, rtol=1e-5, atol=1e-5)
+    expected = reference_node("GridSample", inputs, 20, **attributes)[0]
+    np.testing.assert_allclose(run_node("GridSample", inputs, 20, **attributes)[0], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["linear", "nearest"])
 def test_grid_sample_volumetric_matches_reference(mode):
     inputs = {"x": _random(1, 2, 3, 4, 5), "grid": _uniform(-1.2, 1.2, 1, 2, 3, 2, 3, seed=4)}
-    expected = _reference("GridSample", 20, inputs, mode=mode, padding_mode="border")
-    got = _run("GridSample", 20, inputs, mode=mode, padding_mode="border")
+    expected = reference_node("GridSample", inputs, 20, mode=mode, padding_mode="border")[0]
+    got = run_node("GridSample", inputs, 20, mode=mode, padding_mode="border")[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -171,13 +138,13 @@ def test_grid_sample_volumetric_matches_reference(mode):
 def test_grid_sample_16_mode_names_mean_the_opset_20_modes(old_name, new_name):
     inputs = {"x": _random(1, 3, 5, 6), "grid": _uniform(-1, 1, 1, 4, 4, 2, seed=5)}
     np.testing.assert_array_equal(
-        _run("GridSample", 16, inputs, mode=old_name), _run("GridSample", 20, inputs, mode=new_name)
+        run_node("GridSample", inputs, 16, mode=old_name)[0], run_node("GridSample", inputs, 20, mode=new_name)[0]
     )
 
 
 def test_grid_sample_keeps_float64():
     inputs = {"x": _random(1, 1, 3, 3, dtype=np.float64), "grid": np.zeros((1, 1, 1, 2))}
-    got = _run("GridSample", 20, inputs)
+    got = run_node("GridSample", inputs, 20)[0]
     assert got.dtype == np.float64
     np.testing.assert_allclose(got.reshape(()), inputs["x"][0, 0, 1, 1])  # (0, 0) is the centre pixel
 
@@ -185,7 +152,7 @@ def test_grid_sample_keeps_float64():
 def test_grid_sample_reflection_on_a_single_pixel_axis_stays_on_it():
     x = np.array([[[[4.0, 8.0]]]], np.float32)  # H = 1
     grid = np.array([[[[-1.0, 3.0], [1.0, -5.0]]]], np.float32)
-    got = _run("GridSample", 20, {"x": x, "grid": grid}, padding_mode="reflection", align_corners=1)
+    got = run_node("GridSample", {"x": x, "grid": grid}, 20, padding_mode="reflection", align_corners=1)[0]
     np.testing.assert_allclose(got, [[[[4.0, 8.0]]]])
 
 
@@ -194,7 +161,7 @@ def test_affine_grid_2d_is_theta_applied_to_pixel_centres(align_corners):
     theta = _random(2, 2, 3)
     height, width = 3, 4
     size = np.array([2, 1, height, width], np.int64)
-    got = _run("AffineGrid", 20, {"theta": theta, "size": size}, align_corners=align_corners)
+    got = run_node("AffineGrid", {"theta": theta, "size": size}, 20, align_corners=align_corners)[0]
 
     def centres(n):
         return np.linspace(-1, 1, n) if align_corners else (np.arange(n) * 2 + 1) / n - 1
@@ -206,8 +173,8 @@ def test_affine_grid_2d_is_theta_applied_to_pixel_centres(align_corners):
 
 def test_affine_grid_3d_matches_reference():
     inputs = {"theta": _random(2, 3, 4), "size": np.array([2, 1, 2, 3, 4], np.int64)}
-    expected = _reference("AffineGrid", 20, inputs)
-    np.testing.assert_allclose(_run("AffineGrid", 20, inputs), expected, rtol=1e-5, atol=1e-6)
+    expected = reference_node("AffineGrid", inputs, 20)[0]
+    np.testing.assert_allclose(run_node("AffineGrid", inputs, 20)[0], expected, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- RoiAlign
@@ -233,22 +200,22 @@ def test_roi_align_matches_reference(mode, coordinate_transformation_mode, sampl
         "spatial_scale": 0.8,
     }
     inputs = _roi_inputs()
-    expected = _reference("RoiAlign", 16, inputs, **attributes)
-    np.testing.assert_allclose(_run("RoiAlign", 16, inputs, **attributes), expected, rtol=1e-5, atol=1e-5)
+    expected = reference_node("RoiAlign", inputs, 16, **attributes)[0]
+    np.testing.assert_allclose(run_node("RoiAlign", inputs, 16, **attributes)[0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_roi_align_10_has_no_half_pixel_shift():
     inputs = _roi_inputs(seed=1)
     size = {"output_height": 2, "output_width": 2}
-    unshifted = _run("RoiAlign", 16, inputs, coordinate_transformation_mode="output_half_pixel", **size)
-    np.testing.assert_array_equal(_run("RoiAlign", 10, inputs, **size), unshifted)
+    unshifted = run_node("RoiAlign", inputs, 16, coordinate_transformation_mode="output_half_pixel", **size)[0]
+    np.testing.assert_array_equal(run_node("RoiAlign", inputs, 10, **size)[0], unshifted)
 
 
 def test_roi_align_averages_a_constant_image_to_that_constant():
     # A RoI so large that its adaptive sampling grid is 60x60 per output bin.
     x = np.full((1, 2, 130, 130), 3.0, np.float32)
     inputs = {"x": x, "rois": np.array([[1, 1, 121, 121]], np.float32), "batch_indices": np.array([0])}
-    got = _run("RoiAlign", 16, inputs, output_height=2, output_width=2)
+    got = run_node("RoiAlign", inputs, 16, output_height=2, output_width=2)[0]
     np.testing.assert_allclose(got, 3.0, rtol=1e-6)
 
 
@@ -266,13 +233,13 @@ def test_non_max_suppression_matches_reference(center_point_box, seed):
         "iou_threshold": np.array([0.3], np.float32),
         "score_threshold": np.array([0.2], np.float32),
     }
-    expected = _reference("NonMaxSuppression", 11, inputs, center_point_box=center_point_box)
-    np.testing.assert_array_equal(_run("NonMaxSuppression", 11, inputs, center_point_box=center_point_box), expected)
+    expected = reference_node("NonMaxSuppression", inputs, 11, center_point_box=center_point_box)[0]
+    np.testing.assert_array_equal(run_node("NonMaxSuppression", inputs, 11, center_point_box=center_point_box)[0], expected)
 
 
 def test_non_max_suppression_selects_nothing_without_max_output_boxes():
     inputs = {"boxes": np.array([[[0, 0, 1, 1]]], np.float32), "scores": np.array([[[0.9]]], np.float32)}
-    got = _run("NonMaxSuppression", 11, inputs)
+    got = run_node("NonMaxSuppression", inputs, 11)[0]
     assert got.shape == (0, 3) and got.dtype == np.int64
 
 
@@ -301,7 +268,7 @@ def _png(image: np.ndarray, filters: list[int]) -> bytes:
 
 
 def _decode(data: bytes, pixel_format: str = "RGB") -> np.ndarray:
-    return _run("ImageDecoder", 20, {"encoded": np.frombuffer(data, np.uint8)}, pixel_format=pixel_format)
+    return run_node("ImageDecoder", {"encoded": np.frombuffer(data, np.uint8)}, 20, pixel_format=pixel_format)[0]
 
 
 IMAGE = np.random.default_rng(7).integers(0, 256, (5, 6, 3), dtype=np.uint8)

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 from onnx.reference import ReferenceEvaluator
 
 import plugrt
-
-
-def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    return plugrt.InferenceSession(model.SerializeToString()).run(None, feeds)
-
-
-def _model(text: str) -> onnx.ModelProto:
-    return onnx.parser.parse_model(text)
+from helpers import run_model, text_model
 
 
 def _random(*shape, dtype=np.float32, seed=0) -> np.ndarray:
@@ -29,7 +21,7 @@ def _tensor_text(name: str, array: np.ndarray) -> str:
 
 
 def _assert_matches_reference(model, feeds, rtol=1e-5, atol=1e-5):
-    (got,) = _run(model, feeds)
+    (got,) = run_model(model, feeds)
     (expected,) = ReferenceEvaluator(model).run(None, feeds)
     assert got.dtype == expected.dtype
     assert got.shape == expected.shape
@@ -42,21 +34,17 @@ def _assert_matches_reference(model, feeds, rtol=1e-5, atol=1e-5):
 )
 def test_matmul_broadcasts_like_numpy(shape_a, shape_b):
     a, b = _random(*shape_a), _random(*shape_b, seed=1)
-    model = _model(
-        f'<ir_version: 8, opset_import: ["" : 13]> g (float{list(shape_a)} a, float{list(shape_b)} b) => (y)'
-        " { y = MatMul(a, b) }"
-    )
-    (got,) = _run(model, {"a": a, "b": b})
+    model = text_model(f'<ir_version: 8, opset_import: ["" : 13]> g (float{list(shape_a)} a, float{list(shape_b)} b) => (y)'
+        " { y = MatMul(a, b) }", check=False)
+    (got,) = run_model(model, {"a": a, "b": b})
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-5, atol=1e-5)
 
 
 def test_float16_matmul_keeps_float16_and_accumulates_in_float32():
     a, b = _random(3, 512, dtype=np.float16), _random(512, 5, dtype=np.float16, seed=1)
-    model = _model(
-        '<ir_version: 8, opset_import: ["" : 13]> g (float16[3,512] a, float16[512,5] b) => (y) { y = MatMul(a, b) }'
-    )
-    (got,) = _run(model, {"a": a, "b": b})
+    model = text_model('<ir_version: 8, opset_import: ["" : 13]> g (float16[3,512] a, float16[512,5] b) => (y) { y = MatMul(a, b) }', check=False)
+    (got,) = run_model(model, {"a": a, "b": b})
     assert got.dtype == np.float16
     exact = a.astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_allclose(got.astype(np.float64), exact, rtol=1e-2, atol=5e-2)
@@ -79,37 +67,31 @@ def test_gemm_matches_reference(opset, trans_a, trans_b, alpha, beta, constant_b
     else:
         graph = f"g ({a_type}, float{list(b.shape)} b, float[5] c) => (y)"
         feeds = {"a": a, "b": b, "c": c}
-    model = _model(f'<ir_version: 8, opset_import: ["" : {opset}]> {graph} {{ y = Gemm{attributes}(a, b, c) }}')
+    model = text_model(f'<ir_version: 8, opset_import: ["" : {opset}]> {graph} {{ y = Gemm{attributes}(a, b, c) }}', check=False)
     _assert_matches_reference(model, feeds)
 
 
 def test_gemm_without_c_since_opset_11():
     a, b = _random(3, 4), _random(4, 5, seed=1)
-    model = _model(
-        '<ir_version: 8, opset_import: ["" : 11]> g (float[3,4] a, float[4,5] b) => (y) { y = Gemm<alpha=2.0>(a, b) }'
-    )
-    (got,) = _run(model, {"a": a, "b": b})
+    model = text_model('<ir_version: 8, opset_import: ["" : 11]> g (float[3,4] a, float[4,5] b) => (y) { y = Gemm<alpha=2.0>(a, b) }', check=False)
+    (got,) = run_model(model, {"a": a, "b": b})
     np.testing.assert_allclose(got, 2 * a @ b, rtol=1e-5)
 
 
 def test_gemm_before_opset_7_rejects_an_unbroadcast_c_of_another_shape():
-    model = _model(
-        '<ir_version: 8, opset_import: ["" : 6]> g (float[3,4] a, float[4,5] b, float[5] c) => (y)'
-        " { y = Gemm(a, b, c) }"
-    )
+    model = text_model('<ir_version: 8, opset_import: ["" : 6]> g (float[3,4] a, float[4,5] b, float[5] c) => (y)'
+        " { y = Gemm(a, b, c) }", check=False)
     with pytest.raises(plugrt.KernelError, match="broadcast"):
-        _run(model, {"a": _random(3, 4), "b": _random(4, 5), "c": _random(5)})
+        run_model(model, {"a": _random(3, 4), "b": _random(4, 5), "c": _random(5)})
 
 
 def test_gemm_on_int32_keeps_int32():
     a = np.arange(12, dtype=np.int32).reshape(3, 4)
     b = np.arange(20, dtype=np.int32).reshape(4, 5)
     c = np.arange(5, dtype=np.int32)
-    model = _model(
-        '<ir_version: 8, opset_import: ["" : 13]> g (int32[3,4] a, int32[4,5] b, int32[5] c) => (y)'
-        " { y = Gemm<alpha=2.0, beta=3.0>(a, b, c) }"
-    )
-    (got,) = _run(model, {"a": a, "b": b, "c": c})
+    model = text_model('<ir_version: 8, opset_import: ["" : 13]> g (int32[3,4] a, int32[4,5] b, int32[5] c) => (y)'
+        " { y = Gemm<alpha=2.0, beta=3.0>(a, b, c) }", check=False)
+    (got,) = run_model(model, {"a": a, "b": b, "c": c})
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, 2 * (a @ b) + 3 * c)
 
@@ -134,11 +116,9 @@ def test_gemm_on_int32_keeps_int32():
 def test_einsum_matches_numpy(equation, shapes):
     inputs = {f"x{i}": _random(*shape, seed=i) for i, shape in enumerate(shapes)}
     signature = ", ".join(f"float{list(x.shape)} {name}" for name, x in inputs.items())
-    model = _model(
-        f'<ir_version: 8, opset_import: ["" : 12]> g ({signature}) => (y)'
-        f' {{ y = Einsum<equation="{equation}">({", ".join(inputs)}) }}'
-    )
-    (got,) = _run(model, inputs)
+    model = text_model(f'<ir_version: 8, opset_import: ["" : 12]> g ({signature}) => (y)'
+        f' {{ y = Einsum<equation="{equation}">({", ".join(inputs)}) }}', check=False)
+    (got,) = run_model(model, inputs)
     expected = np.einsum(equation.replace(" ", ""), *inputs.values())
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
@@ -146,11 +126,9 @@ def test_einsum_matches_numpy(equation, shapes):
 
 def test_einsum_on_integers_stays_integer():
     a = np.arange(12, dtype=np.int64).reshape(3, 4)
-    model = _model(
-        '<ir_version: 8, opset_import: ["" : 12]> g (int64[3,4] a, int64[3,4] b) => (y)'
-        ' { y = Einsum<equation="ij,ij->i">(a, b) }'
-    )
-    (got,) = _run(model, {"a": a, "b": a})
+    model = text_model('<ir_version: 8, opset_import: ["" : 12]> g (int64[3,4] a, int64[3,4] b) => (y)'
+        ' { y = Einsum<equation="ij,ij->i">(a, b) }', check=False)
+    (got,) = run_model(model, {"a": a, "b": a})
     assert got.dtype == np.int64
     np.testing.assert_array_equal(got, (a * a).sum(axis=1))
 
@@ -158,8 +136,8 @@ def test_einsum_on_integers_stays_integer():
 @pytest.mark.parametrize("shape", [(3, 3), (2, 4, 4)])
 def test_det_matches_numpy(shape):
     x = _random(*shape)
-    model = _model(f'<ir_version: 8, opset_import: ["" : 11]> g (float{list(shape)} x) => (y) {{ y = Det(x) }}')
-    (got,) = _run(model, {"x": x})
+    model = text_model(f'<ir_version: 8, opset_import: ["" : 11]> g (float{list(shape)} x) => (y) {{ y = Det(x) }}', check=False)
+    (got,) = run_model(model, {"x": x})
     assert got.dtype == np.float32
     assert got.shape == shape[:-2]
     np.testing.assert_allclose(got, np.linalg.det(x.astype(np.float64)), rtol=1e-4)
@@ -173,12 +151,10 @@ def test_matmul_integer_with_scalar_zero_points_is_exact_for_long_rows():
     rng = np.random.default_rng(0)
     a = rng.integers(0, 256, (3, 1000)).astype(np.uint8)  # too deep for exact float32 sums
     b = rng.integers(-128, 128, (1000, 5)).astype(np.int8)
-    model = _model(
-        '<ir_version: 8, opset_import: ["" : 10]> g (uint8[3,1000] a, int8[1000,5] b, uint8 az, int8 bz) => (y)'
-        " { y = MatMulInteger(a, b, az, bz) }"
-    )
+    model = text_model('<ir_version: 8, opset_import: ["" : 10]> g (uint8[3,1000] a, int8[1000,5] b, uint8 az, int8 bz) => (y)'
+        " { y = MatMulInteger(a, b, az, bz) }", check=False)
     feeds = {"a": a, "b": b, "az": np.array(12, np.uint8), "bz": np.array(-3, np.int8)}
-    (got,) = _run(model, feeds)
+    (got,) = run_model(model, feeds)
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, _matmul_integer_expected(a, b, 12, -3))
 
@@ -189,11 +165,9 @@ def test_matmul_integer_zero_points_are_per_row_of_a_and_per_column_of_b():
     b = rng.integers(0, 256, (8, 4)).astype(np.uint8)
     a_zero = np.array([1, 2, 3], np.uint8)
     b_zero = np.array([4, 5, 6, 7], np.uint8)
-    model = _model(
-        '<ir_version: 8, opset_import: ["" : 10]> g (uint8[3,8] a, uint8[8,4] b, uint8[3] az, uint8[4] bz) => (y)'
-        " { y = MatMulInteger(a, b, az, bz) }"
-    )
-    (got,) = _run(model, {"a": a, "b": b, "az": a_zero, "bz": b_zero})
+    model = text_model('<ir_version: 8, opset_import: ["" : 10]> g (uint8[3,8] a, uint8[8,4] b, uint8[3] az, uint8[4] bz) => (y)'
+        " { y = MatMulInteger(a, b, az, bz) }", check=False)
+    (got,) = run_model(model, {"a": a, "b": b, "az": a_zero, "bz": b_zero})
     np.testing.assert_array_equal(got, _matmul_integer_expected(a, b, a_zero.astype(np.int64)[:, None], b_zero))
 
 
@@ -201,8 +175,6 @@ def test_matmul_integer_broadcasts_batches():
     rng = np.random.default_rng(2)
     a = rng.integers(-128, 128, (2, 3, 8)).astype(np.int8)
     b = rng.integers(-128, 128, (8, 4)).astype(np.int8)
-    model = _model(
-        '<ir_version: 8, opset_import: ["" : 10]> g (int8[2,3,8] a, int8[8,4] b) => (y) { y = MatMulInteger(a, b) }'
-    )
-    (got,) = _run(model, {"a": a, "b": b})
+    model = text_model('<ir_version: 8, opset_import: ["" : 10]> g (int8[2,3,8] a, int8[8,4] b) => (y) { y = MatMulInteger(a, b) }', check=False)
+    (got,) = run_model(model, {"a": a, "b": b})
     np.testing.assert_array_equal(got, _matmul_integer_expected(a, b))

@@ -4,37 +4,18 @@ onnx.reference and independently written numpy."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-import plugrt
+from helpers import node_case, run_model
 
 _FLOAT, _INT64, _STRING = TensorProto.FLOAT, TensorProto.INT64, TensorProto.STRING
 
 
-def _ml_model(op, inputs, attrs, output_types, opset=1):
-    names = [f"i{k}" for k in range(len(inputs))]
-    outputs = [f"o{k}" for k in range(len(output_types))]
-    node = helper.make_node(op, names, outputs, domain="ai.onnx.ml", **attrs)
-    graph_inputs = [
-        helper.make_tensor_value_info(n, _STRING if v.dtype == object else helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-        for n, v in zip(names, inputs)
-    ]
-    graph_outputs = [helper.make_tensor_value_info(o, t, None) for o, t in zip(outputs, output_types)]
-    graph = helper.make_graph([node], "g", graph_inputs, graph_outputs)
-    opsets = [helper.make_opsetid("ai.onnx.ml", opset), helper.make_opsetid("", 19)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10), dict(zip(names, inputs))
-
-
-def _run(model: onnx.ModelProto, feeds):
-    return plugrt.InferenceSession(model.SerializeToString()).run(None, feeds)
-
-
 def _assert_matches_reference(model, feeds, rtol=1e-5):
     expected = ReferenceEvaluator(model).run(None, feeds)
-    got = _run(model, feeds)
+    got = run_model(model, feeds)
     for g, e in zip(got, expected):
         e = np.asarray(e)
         if e.dtype.kind == "U":
@@ -115,9 +96,7 @@ def test_tree_ensemble_matches_reference(seed, dtype, aggregate_function):
     rng = np.random.default_rng(seed)
     attrs = _random_tree_ensemble(rng, 5, 3, 3, dtype, with_members=seed % 2 == 0)
     x = _features(rng, 40, 3, dtype)
-    model, feeds = _ml_model(
-        "TreeEnsemble", [x], dict(attrs, aggregate_function=aggregate_function), [helper.np_dtype_to_tensor_dtype(np.dtype(dtype))], opset=5
-    )
+    model, feeds = node_case("TreeEnsemble", [x], 19, domain="ai.onnx.ml", domain_opset=5, output_types=[helper.np_dtype_to_tensor_dtype(np.dtype(dtype))], ir_version=10, attributes=dict(attrs, aggregate_function=aggregate_function))
     _assert_matches_reference(model, feeds)
 
 
@@ -127,10 +106,10 @@ def test_tree_ensemble_applies_its_post_transform():
     attrs = _random_tree_ensemble(rng, 4, 3, 2, np.float32, with_members=False)
     x = _features(rng, 20, 3, np.float32)
     output = [_FLOAT]
-    raw_model, feeds = _ml_model("TreeEnsemble", [x], attrs, output, opset=5)
-    (raw,) = _run(raw_model, feeds)
-    logistic_model, _ = _ml_model("TreeEnsemble", [x], dict(attrs, post_transform=2), output, opset=5)
-    (got,) = _run(logistic_model, feeds)
+    raw_model, feeds = node_case("TreeEnsemble", [x], 19, domain="ai.onnx.ml", domain_opset=5, output_types=output, ir_version=10, attributes=attrs)
+    (raw,) = run_model(raw_model, feeds)
+    logistic_model, _ = node_case("TreeEnsemble", [x], 19, domain="ai.onnx.ml", domain_opset=5, output_types=output, ir_version=10, attributes=dict(attrs, post_transform=2))
+    (got,) = run_model(logistic_model, feeds)
     np.testing.assert_allclose(got, 1 / (1 + np.exp(-raw.astype(np.float64))), rtol=1e-6)
 
 
@@ -178,7 +157,7 @@ def test_tree_ensemble_regressor_matches_reference(seed, aggregate_function):
     rng = np.random.default_rng(seed)
     attrs = _random_legacy_trees(rng, 4, 3, "target")
     attrs.update(n_targets=3, aggregate_function=aggregate_function, base_values=[0.1, 0.2, 0.3])
-    model, feeds = _ml_model("TreeEnsembleRegressor", [_features(rng, 40, 3, np.float32)], attrs, [_FLOAT], opset=3)
+    model, feeds = node_case("TreeEnsembleRegressor", [_features(rng, 40, 3, np.float32)], 19, domain="ai.onnx.ml", domain_opset=3, output_types=[_FLOAT], ir_version=10, attributes=attrs)
     _assert_matches_reference(model, feeds)
 
 
@@ -196,7 +175,7 @@ def test_tree_ensemble_classifier_matches_reference(seed, n_classes, post_transf
         attrs["classlabels_int64s"] = list(range(10, 10 + labels))
     attrs["post_transform"] = post_transform
     outputs = [_STRING if string_labels else _INT64, _FLOAT]
-    model, feeds = _ml_model("TreeEnsembleClassifier", [_features(rng, 40, 3, np.float32)], attrs, outputs, opset=3)
+    model, feeds = node_case("TreeEnsembleClassifier", [_features(rng, 40, 3, np.float32)], 19, domain="ai.onnx.ml", domain_opset=3, output_types=outputs, ir_version=10, attributes=attrs)
     _assert_matches_reference(model, feeds)
 
 
@@ -206,15 +185,15 @@ def test_tree_ensemble_classifier_matches_reference(seed, n_classes, post_transf
 def test_label_encoder_maps_floats_to_strings_with_a_default():
     x = np.array([1.5, 2.5, np.nan, 7.0, 1.5], dtype=np.float32)
     attrs = {"keys_floats": [1.5, 7.0], "values_strings": ["a", "b"], "default_string": "?"}
-    model, feeds = _ml_model("LabelEncoder", [x], attrs, [_STRING], opset=2)
-    (got,) = _run(model, feeds)
+    model, feeds = node_case("LabelEncoder", [x], 19, domain="ai.onnx.ml", domain_opset=2, output_types=[_STRING], ir_version=10, attributes=attrs)
+    (got,) = run_model(model, feeds)
     assert got.tolist() == ["a", "?", "?", "b", "a"]
 
 
 def test_label_encoder_last_duplicate_key_wins():
     x = np.array([[0, 3], [1, 9]], dtype=np.int64)
     attrs = {"keys_int64s": [0, 3, 3, 1], "values_floats": [0.5, 3.5, 4.5, 1.5]}
-    model, feeds = _ml_model("LabelEncoder", [x], attrs, [_FLOAT], opset=2)
+    model, feeds = node_case("LabelEncoder", [x], 19, domain="ai.onnx.ml", domain_opset=2, output_types=[_FLOAT], ir_version=10, attributes=attrs)
     _assert_matches_reference(model, feeds)
 
 
@@ -224,26 +203,26 @@ def test_label_encoder_v4_tensor_values_without_default_use_the_type_default():
         "keys_tensor": numpy_helper.from_array(np.array([2.0, 3.25])),
         "values_tensor": numpy_helper.from_array(np.array([7, 8], dtype=np.int32)),
     }
-    model, feeds = _ml_model("LabelEncoder", [x], attrs, [TensorProto.INT32], opset=4)
-    (got,) = _run(model, feeds)
+    model, feeds = node_case("LabelEncoder", [x], 19, domain="ai.onnx.ml", domain_opset=4, output_types=[TensorProto.INT32], ir_version=10, attributes=attrs)
+    (got,) = run_model(model, feeds)
     assert got.dtype == np.int32
     assert got.tolist() == [-1, 7, 8]
 
 
 def test_label_encoder_v1_maps_strings_to_class_indices_and_back():
     classes = {"classes_strings": ["a", "b", "c"], "default_string": "none"}
-    model, feeds = _ml_model("LabelEncoder", [np.array(["c", "q", "a"], dtype=object)], classes, [_INT64], opset=1)
-    assert _run(model, feeds)[0].tolist() == [2, -1, 0]
-    model, feeds = _ml_model("LabelEncoder", [np.array([1, 7], dtype=np.int64)], classes, [_STRING], opset=1)
-    assert _run(model, feeds)[0].tolist() == ["b", "none"]
+    model, feeds = node_case("LabelEncoder", [np.array(["c", "q", "a"], dtype=object)], 19, domain="ai.onnx.ml", domain_opset=1, output_types=[_INT64], ir_version=10, attributes=classes)
+    assert run_model(model, feeds)[0].tolist() == [2, -1, 0]
+    model, feeds = node_case("LabelEncoder", [np.array([1, 7], dtype=np.int64)], 19, domain="ai.onnx.ml", domain_opset=1, output_types=[_STRING], ir_version=10, attributes=classes)
+    assert run_model(model, feeds)[0].tolist() == ["b", "none"]
 
 
 def test_category_mapper_maps_both_ways():
     cats = {"cats_strings": ["a", "b"], "cats_int64s": [5, 9], "default_int64": -7, "default_string": "?"}
-    model, feeds = _ml_model("CategoryMapper", [np.array([["b", "x"]], dtype=object)], cats, [_INT64])
-    assert _run(model, feeds)[0].tolist() == [[9, -7]]
-    model, feeds = _ml_model("CategoryMapper", [np.array([5, 6], dtype=np.int64)], cats, [_STRING])
-    assert _run(model, feeds)[0].tolist() == ["a", "?"]
+    model, feeds = node_case("CategoryMapper", [np.array([["b", "x"]], dtype=object)], 19, domain="ai.onnx.ml", output_types=[_INT64], ir_version=10, attributes=cats)
+    assert run_model(model, feeds)[0].tolist() == [[9, -7]]
+    model, feeds = node_case("CategoryMapper", [np.array([5, 6], dtype=np.int64)], 19, domain="ai.onnx.ml", output_types=[_STRING], ir_version=10, attributes=cats)
+    assert run_model(model, feeds)[0].tolist() == ["a", "?"]
 
 
 @pytest.mark.parametrize(
@@ -254,14 +233,14 @@ def test_category_mapper_maps_both_ways():
     ],
 )
 def test_one_hot_encoder_matches_reference(x, attrs):
-    model, feeds = _ml_model("OneHotEncoder", [x], attrs, [_FLOAT])
+    model, feeds = node_case("OneHotEncoder", [x], 19, domain="ai.onnx.ml", output_types=[_FLOAT], ir_version=10, attributes=attrs)
     _assert_matches_reference(model, feeds)
 
 
 def test_one_hot_encoder_rejects_unknown_categories_when_zeros_is_0():
-    model, feeds = _ml_model("OneHotEncoder", [np.array([1, 5], dtype=np.int64)], {"cats_int64s": [1, 2], "zeros": 0}, [_FLOAT])
+    model, feeds = node_case("OneHotEncoder", [np.array([1, 5], dtype=np.int64)], 19, domain="ai.onnx.ml", output_types=[_FLOAT], ir_version=10, attributes={"cats_int64s": [1, 2], "zeros": 0})
     with pytest.raises(Exception, match="categor"):
-        _run(model, feeds)
+        run_model(model, feeds)
 
 
 # ----------------------------------------------------------------------------- simple transforms and linear models
@@ -271,14 +250,14 @@ _X = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
 
 @pytest.mark.parametrize("norm", ["MAX", "L1", "L2"])
 def test_normalizer_matches_reference(norm):
-    model, feeds = _ml_model("Normalizer", [_X], {"norm": norm}, [_FLOAT])
+    model, feeds = node_case("Normalizer", [_X], 19, domain="ai.onnx.ml", output_types=[_FLOAT], ir_version=10, attributes={"norm": norm})
     _assert_matches_reference(model, feeds)
 
 
 def test_scaler_subtracts_offset_then_scales():
     attrs = {"offset": [0.1, 0.2, 0.3, 0.4], "scale": [2.0, 3.0, 4.0, 5.0]}
-    model, feeds = _ml_model("Scaler", [_X], attrs, [_FLOAT])
-    (got,) = _run(model, feeds)
+    model, feeds = node_case("Scaler", [_X], 19, domain="ai.onnx.ml", output_types=[_FLOAT], ir_version=10, attributes=attrs)
+    (got,) = run_model(model, feeds)
     expected = (_X - np.array(attrs["offset"], np.float32)) * np.array(attrs["scale"], np.float32)
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
@@ -286,19 +265,19 @@ def test_scaler_subtracts_offset_then_scales():
 def test_imputer_replaces_nan_per_feature():
     x = _X.copy()
     x[1, 2] = x[3, 0] = np.nan
-    model, feeds = _ml_model("Imputer", [x], {"imputed_value_floats": [1.0, 2.0, 3.0, 4.0], "replaced_value_float": np.nan}, [_FLOAT])
+    model, feeds = node_case("Imputer", [x], 19, domain="ai.onnx.ml", output_types=[_FLOAT], ir_version=10, attributes={"imputed_value_floats": [1.0, 2.0, 3.0, 4.0], "replaced_value_float": np.nan})
     _assert_matches_reference(model, feeds)
 
 
 def test_array_feature_extractor_on_a_vector_returns_one_row():
-    model, feeds = _ml_model("ArrayFeatureExtractor", [_X[0], np.array([2, 0])], {}, [_FLOAT])
+    model, feeds = node_case("ArrayFeatureExtractor", [_X[0], np.array([2, 0])], 19, domain="ai.onnx.ml", output_types=[_FLOAT], ir_version=10, attributes={})
     _assert_matches_reference(model, feeds)
 
 
 def test_linear_regressor_matches_reference():
     coefficients = np.random.default_rng(1).standard_normal(8).tolist()
     attrs = {"coefficients": coefficients, "intercepts": [0.5, -1.0], "targets": 2}
-    model, feeds = _ml_model("LinearRegressor", [_X], attrs, [_FLOAT])
+    model, feeds = node_case("LinearRegressor", [_X], 19, domain="ai.onnx.ml", output_types=[_FLOAT], ir_version=10, attributes=attrs)
     _assert_matches_reference(model, feeds)
 
 
@@ -312,5 +291,5 @@ def test_linear_classifier_matches_reference(post_transform, n_classes):
         "classlabels_ints": list(range(max(n_classes, 2))),
         "post_transform": post_transform,
     }
-    model, feeds = _ml_model("LinearClassifier", [_X], attrs, [_INT64, _FLOAT])
+    model, feeds = node_case("LinearClassifier", [_X], 19, domain="ai.onnx.ml", output_types=[_INT64, _FLOAT], ir_version=10, attributes=attrs)
     _assert_matches_reference(model, feeds)

@@ -6,46 +6,15 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
+from onnx import helper
 
 import plugrt
+from helpers import graph_model, reference_model, run_model
 
 
 def _random(*shape, dtype=np.float32, seed=0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
-def _model(
-    nodes: list[onnx.NodeProto],
-    inputs: dict[str, np.ndarray],
-    outputs: list[str],
-    opset: int,
-    constants: dict[str, np.ndarray] | None = None,
-    fixed_shapes: bool = True,
-) -> onnx.ModelProto:
-    """A model over ``inputs`` (graph inputs) and ``constants`` (initializers: the kernel sees constants)."""
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [
-            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape if fixed_shapes else None)
-            for n, a in inputs.items()
-        ],
-        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in outputs],
-        [numpy_helper.from_array(a, n) for n, a in (constants or {}).items()],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-
-
-def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    return plugrt.InferenceSession(model.SerializeToString()).run(None, feeds)
-
-
-def _reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    return ReferenceEvaluator(model).run(None, feeds)
 
 
 # ---------------------------------------------------------------------------
@@ -83,13 +52,13 @@ def test_conv_matches_reference(name, constant_weight):
     x, w, b = _random(*x_shape), _random(*w_shape, seed=1), _random(w_shape[0], seed=2)
     node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
     if constant_weight:
-        model = _model([node], {"x": x}, ["y"], 11, {"w": w, "b": b})
+        model = graph_model([node], {"x": x}, ["y"], 11, {"w": w, "b": b})
         feeds = {"x": x}
     else:
-        model = _model([node], {"x": x, "w": w, "b": b}, ["y"], 11)
+        model = graph_model([node], {"x": x, "w": w, "b": b}, ["y"], 11)
         feeds = {"x": x, "w": w, "b": b}
-    (got,) = _run(model, feeds)
-    (expected,) = _reference(model, feeds)
+    (got,) = run_model(model, feeds)
+    (expected,) = reference_model(model, feeds)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
@@ -103,9 +72,9 @@ def test_conv_over_several_im2col_blocks_and_repeated_runs_matches_reference():
         helper.make_node("Conv", ["x", "w1"], ["h"], group=2, pads=[1, 2, 1, 0], strides=[2, 1]),
         helper.make_node("Conv", ["h", "w2"], ["y"], pads=[2, 0, 0, 1]),
     ]
-    model = _model(nodes, {"x": x}, ["y"], 11, {"w1": w1, "w2": w2})
+    model = graph_model(nodes, {"x": x}, ["y"], 11, {"w1": w1, "w2": w2})
     session = plugrt.InferenceSession(model.SerializeToString())
-    (expected,) = _reference(model, {"x": x})
+    (expected,) = reference_model(model, {"x": x})
     for _ in range(2):
         (got,) = session.run(None, {"x": x})
         np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3)
@@ -114,9 +83,9 @@ def test_conv_over_several_im2col_blocks_and_repeated_runs_matches_reference():
 def test_conv_float16_stays_float16():
     x, w = _random(1, 3, 8, 8, dtype=np.float16), _random(4, 3, 3, 3, dtype=np.float16, seed=1)
     node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])
-    (got,) = _run(_model([node], {"x": x}, ["y"], 11, {"w": w}), {"x": x})
+    (got,) = run_model(graph_model([node], {"x": x}, ["y"], 11, {"w": w}), {"x": x})
     x32, w32 = x.astype(np.float32), w.astype(np.float32)
-    (expected,) = _reference(_model([node], {"x": x32}, ["y"], 11, {"w": w32}), {"x": x32})
+    (expected,) = reference_model(graph_model([node], {"x": x32}, ["y"], 11, {"w": w32}), {"x": x32})
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
 
@@ -139,10 +108,9 @@ CONV_TRANSPOSE_CASES = {
 def test_conv_transpose_matches_reference(name):
     x_shape, w_shape, attrs = CONV_TRANSPOSE_CASES[name]
     x, w, b = _random(*x_shape), _random(*w_shape, seed=1), _random(w_shape[1], seed=2)
-    model = _model([helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)], {"x": x}, ["y"], 11,
-                   {"w": w, "b": b})
-    (got,) = _run(model, {"x": x})
-    (expected,) = _reference(model, {"x": x})
+    model = graph_model([helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w, "b": b})
+    (got,) = run_model(model, {"x": x})
+    (expected,) = reference_model(model, {"x": x})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -163,8 +131,8 @@ def _conv_transpose_numpy(x, w, group, strides, pads, output_padding=(0, 0)):
 def test_grouped_conv_transpose_with_output_padding_matches_numpy():
     x, w = _random(2, 4, 3, 4), _random(4, 3, 3, 2, seed=1)
     attrs = dict(group=2, strides=[2, 3], pads=[1, 0, 0, 1], output_padding=[1, 1])
-    model = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w})
-    (got,) = _run(model, {"x": x})
+    model = graph_model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w})
+    (got,) = run_model(model, {"x": x})
     expected = _conv_transpose_numpy(x, w, 2, [2, 3], [1, 0, 0, 1], [1, 1])
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
@@ -172,9 +140,8 @@ def test_grouped_conv_transpose_with_output_padding_matches_numpy():
 def test_conv_transpose_output_shape_splits_padding_as_the_spec_says():
     # total padding 1 on the width: NOTSET puts the odd pixel at the start.
     x, w = _random(1, 3, 4, 4), _random(3, 2, 3, 3, seed=1)
-    model = _model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[3, 2], output_shape=[10, 8])],
-                   {"x": x}, ["y"], 11, {"w": w})
-    (got,) = _run(model, {"x": x})
+    model = graph_model([helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[3, 2], output_shape=[10, 8])], {"x": x}, ["y"], 11, {"w": w})
+    (got,) = run_model(model, {"x": x})
     full = _conv_transpose_numpy(x, w, 1, [3, 2], [0, 0, 0, 0])  # 12 x 9
     np.testing.assert_allclose(got, full[:, :, 1:11, 1:9], rtol=1e-4, atol=1e-4)
 
@@ -183,10 +150,9 @@ def test_col2im_matches_reference():
     x = _random(2, 3 * 2 * 3, 4 * 3)  # C=3, block 2x3, 4x3 blocks over a 7x6 image
     attrs = dict(strides=[2, 1], pads=[1, 0, 0, 1], dilations=[1, 2])
     image, block = np.array([7, 6], np.int64), np.array([2, 3], np.int64)
-    model = _model([helper.make_node("Col2Im", ["x", "i", "b"], ["y"], **attrs)], {"x": x}, ["y"], 18,
-                   {"i": image, "b": block})
-    (got,) = _run(model, {"x": x})
-    (expected,) = _reference(model, {"x": x})
+    model = graph_model([helper.make_node("Col2Im", ["x", "i", "b"], ["y"], **attrs)], {"x": x}, ["y"], 18, {"i": image, "b": block})
+    (got,) = run_model(model, {"x": x})
+    (expected,) = reference_model(model, {"x": x})
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -197,9 +163,9 @@ def test_deform_conv_matches_reference_with_groups_mask_and_out_of_image_offsets
     mask = np.random.default_rng(4).random((2, 2 * 3 * 2, 3, 3)).astype(np.float32)
     feeds = {"x": x, "offset": offset, "mask": mask}
     node = helper.make_node("DeformConv", ["x", "w", "offset", "b", "mask"], ["y"], **attrs)
-    model = _model([node], feeds, ["y"], 19, {"w": w, "b": b})
-    (got,) = _run(model, feeds)
-    (expected,) = _reference(model, feeds)
+    model = graph_model([node], feeds, ["y"], 19, {"w": w, "b": b})
+    (got,) = run_model(model, feeds)
+    (expected,) = reference_model(model, feeds)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -207,11 +173,10 @@ def test_deform_conv_with_zero_offsets_is_conv():
     x, w = _random(1, 3, 6, 7), _random(4, 3, 3, 3, seed=1)
     offset = np.zeros((1, 2 * 9, 3, 4), np.float32)
     attrs = dict(pads=[1, 1, 1, 1], strides=[2, 2])
-    deform = _model([helper.make_node("DeformConv", ["x", "w", "o"], ["y"], **attrs)], {"x": x, "o": offset}, ["y"], 19,
-                    {"w": w})
-    conv = _model([helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w})
-    (got,) = _run(deform, {"x": x, "o": offset})
-    (expected,) = _reference(conv, {"x": x})
+    deform = graph_model([helper.make_node("DeformConv", ["x", "w", "o"], ["y"], **attrs)], {"x": x, "o": offset}, ["y"], 19, {"w": w})
+    conv = graph_model([helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w})
+    (got,) = run_model(deform, {"x": x, "o": offset})
+    (expected,) = reference_model(conv, {"x": x})
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -219,7 +184,7 @@ def test_causal_conv_with_state_in_two_steps_equals_one_step():
     x, w, b = _random(2, 3, 9), _random(3, 1, 4, seed=1), _random(3, seed=2)
     node = helper.make_node("CausalConvWithState", ["x", "w", "b", "s"], ["y", "state"], activation="silu")
     empty = np.zeros((2, 3, 3), np.float32)
-    model = _model([node], {"x": x, "s": empty}, ["y", "state"], 27, {"w": w, "b": b}, fixed_shapes=False)
+    model = graph_model([node], {"x": x, "s": empty}, ["y", "state"], 27, {"w": w, "b": b}, fixed_shapes=False)
     session = plugrt.InferenceSession(model.SerializeToString())
     whole, whole_state = session.run(None, {"x": x, "s": empty})
     first, state = session.run(None, {"x": x[:, :, :5], "s": empty})
@@ -272,8 +237,8 @@ def test_average_pool_with_ceil_mode_counts_only_real_or_explicitly_padded_taps(
     x = _random(1, 2, 7, 7)
     kernel, strides, pads = [3, 3], [2, 2], [1, 1, 1, 1]
     attrs = dict(kernel_shape=kernel, strides=strides, pads=pads, ceil_mode=1, count_include_pad=count_include_pad)
-    model = _model([helper.make_node("AveragePool", ["x"], ["y"], **attrs)], {"x": x}, ["y"], 19)
-    (got,) = _run(model, {"x": x})
+    model = graph_model([helper.make_node("AveragePool", ["x"], ["y"], **attrs)], {"x": x}, ["y"], 19)
+    (got,) = run_model(model, {"x": x})
     expected = np.zeros((1, 2, 4, 4), np.float64)
     for o, _, values, padded_count in _windows(x, kernel, strides, [1, 1], pads, [4, 4]):
         divisor = padded_count if count_include_pad else values.shape[-1]
@@ -286,9 +251,8 @@ def test_average_pool_with_ceil_mode_counts_only_real_or_explicitly_padded_taps(
 def test_max_pool_values_and_indices_match_numpy(name, storage_order):
     shape, attrs = POOL_CASES[name]
     x = _random(*shape)
-    model = _model([helper.make_node("MaxPool", ["x"], ["y", "i"], storage_order=storage_order, **attrs)],
-                   {"x": x}, ["y", "i"], 12)
-    got, indices = _run(model, {"x": x})
+    model = graph_model([helper.make_node("MaxPool", ["x"], ["y", "i"], storage_order=storage_order, **attrs)], {"x": x}, ["y", "i"], 12)
+    got, indices = run_model(model, {"x": x})
     rank = len(shape) - 2
     spatial = shape[2:]
     # Flat index of a position: row-major, or column-major in the image plane for storage_order=1.
@@ -314,8 +278,8 @@ def test_max_pool_values_and_indices_match_numpy(name, storage_order):
 def test_sum_pools_match_numpy(name, op, extra):
     shape, attrs = POOL_CASES[name]
     x = _random(*shape)
-    model = _model([helper.make_node(op, ["x"], ["y"], **attrs, **extra)], {"x": x}, ["y"], 19)
-    (got,) = _run(model, {"x": x})
+    model = graph_model([helper.make_node(op, ["x"], ["y"], **attrs, **extra)], {"x": x}, ["y"], 19)
+    (got,) = run_model(model, {"x": x})
     expected = np.zeros(got.shape, np.float64)
     rank = len(shape) - 2
     strides = attrs.get("strides", [1] * rank)
@@ -339,7 +303,7 @@ def test_sum_pools_match_numpy(name, op, extra):
 @pytest.mark.parametrize("shape", [(2, 3, 5), (2, 3, 4, 5), (1, 2, 3, 4, 5)])
 def test_global_pools_match_numpy(op, numpy_fn, shape):
     x = _random(*shape)
-    (got,) = _run(_model([helper.make_node(op, ["x"], ["y"])], {"x": x}, ["y"], 2), {"x": x})
+    (got,) = run_model(graph_model([helper.make_node(op, ["x"], ["y"])], {"x": x}, ["y"], 2), {"x": x})
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, numpy_fn(x, tuple(range(2, len(shape)))), rtol=1e-5, atol=1e-6)
 
@@ -351,8 +315,8 @@ def test_max_unpool_inverts_max_pool_of_an_odd_sized_input_given_its_shape():
         helper.make_node("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]),
         helper.make_node("MaxUnpool", ["p", "i", "shape"], ["y"], kernel_shape=[2, 2], strides=[2, 2]),
     ]
-    model = _model(nodes, {"x": x}, ["p", "i", "y"], 11, {"shape": np.array(x.shape, np.int64)})
-    pooled, indices, got = _run(model, {"x": x})
+    model = graph_model(nodes, {"x": x}, ["p", "i", "y"], 11, {"shape": np.array(x.shape, np.int64)})
+    pooled, indices, got = run_model(model, {"x": x})
     expected = np.zeros(x.size, np.float32)
     expected[indices.reshape(-1)] = pooled.reshape(-1)
     np.testing.assert_array_equal(got, expected.reshape(x.shape))
@@ -371,7 +335,7 @@ def _softmax_numpy(x, axis):
 @pytest.mark.parametrize("axis", [0, 1, 2, 3, -1, -3])
 def test_softmax_before_opset_13_flattens_to_2d_at_axis(axis):
     x = _random(2, 3, 4, 5) * 10
-    (got,) = _run(_model([helper.make_node("Softmax", ["x"], ["y"], axis=axis)], {"x": x}, ["y"], 11), {"x": x})
+    (got,) = run_model(graph_model([helper.make_node("Softmax", ["x"], ["y"], axis=axis)], {"x": x}, ["y"], 11), {"x": x})
     rows = int(np.prod(x.shape[: axis % 4]))
     expected = _softmax_numpy(x.reshape(rows, -1), 1).reshape(x.shape)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
@@ -381,7 +345,7 @@ def test_softmax_before_opset_13_flattens_to_2d_at_axis(axis):
 def test_softmax_and_log_softmax_since_opset_13_work_on_one_axis(axis):
     x = _random(2, 3, 4, 5) * 10
     nodes = [helper.make_node("Softmax", ["x"], ["s"], axis=axis), helper.make_node("LogSoftmax", ["x"], ["l"], axis=axis)]
-    softmax, log_softmax = _run(_model(nodes, {"x": x}, ["s", "l"], 13), {"x": x})
+    softmax, log_softmax = run_model(graph_model(nodes, {"x": x}, ["s", "l"], 13), {"x": x})
     expected = _softmax_numpy(x, axis)
     assert softmax.dtype == log_softmax.dtype == np.float32
     np.testing.assert_allclose(softmax, expected, rtol=1e-5, atol=1e-7)
@@ -390,7 +354,7 @@ def test_softmax_and_log_softmax_since_opset_13_work_on_one_axis(axis):
 
 def test_log_softmax_of_large_logits_stays_finite():
     x = np.array([[0.0, 1000.0, 2000.0]], np.float32)
-    (got,) = _run(_model([helper.make_node("LogSoftmax", ["x"], ["y"])], {"x": x}, ["y"], 13), {"x": x})
+    (got,) = run_model(graph_model([helper.make_node("LogSoftmax", ["x"], ["y"])], {"x": x}, ["y"], 13), {"x": x})
     np.testing.assert_allclose(got, [[-2000.0, -1000.0, 0.0]])
 
 
@@ -400,7 +364,7 @@ def test_log_softmax_of_large_logits_stays_finite():
 ])
 def test_hardmax_marks_the_first_maximum(opset, axis, expected):
     x = np.array([[[1, 3, 3], [2, 2, 1]], [[0, 1, 2], [5, 5, 5]]], np.float32)
-    (got,) = _run(_model([helper.make_node("Hardmax", ["x"], ["y"], axis=axis)], {"x": x}, ["y"], opset), {"x": x})
+    (got,) = run_model(graph_model([helper.make_node("Hardmax", ["x"], ["y"], axis=axis)], {"x": x}, ["y"], opset), {"x": x})
     np.testing.assert_array_equal(got, np.array(expected, np.float32))
 
 
@@ -412,7 +376,7 @@ def test_hardmax_marks_the_first_maximum(opset, axis, expected):
 @pytest.mark.parametrize("opset, mask_dtype", [(7, np.float32), (10, np.bool_), (13, np.bool_)])
 def test_dropout_at_inference_is_identity_with_an_all_true_mask(opset, mask_dtype):
     x = _random(3, 4)
-    (y, mask) = _run(_model([helper.make_node("Dropout", ["x"], ["y", "m"])], {"x": x}, ["y", "m"], opset), {"x": x})
+    (y, mask) = run_model(graph_model([helper.make_node("Dropout", ["x"], ["y", "m"])], {"x": x}, ["y", "m"], opset), {"x": x})
     np.testing.assert_array_equal(y, x)
     assert mask.dtype == mask_dtype and mask.shape == x.shape and np.all(mask == 1)
 
@@ -421,7 +385,7 @@ def test_training_dropout_with_a_seed_follows_numpys_seeded_uniform_stream():
     x, ratio = _random(4, 5), np.array(0.3, np.float32)
     node = helper.make_node("Dropout", ["x", "r", "t"], ["y", "m"], seed=7)
     feeds = {"x": x, "r": ratio, "t": np.array(True)}
-    y, mask = _run(_model([node], feeds, ["y", "m"], 13), feeds)
+    y, mask = run_model(graph_model([node], feeds, ["y", "m"], 13), feeds)
     expected_mask = np.random.RandomState(7).uniform(0, 1, x.shape) >= 0.3
     np.testing.assert_array_equal(mask, expected_mask)
     np.testing.assert_allclose(y, expected_mask * x / np.float32(0.7), rtol=1e-6)
@@ -431,7 +395,7 @@ def test_training_dropout_with_a_seed_follows_numpys_seeded_uniform_stream():
 def test_lrn_matches_numpy_for_odd_and_even_sizes(size):
     x = _random(2, 6, 3, 4)
     node = helper.make_node("LRN", ["x"], ["y"], size=size, alpha=0.01, beta=0.8, bias=1.5)
-    (got,) = _run(_model([node], {"x": x}, ["y"], 13), {"x": x})
+    (got,) = run_model(graph_model([node], {"x": x}, ["y"], 13), {"x": x})
     square_sum = np.zeros(x.shape, np.float64)
     for c in range(6):
         low, high = max(0, c - (size - 1) // 2), min(5, c + size // 2)  # floor / ceil of (size - 1) / 2
@@ -441,16 +405,16 @@ def test_lrn_matches_numpy_for_odd_and_even_sizes(size):
 
 def test_unknown_auto_pad_is_rejected():
     x = _random(1, 1, 4, 4)
-    model = _model([helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], auto_pad="SAME")], {"x": x}, ["y"], 12)
+    model = graph_model([helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], auto_pad="SAME")], {"x": x}, ["y"], 12)
     with pytest.raises(Exception, match="auto_pad"):
-        _run(model, {"x": x})
+        run_model(model, {"x": x})
 
 
 @pytest.mark.parametrize("shape", [(2, 5, 7, 7), (1, 2, 80, 80)])  # a short and a long (> 4096) window
 def test_average_pool_over_the_whole_input_is_the_spatial_mean(shape):
     x = _random(*shape)
-    model = _model([helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=list(shape[2:]))], {"x": x}, ["y"], 19)
-    (got,) = _run(model, {"x": x})
+    model = graph_model([helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=list(shape[2:]))], {"x": x}, ["y"], 19)
+    (got,) = run_model(model, {"x": x})
     assert got.shape == (*shape[:2], 1, 1) and got.dtype == np.float32
     np.testing.assert_allclose(got, x.astype(np.float64).mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
 
@@ -464,6 +428,6 @@ def test_conv_built_with_a_fused_relu_clamps_its_output(name):
     x, w, b = _random(*x_shape), _random(*w_shape, seed=1), _random(w_shape[0], seed=2)
     ctx = KernelContext("Conv", "", 11, attrs, 3, 1, [x.dtype] * 3, [None, w, b])
     got = conv.build_conv(ctx, relu=True)(x, w, b)
-    model = _model([helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w, "b": b})
-    (expected,) = _reference(model, {"x": x})
+    model = graph_model([helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w, "b": b})
+    (expected,) = reference_model(model, {"x": x})
     np.testing.assert_allclose(got, np.maximum(expected, 0), rtol=1e-4, atol=1e-4)

@@ -9,17 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-import plugrt
-
-
-def _model(text: str) -> onnx.ModelProto:
-    model = onnx.parser.parse_model(text)
-    onnx.checker.check_model(model)
-    return model
-
-
-def _run(model: onnx.ModelProto, feeds: dict) -> list:
-    return plugrt.InferenceSession(model.SerializeToString()).run(None, feeds)
+from helpers import run_model, text_model
 
 
 def _assert_same(actual, expected):
@@ -36,7 +26,7 @@ def _assert_same(actual, expected):
 
 def _check(model: onnx.ModelProto, feeds: dict) -> list:
     expected = ReferenceEvaluator(model).run(None, feeds)
-    actual = _run(model, feeds)
+    actual = run_model(model, feeds)
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         _assert_same(a, e)
@@ -59,9 +49,9 @@ g (float[2, 3] a, float[2, 3] b, float[2, 3] c, float[2, 3] t, int64 p) => ({out
 
 @pytest.mark.parametrize("p", [-3, -1, 0, 1, 3])
 def test_sequence_insert_positions(p):
-    model = _model(SEQ_OPS.format(outs="seq(float[2, 3]) r, int64 n", body="r = SequenceInsert (s, t, p)\n n = SequenceLength (r)"))
+    model = text_model(SEQ_OPS.format(outs="seq(float[2, 3]) r, int64 n", body="r = SequenceInsert (s, t, p)\n n = SequenceLength (r)"))
     a, b, c, t = _items()
-    (r, n) = _run(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(p, dtype=np.int64)})
+    (r, n) = run_model(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(p, dtype=np.int64)})
     expected = [a, b, c]
     expected.insert(p + 3 if p < 0 else p, t)
     _assert_same(r, expected)
@@ -69,19 +59,19 @@ def test_sequence_insert_positions(p):
 
 
 def test_sequence_insert_default_appends_and_keeps_input():
-    model = _model(SEQ_OPS.format(
+    model = text_model(SEQ_OPS.format(
         outs="seq(float[2, 3]) r, seq(float[2, 3]) s2",
         body="r = SequenceInsert (s, t)\n s2 = Identity (s)",
     ))
     a, b, c, t = _items()
-    r, s2 = _run(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(0, dtype=np.int64)})
+    r, s2 = run_model(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(0, dtype=np.int64)})
     _assert_same(r, [a, b, c, t])
     _assert_same(s2, [a, b, c])  # the input sequence is not modified in place
 
 
 @pytest.mark.parametrize("p", [-3, -1, 0, 2])
 def test_sequence_erase_and_at(p):
-    model = _model(SEQ_OPS.format(
+    model = text_model(SEQ_OPS.format(
         outs="seq(float[2, 3]) r, float[2, 3] at",
         body="r = SequenceErase (s, p)\n at = SequenceAt (s, p)",
     ))
@@ -90,17 +80,17 @@ def test_sequence_erase_and_at(p):
 
 
 def test_sequence_erase_default_removes_last():
-    model = _model(SEQ_OPS.format(outs="seq(float[2, 3]) r", body="r = SequenceErase (s)"))
+    model = text_model(SEQ_OPS.format(outs="seq(float[2, 3]) r", body="r = SequenceErase (s)"))
     a, b, c, t = _items()
-    (r,) = _run(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(0, dtype=np.int64)})
+    (r,) = run_model(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(0, dtype=np.int64)})
     _assert_same(r, [a, b])
 
 
 def test_sequence_at_out_of_range_raises():
-    model = _model(SEQ_OPS.format(outs="float[2, 3] r", body="r = SequenceAt (s, p)"))
+    model = text_model(SEQ_OPS.format(outs="float[2, 3] r", body="r = SequenceAt (s, p)"))
     a, b, c, t = _items()
     with pytest.raises(Exception):
-        _run(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(3, dtype=np.int64)})
+        run_model(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(3, dtype=np.int64)})
 
 
 @pytest.mark.parametrize(
@@ -128,7 +118,7 @@ def test_split_to_sequence(split, axis, keepdims):
 
 @pytest.mark.parametrize("axis,new_axis", [(0, 0), (1, 0), (-1, 0), (0, 1), (2, 1), (-1, 1), (-3, 1)])
 def test_concat_from_sequence(axis, new_axis):
-    model = _model(f"""
+    model = text_model(f"""
     <ir_version: 8, opset_import: ["" : 17]>
     g (float16[2, 3] a, float16[2, 3] b, float16[2, 3] c) => (float16[A, B, C] y) {{
         s = SequenceConstruct (a, b, c)
@@ -136,13 +126,13 @@ def test_concat_from_sequence(axis, new_axis):
     }}
     """)
     a, b, c = _items(3, np.float16)
-    (y,) = _run(model, {"a": a, "b": b, "c": c})
+    (y,) = run_model(model, {"a": a, "b": b, "c": c})
     expected = np.stack([a, b, c], axis=axis) if new_axis else np.concatenate([a, b, c], axis=axis)
     _assert_same(y, expected)
 
 
 def test_sequence_map_with_tensor_sequence_and_outer_value():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 17]>
     g (seq(float[N]) xs, seq(float[N]) ys, float[1] k, float w) => (seq(float[N]) out, seq(int64[1]) shapes) {
         out, shapes = SequenceMap (xs, ys, k) <body = body (float[N] x, float[N] y, float[1] kk) => (float[N] o, int64[1] sh) {
@@ -158,7 +148,7 @@ def test_sequence_map_with_tensor_sequence_and_outer_value():
     ys = [rng.standard_normal(n).astype(np.float32) for n in (2, 5, 1)]
     k = np.array([0.5], dtype=np.float32)
     w = np.array(3.0, dtype=np.float32)
-    out, shapes = _run(model, {"xs": xs, "ys": ys, "k": k, "w": w})
+    out, shapes = run_model(model, {"xs": xs, "ys": ys, "k": k, "w": w})
     assert len(out) == 3 and len(shapes) == 3
     for x, y, o, sh in zip(xs, ys, out, shapes):
         assert o.dtype == np.float32
@@ -167,13 +157,13 @@ def test_sequence_map_with_tensor_sequence_and_outer_value():
 
 
 def test_sequence_map_empty_sequence():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 17]>
     g (seq(float[N]) xs) => (seq(float[N]) out) {
         out = SequenceMap (xs) <body = body (float[N] x) => (float[N] o) { o = Neg (x) }>
     }
     """)
-    (out,) = _run(model, {"xs": []})
+    (out,) = run_model(model, {"xs": []})
     assert out == []
 
 
@@ -194,7 +184,7 @@ def _optional_model(with_input: bool, elem=TensorProto.FLOAT) -> onnx.ModelProto
 
 @pytest.mark.parametrize("with_input", [True, False])
 def test_optional_construct_and_has_element(with_input):
-    (has,) = _run(_optional_model(with_input), {"x": np.array([1.0, 2.0], dtype=np.float32)})
+    (has,) = run_model(_optional_model(with_input), {"x": np.array([1.0, 2.0], dtype=np.float32)})
     assert has.dtype == np.bool_ and has.shape == () and bool(has) is with_input
 
 
@@ -221,22 +211,22 @@ def test_optional_through_if_and_get_element():
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     x = np.array([1.0, 2.0], dtype=np.float32)
-    has, opt = _run(model, {"c": np.array(True), "x": x})
+    has, opt = run_model(model, {"c": np.array(True), "x": x})
     assert bool(has) and opt is not None
     np.testing.assert_array_equal(opt, x)
-    has, opt = _run(model, {"c": np.array(False), "x": x})
+    has, opt = run_model(model, {"c": np.array(False), "x": x})
     assert not bool(has) and opt is None
 
 
 def test_optional_get_element_of_a_sequence_and_of_an_empty_optional():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 18]>
     g (seq(float[2]) s) => (seq(float[2]) r) {
         r = OptionalGetElement (s)
     }
     """)
     items = _items(2)
-    (r,) = _run(model, {"s": items})
+    (r,) = run_model(model, {"s": items})
     _assert_same(r, items)
     from plugrt_cpu.kernels.sequence import optional_get_element
 
@@ -245,7 +235,7 @@ def test_optional_get_element_of_a_sequence_and_of_an_empty_optional():
 
 
 def test_sequence_empty_then_insert_preserves_dtype():
-    model = _model("""
+    model = text_model("""
     <ir_version: 8, opset_import: ["" : 17]>
     g (int8[3] x) => (int8[2, 3] y) {
         e = SequenceEmpty <dtype = 3> ()
@@ -255,5 +245,5 @@ def test_sequence_empty_then_insert_preserves_dtype():
     }
     """)
     x = np.array([1, -2, 3], dtype=np.int8)
-    (y,) = _run(model, {"x": x})
+    (y,) = run_model(model, {"x": x})
     _assert_same(y, np.stack([x, x]))

@@ -6,37 +6,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
-import plugrt
-
-def _single_node_model(op: str, inputs: dict[str, np.ndarray | None], opset: int, **attributes) -> onnx.ModelProto:
-    """A one-node model whose inputs are all graph inputs; None marks an omitted input."""
-    names = [name if value is not None else "" for name, value in inputs.items()]
-    while names and not names[-1]:
-        names.pop()
-    graph_inputs = [
-        helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
-        for name, value in inputs.items()
-        if value is not None
-    ]
-    node = helper.make_node(op, names, ["y"], **attributes)
-    output = helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)
-    graph = helper.make_graph([node], "g", graph_inputs, [output])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-
-
-def _run(op: str, inputs: dict[str, np.ndarray | None], opset: int, **attributes) -> np.ndarray:
-    model = _single_node_model(op, inputs, opset, **attributes)
-    feeds = {name: value for name, value in inputs.items() if value is not None}
-    return plugrt.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
-
-
-def _reference(op: str, inputs: dict[str, np.ndarray | None], opset: int, **attributes) -> np.ndarray:
-    model = _single_node_model(op, inputs, opset, **attributes)
-    feeds = {name: value for name, value in inputs.items() if value is not None}
-    return ReferenceEvaluator(model).run(None, feeds)[0]
+from helpers import reference_node, run_node
 
 
 def _dft_matrix(n_out: int, n_in: int, inverse: bool = False) -> np.ndarray:
@@ -74,7 +45,7 @@ def test_complex_dft_matches_the_dft_matrix_on_any_axis(axis, length):
     x = _random((3, 6, 7, 2), seed=1)
     signal = x[..., 0] + 1j * x[..., 1]
     dft_length = None if length is None else np.array(length, dtype=np.int64)
-    got = _run("DFT", {"x": x, "dft_length": dft_length, "axis": np.array(axis, dtype=np.int64)}, 20)
+    got = run_node("DFT", {"x": x, "dft_length": dft_length, "axis": np.array(axis, dtype=np.int64)}, 20)[0]
     expected = _explicit_dft(signal, axis % 4, length or x.shape[axis % 4])
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, _as_pairs(expected), rtol=1e-4, atol=1e-4)
@@ -82,20 +53,20 @@ def test_complex_dft_matches_the_dft_matrix_on_any_axis(axis, length):
 
 def test_opset17_dft_reads_axis_from_the_attribute():
     x = _random((2, 5, 3, 1), seed=2)
-    got = _run("DFT", {"x": x}, 17, axis=2)
+    got = run_node("DFT", {"x": x}, 17, axis=2)[0]
     expected = _explicit_dft(x[..., 0].astype(np.complex128), 2, 3)
     np.testing.assert_allclose(got, _as_pairs(expected), rtol=1e-5, atol=1e-5)
 
 
 def test_opset17_dft_defaults_to_axis_one():
     x = _random((2, 5, 3, 1), seed=3)
-    got = _run("DFT", {"x": x}, 17)
+    got = run_node("DFT", {"x": x}, 17)[0]
     np.testing.assert_allclose(got, _as_pairs(_explicit_dft(x[..., 0], 1, 5)), rtol=1e-5, atol=1e-5)
 
 
 def test_onesided_real_dft_keeps_the_non_redundant_bins():
     x = _random((2, 10, 1), seed=4)
-    got = _run("DFT", {"x": x}, 20, onesided=1)
+    got = run_node("DFT", {"x": x}, 20, onesided=1)[0]
     full = _explicit_dft(x[..., 0], 1, 10)
     assert got.shape == (2, 6, 2)
     np.testing.assert_allclose(got, _as_pairs(full[:, :6]), rtol=1e-5, atol=1e-5)
@@ -104,7 +75,7 @@ def test_onesided_real_dft_keeps_the_non_redundant_bins():
 def test_inverse_dft_is_normalised_by_the_length():
     x = _random((4, 8, 2), seed=5)
     signal = x[..., 0] + 1j * x[..., 1]
-    got = _run("DFT", {"x": x}, 20, inverse=1)
+    got = run_node("DFT", {"x": x}, 20, inverse=1)[0]
     np.testing.assert_allclose(got, _as_pairs(_explicit_dft(signal, 1, 8, inverse=True)), rtol=1e-5, atol=1e-5)
 
 
@@ -115,7 +86,7 @@ def test_inverse_onesided_dft_restores_a_real_signal(length):
     spectrum = _explicit_dft(signal, 1, n)[:, : n // 2 + 1]
     x = _as_pairs(spectrum).astype(np.float32)
     dft_length = None if length is None else np.array(length, dtype=np.int64)
-    got = _run("DFT", {"x": x, "dft_length": dft_length}, 20, inverse=1, onesided=1)
+    got = run_node("DFT", {"x": x, "dft_length": dft_length}, 20, inverse=1, onesided=1)[0]
     assert got.shape == (3, n, 1)
     np.testing.assert_allclose(got[..., 0], signal[:, :n], rtol=1e-4, atol=1e-5)
 
@@ -123,7 +94,7 @@ def test_inverse_onesided_dft_restores_a_real_signal(length):
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 def test_dft_keeps_the_input_dtype(dtype):
     x = _random((2, 8, 1), seed=7, dtype=dtype)
-    got = _run("DFT", {"x": x}, 20)
+    got = run_node("DFT", {"x": x}, 20)[0]
     assert got.dtype == dtype
     expected = _as_pairs(_explicit_dft(x[..., 0].astype(np.float64), 1, 8))
     np.testing.assert_allclose(got.astype(np.float64), expected, rtol=1e-2 if dtype == np.float16 else 1e-10, atol=1e-2 if dtype == np.float16 else 1e-10)
@@ -132,7 +103,7 @@ def test_dft_keeps_the_input_dtype(dtype):
 def test_dft_rejects_the_complex_axis():
     x = _random((2, 8, 1), seed=8)
     with pytest.raises(Exception, match="axis"):
-        _run("DFT", {"x": x, "dft_length": None, "axis": np.array(-1, dtype=np.int64)}, 20)
+        run_node("DFT", {"x": x, "dft_length": None, "axis": np.array(-1, dtype=np.int64)}, 20)[0]
 
 
 def _explicit_stft(signal: np.ndarray, step: int, window: np.ndarray, onesided: bool) -> np.ndarray:
@@ -150,7 +121,7 @@ def _explicit_stft(signal: np.ndarray, step: int, window: np.ndarray, onesided: 
 def test_stft_of_a_real_signal_matches_framed_dfts(onesided):
     x = _random((2, 64, 1), seed=9)
     window = np.hanning(16).astype(np.float32)
-    got = _run("STFT", {"x": x, "step": np.array(5, dtype=np.int64), "window": window}, 17, onesided=onesided)
+    got = run_node("STFT", {"x": x, "step": np.array(5, dtype=np.int64), "window": window}, 17, onesided=onesided)[0]
     np.testing.assert_allclose(got, _explicit_stft(x[..., 0], 5, window, bool(onesided)), rtol=1e-4, atol=1e-4)
 
 
@@ -158,7 +129,7 @@ def test_stft_of_a_complex_signal_uses_the_full_spectrum():
     x = _random((1, 40, 2), seed=10)
     signal = x[..., 0] + 1j * x[..., 1]
     length = np.array(8, dtype=np.int64)
-    got = _run("STFT", {"x": x, "step": np.array(4, dtype=np.int64), "window": None, "frame_length": length}, 17, onesided=0)
+    got = run_node("STFT", {"x": x, "step": np.array(4, dtype=np.int64), "window": None, "frame_length": length}, 17, onesided=0)[0]
     np.testing.assert_allclose(got, _explicit_stft(signal, 4, np.ones(8), False), rtol=1e-4, atol=1e-4)
 
 
@@ -166,7 +137,7 @@ def test_stft_rejects_a_window_that_disagrees_with_frame_length():
     x = _random((1, 40, 1), seed=11)
     inputs = {"x": x, "step": np.array(4, dtype=np.int64), "window": np.ones(6, np.float32), "frame_length": np.array(8, dtype=np.int64)}
     with pytest.raises(Exception, match="frame_length"):
-        _run("STFT", inputs, 17)
+        run_node("STFT", inputs, 17)[0]
 
 
 def _cosine_sum(size: int, periodic: bool, coefficients) -> np.ndarray:
@@ -181,18 +152,18 @@ def _cosine_sum(size: int, periodic: bool, coefficients) -> np.ndarray:
 )
 @pytest.mark.parametrize("periodic", [0, 1])
 def test_windows_follow_their_cosine_sums(op, coefficients, periodic):
-    got = _run(op, {"size": np.array(33, dtype=np.int64)}, 17, periodic=periodic)
+    got = run_node(op, {"size": np.array(33, dtype=np.int64)}, 17, periodic=periodic)[0]
     assert got.dtype == np.float32 and got.shape == (33,)
     np.testing.assert_allclose(got, _cosine_sum(33, bool(periodic), coefficients), rtol=1e-6, atol=1e-6)
 
 
 def test_symmetric_hann_matches_numpy():
-    got = _run("HannWindow", {"size": np.array(20, dtype=np.int32)}, 17, periodic=0)
+    got = run_node("HannWindow", {"size": np.array(20, dtype=np.int32)}, 17, periodic=0)[0]
     np.testing.assert_allclose(got, np.hanning(20), rtol=1e-6, atol=1e-6)
 
 
 def test_window_honours_output_datatype():
-    got = _run("BlackmanWindow", {"size": np.array(10, dtype=np.int64)}, 17, output_datatype=onnx.TensorProto.DOUBLE)
+    got = run_node("BlackmanWindow", {"size": np.array(10, dtype=np.int64)}, 17, output_datatype=onnx.TensorProto.DOUBLE)[0]
     assert got.dtype == np.float64
     np.testing.assert_allclose(got, np.blackman(11)[:-1], rtol=1e-12, atol=1e-12)
 
@@ -209,7 +180,7 @@ def test_mel_weight_matrix_matches_onnx_reference(bins, dft_length, rate, low, h
         "low": np.array(low, dtype=np.float32),
         "high": np.array(high, dtype=np.float32),
     }
-    got = _run("MelWeightMatrix", inputs, 17)
-    expected = _reference("MelWeightMatrix", inputs, 17)
+    got = run_node("MelWeightMatrix", inputs, 17)[0]
+    expected = reference_node("MelWeightMatrix", inputs, 17)[0]
     assert got.shape == (dft_length // 2 + 1, bins) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)

@@ -5,59 +5,19 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
-from onnx.reference import ReferenceEvaluator
+from onnx import helper
 
 import plugrt_cpu.kernels  # noqa: F401  (registers the kernels)
-from plugrt_cpu._registry import KernelContext, lookup
+from helpers import reference_node, run_kernel
 from plugrt_cpu.kernels.tensor import squeeze_1
 
 INT_MAX = np.iinfo(np.int64).max
 INT_MIN = np.iinfo(np.int64).min
 
 
-def _attributes(node: onnx.NodeProto) -> dict:
-    values = {}
-    for attribute in node.attribute:
-        value = helper.get_attribute_value(attribute)
-        if attribute.type == onnx.AttributeProto.TENSOR:
-            value = onnx.numpy_helper.to_array(value)
-        elif isinstance(value, bytes):
-            value = value.decode()
-        values[attribute.name] = value
-    return values
-
-
-def run_kernel(node: onnx.NodeProto, opset: int, *inputs) -> list:
-    """Run ``node``'s kernel the way the provider binds it; every output as a list."""
-    spec = lookup("", node.op_type, opset)
-    assert spec is not None, f"no kernel for {node.op_type} at opset {opset}"
-    attributes = _attributes(node)
-    if spec.builder:
-        ctx = KernelContext(
-            node.op_type, "", opset, attributes, len(inputs), len(node.output),
-            [getattr(x, "dtype", None) for x in inputs], [None] * len(inputs), node,
-        )
-        result = spec.fn(ctx)(*inputs)
-    else:
-        result = spec.fn(*inputs, **{k: v for k, v in attributes.items() if k in spec.attribute_names})
-    return list(result) if spec.multi_output else [result]
-
-
-def run_reference(node: onnx.NodeProto, opset: int, *inputs) -> list:
-    names = [name for name in node.input if name]
-    graph = helper.make_graph(
-        [node], "g",
-        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in names],
-        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in node.output],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    return ReferenceEvaluator(model).run(None, dict(zip(names, inputs)))
-
-
 def assert_matches_reference(node: onnx.NodeProto, opset: int, *inputs) -> list:
     got = run_kernel(node, opset, *inputs)
-    expected = run_reference(node, opset, *inputs)
+    expected = reference_node(node, [*inputs], opset)
     assert len(got) >= len(expected)
     for g, e in zip(got, expected):
         g = np.asarray(g)
@@ -242,7 +202,7 @@ def test_scatter_elements_reductions_with_duplicates(reduction):
     updates = rng.standard_normal((4, 9)).astype(np.float32)
     node_ = node("ScatterElements", ["d", "i", "u"], axis=1, reduction=reduction)
     (y,) = run_kernel(node_, 18, data, indices, updates)
-    np.testing.assert_allclose(y, run_reference(node_, 18, data, indices, updates)[0], rtol=1e-6)
+    np.testing.assert_allclose(y, reference_node(node_, [data, indices, updates], 18)[0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["add", "mul", "max", "min"])
@@ -252,7 +212,7 @@ def test_scatter_nd_reductions_with_duplicates(reduction):
     updates = rng.standard_normal((6, 3)).astype(np.float32)
     node_ = node("ScatterND", ["d", "i", "u"], reduction=reduction)
     (y,) = run_kernel(node_, 18, data, indices, updates)
-    np.testing.assert_allclose(y, run_reference(node_, 18, data, indices, updates)[0], rtol=1e-6)
+    np.testing.assert_allclose(y, reference_node(node_, [data, indices, updates], 18)[0], rtol=1e-6)
 
 
 def test_scatter_does_not_modify_its_input():
