@@ -31,6 +31,11 @@ __all__ = [
     "EpContextAmbiguousError",
     "EpContextMissingPrimaryError",
     "EpContextPathError",
+    "EpContextOverwriteError",
+    "ModelBuildError",
+    "RunError",
+    "BatchColumnError",
+    "BatchRowError",
     "RunTerminatedError",
     "NotSupportedError",
     "ConformanceInputError",
@@ -349,6 +354,53 @@ class EpContextPathError(EpContextError):
         self.path = path
         super().__init__(f"EPContext node {node!r}: context file {path!r} {why}", node=node)
 
+
+# --- batch inference -----------------------------------------------------------------
+
+
+class BatchColumnError(InvalidInputError):
+    """A batch lacks the column a model input reads, or the column cannot feed it."""
+
+    def __init__(self, column: str, input_name: str, reason: str):
+        self.column = column
+        self.reason = reason
+        super().__init__(
+            f"column {column!r} (model input {input_name!r}): {reason}; map columns to inputs "
+            "with input_columns={input: column}",
+            input_name=input_name,
+        )
+
+    def __reduce__(self):  # rebuilt from fields when sent between processes
+        return (type(self), (self.column, self.input_name, self.reason))
+
+
+class BatchRowError(InvalidInputError):
+    """One row of a batch cannot be run; the row's index (and id, when known) and column."""
+
+    def __init__(self, row: int, column: str | None, reason: str, *, row_id: Any = None, input_name: str | None = None):
+        self.row = row
+        self.column = column
+        self.reason = reason
+        self.row_id = row_id
+        where = f"row {row} of the batch" + (f" (id {row_id!r})" if row_id is not None else "")
+        what = f", column {column!r}" if column is not None else ""
+        super().__init__(
+            f"{where}{what}: {reason}; fix or drop that row (Dataset.filter), or let Ray Data "
+            "skip failing batches (DataContext.max_errored_blocks)",
+            input_name=input_name,
+        )
+
+    def __reduce__(self):  # rebuilt from fields when sent between processes
+        return (
+            _rebuild_batch_row_error,
+            (self.row, self.column, self.reason, self.row_id, self.input_name),
+        )
+
+
+def _rebuild_batch_row_error(row, column, reason, row_id, input_name) -> BatchRowError:
+    return BatchRowError(row, column, reason, row_id=row_id, input_name=input_name)
+
+
 # --- onnxruntime compatibility, conformance and provider packaging ----------------------
 
 
@@ -390,3 +442,41 @@ class ProviderNameMismatchError(PlugrtError):
             f"provider {provider!r} returned a CompiledPartition labelled {labelled!r}; leave "
             f"CompiledPartition's provider out (plugrt fills in {provider!r}) or rename it to match"
         )
+
+
+# --- hostile models and misbehaving providers ----------------------------------------
+
+
+class EpContextOverwriteError(EpContextError):
+    """Exporting an EPContext model would replace an existing file (the source model, an
+    earlier export, a blob)."""
+
+    def __init__(self, path: str, why: str):
+        self.path = path
+        self.why = why
+        super().__init__(
+            f"EPContext export refused: {path!r} {why}; delete it or choose another "
+            "'ep.context_file_path'"
+        )
+
+
+class ModelBuildError(ModelLoadError):
+    """Building a session from a model failed in a way no specific check anticipated."""
+
+    def __init__(self, cause: BaseException, *, source: str | None = None):
+        self.cause = cause
+        super().__init__(
+            f"the model cannot be built: {type(cause).__name__}: {cause}; the model is malformed "
+            "or uses something plugrt does not handle (report it with the model if onnxruntime "
+            "accepts it)",
+            source=source,
+            reason=f"unexpected {type(cause).__name__}",
+        )
+
+
+class RunError(PlugrtError):
+    """A run failed outside any kernel in a way no specific check anticipated."""
+
+    def __init__(self, cause: BaseException):
+        self.cause = cause
+        super().__init__(f"the run failed: {type(cause).__name__}: {cause}")

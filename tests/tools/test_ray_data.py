@@ -1,0 +1,55 @@
+"""OnnxPredictor on a local Ray cluster: two actors give what one process gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx.parser
+import pytest
+
+import plugrt
+from plugrt.cli import EXAMPLE_MODEL
+from plugrt.ray import OnnxPredictor, map_batches_kwargs
+
+ray = pytest.importorskip("ray")
+
+ROWS = 320
+
+LOOKUP = """
+<ir_version: 8, opset_import: ["" : 17]>
+lookup (int64[N] i) => (float[N] v) <float[3] table = {0.0, 1.0, 2.0}> { v = Gather(table, i) }
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def test_two_actors_give_the_single_process_outputs(cluster) -> None:
+    images = np.random.default_rng(11).random((ROWS, 3, 32, 32), dtype=np.float32)
+    # eight blocks, so that both actors get work; the key restores the row order
+    ds = ray.data.from_items([{"image": images[i], "key": i} for i in range(ROWS)], override_num_blocks=8)
+    kwargs = map_batches_kwargs(EXAMPLE_MODEL, device="cpu", concurrency=2, batch_size=32, id_column="key")
+    rows = sorted(ds.map_batches(OnnxPredictor, **kwargs).take_all(), key=lambda row: row["key"])
+    assert [row["key"] for row in rows] == list(range(ROWS))
+    got = np.stack([row["probabilities"] for row in rows])
+    session = plugrt.load(EXAMPLE_MODEL, device="cpu")  # the plain-Python loop, one process
+    expected = np.concatenate([session.run({"image": images[i : i + 1]})["probabilities"] for i in range(ROWS)])
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_bad_row_fails_the_dataset_with_the_row_and_column_named(cluster) -> None:
+    index = np.arange(ROWS) % 3
+    index[123] = 99
+    ds = ray.data.from_items([{"i": int(v), "name": f"item{n}"} for n, v in enumerate(index)], override_num_blocks=4)
+    kwargs = map_batches_kwargs("lookup.onnx", device="cpu", concurrency=2, batch_size=32, id_column="name")
+    kwargs["fn_constructor_kwargs"]["model"] = onnx.parser.parse_model(LOOKUP).SerializeToString()
+    with pytest.raises(Exception) as info:
+        ds.map_batches(OnnxPredictor, **kwargs).take_all()
+    message = str(info.value)
+    # Ray wraps the error raised in the actor; its text carries ours, and the actor did not die
+    assert "BatchRowError" in message and "(id 'item123'), column 'i'" in message
+    assert "actor died" not in message.lower()
