@@ -10,6 +10,7 @@ a relative path that may not leave the model's folder.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import onnx
@@ -19,10 +20,14 @@ from .errors import (
     EpContextAmbiguousError,
     EpContextError,
     EpContextMissingPrimaryError,
+    EpContextOverwriteError,
     EpContextPathError,
     EpContextSourceError,
+    ModelLoadError,
+    UnsafeExternalDataError,
 )
 from .ir_utils import is_constant
+from .loader import DEFAULT_CONTEXT_BYTES, contained_path, read_regular_file
 from .provider import CompiledPartition, ExecutionProvider, Partition
 
 if TYPE_CHECKING:
@@ -51,14 +56,34 @@ def _source_keys(provider: ExecutionProvider) -> tuple[str, ...]:
 # -- export ---------------------------------------------------------------------------------
 
 
-def export_context_model(session: "Session", path: str, embed_mode: int) -> tuple[str, list[str]]:
+def _refuse_overwrite(path: str, source: str | None) -> None:
+    if source is not None and os.path.exists(source) and (
+        os.path.realpath(path) == os.path.realpath(source)
+        or (os.path.exists(path) and os.path.samefile(path, source))
+    ):
+        raise EpContextOverwriteError(path, "is the source model; exporting there would destroy it")
+    if os.path.lexists(path):
+        # onnxruntime refuses too: an existing context model may be another export's
+        raise EpContextOverwriteError(path, "already exists")
+
+
+def export_context_model(
+    session: "Session", path: str, embed_mode: int, *, source: str | None = None
+) -> tuple[str, list[str]]:
     """Write the session's model with each exportable partition replaced by an EPContext
-    node. Returns the model path and the blob files written (embed_mode 0)."""
+    node. Returns the model path and the blob files written (embed_mode 0).
+
+    Nothing is replaced: the source model, an existing file at ``path`` and existing blob
+    files are refused with EpContextOverwriteError. Everything is written to temporary
+    files and checked with onnx.checker first; a failed export leaves no file behind.
+    """
+    path = os.path.abspath(path)
+    _refuse_overwrite(path, source)
     providers = {p.name: p for p in session.selection.providers}
     proto = ir.serde.serialize_model(session.model)
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(path)
     stem = os.path.splitext(os.path.basename(path))[0]
-    blobs: list[str] = []
+    blobs: list[tuple[str, bytes]] = []
     nodes = list(proto.graph.node)
     replaced = 0
     for compiled in session.compiled_partitions:
@@ -85,9 +110,8 @@ def export_context_model(session: "Session", path: str, embed_mode: int) -> tupl
             attributes["ep_cache_context"] = bytes(blob)
         else:
             filename = f"{stem}_{keys[0]}_{partition.name}.bin"
-            with open(os.path.join(folder, filename), "wb") as f:
-                f.write(blob)
-            blobs.append(os.path.join(folder, filename))
+            _refuse_overwrite(os.path.join(folder, filename), source)
+            blobs.append((filename, bytes(blob)))
             attributes["ep_cache_context"] = filename
         context_node = onnx.helper.make_node(
             EP_CONTEXT_OP,
@@ -109,9 +133,44 @@ def export_context_model(session: "Session", path: str, embed_mode: int) -> tupl
     _drop_unused_initializers(proto.graph)
     if replaced and not any(o.domain == EP_CONTEXT_DOMAIN for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid(EP_CONTEXT_DOMAIN, 1))
-    onnx.save(proto, path)
-    onnx.checker.check_model(path)
-    return path, blobs
+    # Before IR 4 every initializer had to be a graph input; the loaded model treats them
+    # as constants (as onnxruntime does), so the export says so with IR 4.
+    proto.ir_version = max(proto.ir_version, 4)
+    written = _write_all(folder, [(os.path.basename(path), None, proto)] + [(n, b, None) for n, b in blobs])
+    return written[0], written[1:]
+
+
+def _write_all(folder: str, files: list[tuple[str, bytes | None, onnx.ModelProto | None]]) -> list[str]:
+    """Write every file under a temporary name, check the model, then move each to its
+    name without replacing anything; on any failure remove what was written."""
+    temporary: list[tuple[str, str]] = []
+    placed: list[str] = []
+    try:
+        for name, data, model in files:
+            fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+            temporary.append((temp, os.path.join(folder, name)))
+            with os.fdopen(fd, "wb") as f:
+                f.write(data if data is not None else model.SerializeToString())  # type: ignore[union-attr]
+            if model is not None:
+                try:
+                    onnx.checker.check_model(temp)
+                except onnx.checker.ValidationError as exc:
+                    raise EpContextError(f"the exported EPContext model is not valid ONNX: {exc}") from exc
+        for temp, final in temporary:
+            try:
+                os.link(temp, final)  # fails if the name appeared meanwhile: nothing is replaced
+            except FileExistsError as exc:
+                raise EpContextOverwriteError(final, "already exists") from exc
+            placed.append(final)
+    except BaseException:
+        for final in placed:
+            os.unlink(final)
+        raise
+    finally:
+        for temp, _ in temporary:
+            if os.path.exists(temp):
+                os.unlink(temp)
+    return placed
 
 
 def _graph_reads(graph: onnx.GraphProto, found: set[str]) -> None:
@@ -137,24 +196,28 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
 # -- restore --------------------------------------------------------------------------------
 
 
-def _read_blob(node: ir.Node, label: str, base_dir: str) -> bytes:
+def _read_blob(node: ir.Node, label: str, base_dir: str, max_bytes: int) -> bytes:
     value = _attr(node, "ep_cache_context", b"")
     embed_mode = int(_attr(node, "embed_mode", 1))
     if embed_mode == 1:
         return value if isinstance(value, bytes) else value.encode("utf-8")
-    location = value.decode("utf-8") if isinstance(value, bytes) else value
+    location = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
     if not base_dir:
-        raise EpContextPathError(location, label, "cannot be found: the model was loaded from bytes; load it from its path")
-    if os.path.isabs(location) or ".." in location.replace("\\", "/").split("/"):
-        raise EpContextPathError(location, label, "leaves the model's folder; it must be a relative path inside it")
-    root = os.path.realpath(base_dir)
-    target = os.path.realpath(os.path.join(base_dir, location))
-    if os.path.commonpath([root, target]) != root:
-        raise EpContextPathError(location, label, "resolves outside the model's folder (through a link)")
-    if not os.path.isfile(target):
-        raise EpContextPathError(location, label, "does not exist beside the model")
-    with open(target, "rb") as f:
-        return f.read()
+        raise EpContextPathError(
+            location,
+            label,
+            "cannot be found: the model was loaded from bytes, so it has no folder; load it from "
+            "its path, or set 'ep.context_file_path' to a file in the folder that holds the blobs",
+        )
+    try:
+        target = contained_path(label, location, base_dir, label)
+    except UnsafeExternalDataError as exc:
+        raise EpContextPathError(
+            location, label, "resolves outside the model's folder (absolute, '..', a link out, or not a regular file)"
+        ) from exc
+    except ModelLoadError as exc:
+        raise EpContextPathError(location, label, "does not exist beside the model") from exc
+    return read_regular_file(target, max_bytes, "context_bytes", label, EpContextError)
 
 
 def restore_context_nodes(
@@ -162,6 +225,8 @@ def restore_context_nodes(
     registry: "ProviderRegistry",
     base_dir: str,
     opset_imports: dict[str, int],
+    *,
+    max_blob_bytes: int = DEFAULT_CONTEXT_BYTES,
 ) -> dict[ir.Node, CompiledPartition]:
     """Load every EPContext node through the provider that declares its ``source``."""
     found = context_nodes(graph)
@@ -190,7 +255,7 @@ def restore_context_nodes(
         holder = node if main == 1 else primaries.get(source)
         if holder is None:
             raise EpContextMissingPrimaryError(source, label)
-        blob = _read_blob(holder, holder.name or label, base_dir)
+        blob = _read_blob(holder, holder.name or label, base_dir, max_blob_bytes)
         partition = Partition(
             str(_as_text(_attr(node, "partition_name", label))) or label,
             [node],

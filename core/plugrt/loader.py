@@ -16,7 +16,10 @@ from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
 from .errors import ModelLimitError, ModelLoadError, PlugrtError, UnsafeExternalDataError
 
-__all__ = ["ModelSource", "LoadLimits", "LoadedModel", "load_model", "KNOWN_DOMAINS"]
+__all__ = [
+    "ModelSource", "LoadLimits", "LoadedModel", "load_model", "KNOWN_DOMAINS", "DEFAULT_CONTEXT_BYTES",
+    "all_tensors", "contained_path", "read_regular_file",
+]
 
 ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto]
 
@@ -26,14 +29,25 @@ KNOWN_DOMAINS = frozenset(
 )
 
 
+#: Largest EPContext blob file read (compiled engines can be large, but not unbounded).
+DEFAULT_CONTEXT_BYTES = 2**32
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadLimits:
-    """Safety limits; each can be raised with the ``limits.<name>`` session option."""
+    """Safety limits; each can be raised with the ``limits.<name>`` session option.
+
+    The defaults let every real model through while a hostile one cannot take a 24 GiB
+    machine down: no single tensor (initializer, folded constant, inferred value, kernel
+    output, broadcast view) above 4 GiB, no more than a million nodes after every function
+    is inlined.
+    """
 
     model_bytes: int = 2**31  # protobuf cannot exceed 2 GiB anyway
-    tensor_bytes: int = 2**34
+    tensor_bytes: int = 2**32
     nodes: int = 1_000_000
     subgraph_depth: int = 64
+    context_bytes: int = DEFAULT_CONTEXT_BYTES
 
 
 @dataclasses.dataclass

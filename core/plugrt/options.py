@@ -6,6 +6,9 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 from .errors import InvalidOptionValueError, UnknownOptionError
+from .loader import LoadLimits
+
+_LIMITS = LoadLimits()  # the defaults live in one place
 
 __all__ = ["OPTIONS", "SessionOptions", "parse_options"]
 
@@ -79,12 +82,18 @@ OPTIONS: dict[str, _Option] = {
     "disabled_providers": _Option(_names, (), "provider names to ignore, as if not installed"),
     "profiling": _Option(_boolean, False, "record a span per node (Chrome trace JSON via session.profile())"),
     "intra_op_num_threads": _Option(_non_negative_int, 0, "host BLAS threads, process-wide (0: the library's default, one per core)"),
-    "limits.model_bytes": _Option(_positive_int, 2**31, "largest model file accepted, in bytes"),
-    "limits.tensor_bytes": _Option(_positive_int, 2**34, "largest single tensor accepted, in bytes"),
-    "limits.nodes": _Option(_positive_int, 1_000_000, "most nodes accepted, subgraphs included"),
-    "limits.subgraph_depth": _Option(_positive_int, 64, "deepest nesting of subgraphs accepted"),
+    "limits.model_bytes": _Option(_positive_int, _LIMITS.model_bytes, "largest model file accepted, in bytes"),
+    "limits.tensor_bytes": _Option(
+        _positive_int,
+        _LIMITS.tensor_bytes,
+        "largest single tensor, in bytes: initializers, declared and inferred shapes, folded "
+        "constants, kernel outputs and broadcast views",
+    ),
+    "limits.nodes": _Option(_positive_int, _LIMITS.nodes, "most nodes accepted, subgraphs and inlined functions included"),
+    "limits.subgraph_depth": _Option(_positive_int, _LIMITS.subgraph_depth, "deepest nesting of subgraphs accepted"),
+    "limits.context_bytes": _Option(_positive_int, _LIMITS.context_bytes, "largest EPContext blob file read, in bytes"),
     "ep.context_enable": _Option(_boolean, False, "export compiled partitions as EPContext nodes"),
-    "ep.context_file_path": _Option(_optional_str, None, "where the EPContext model goes (default <model>_ctx.onnx)"),
+    "ep.context_file_path": _Option(_optional_str, None, "where the EPContext model goes (default <model>_ctx.onnx; never replaced if it exists); with a model given as bytes, its folder is where embed_mode=0 blobs are read from"),
     "ep.context_embed_mode": _Option(
         _embed_mode,
         0,

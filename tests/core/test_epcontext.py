@@ -14,9 +14,12 @@ from onnx import TensorProto, helper
 import plugrt
 from plugrt.errors import (
     EpContextAmbiguousError,
+    EpContextError,
     EpContextMissingPrimaryError,
+    EpContextOverwriteError,
     EpContextPathError,
     EpContextSourceError,
+    ModelLimitError,
 )
 from plugrt.registry import ProviderRegistry
 
@@ -183,3 +186,100 @@ def test_template_partitions_round_trip_in_a_fresh_process(tmp_path, embed_mode)
     np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected)
     restored = eval(out.strip())
     assert [r for r in restored if r[0] == "template"] == [("template", True)] * len(template_parts)
+
+
+# -- hostile paths and safe export -------------------------------------------------------------
+
+
+def test_context_model_from_bytes_never_reads_blobs_beside_the_working_directory(tmp_path, registry, monkeypatch):
+    (tmp_path / "blob.bin").write_bytes(b"neg:1")
+    path = _context_model(tmp_path, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # the blob sits in the working directory's parent
+    with pytest.raises(EpContextPathError, match="bytes"):
+        plugrt.load(open(path, "rb").read(), registry=registry)
+
+
+def test_context_model_from_bytes_reads_blobs_from_the_named_context_folder(tmp_path, registry):
+    (tmp_path / "blob.bin").write_bytes(b"neg:1")
+    path = _context_model(tmp_path, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
+    session = plugrt.load(open(path, "rb").read(), registry=registry, **{"ep.context_file_path": path})
+    np.testing.assert_array_equal(session.run({"x": X})["y"], -X)
+
+
+def test_context_blob_over_the_limit_is_refused(tmp_path, registry):
+    (tmp_path / "blob.bin").write_bytes(b"neg:1")
+    path = _context_model(tmp_path, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
+    with pytest.raises(ModelLimitError) as info:
+        plugrt.load(path, registry=registry, **{"limits.context_bytes": 4})
+    assert info.value.limit == "context_bytes"
+
+
+def test_context_blob_that_is_a_fifo_is_refused(tmp_path, registry):
+    os.mkfifo(tmp_path / "blob.bin")
+    path = _context_model(tmp_path, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
+    with pytest.raises(EpContextPathError):
+        plugrt.load(path, registry=registry)
+
+
+def test_export_over_the_source_model_is_refused_and_the_source_kept(tmp_path, registry):
+    source = tmp_path / "m.onnx"
+    source.write_bytes(NEG_ADD)
+    options = {"ep.context_enable": 1, "ep.context_file_path": str(source)}
+    with pytest.raises(EpContextOverwriteError, match="source model"):
+        plugrt.load(source, device="ctxaccel", registry=registry, **options)
+    assert source.read_bytes() == NEG_ADD
+
+
+def test_export_over_an_existing_context_model_is_refused(tmp_path, registry):
+    source = tmp_path / "m.onnx"
+    source.write_bytes(NEG_ADD)
+    (tmp_path / "m_ctx.onnx").write_bytes(b"an earlier export")
+    with pytest.raises(EpContextOverwriteError, match="already exists") as info:
+        plugrt.load(source, device="ctxaccel", registry=registry, **{"ep.context_enable": 1})
+    assert info.value.path == str(tmp_path / "m_ctx.onnx")
+    assert (tmp_path / "m_ctx.onnx").read_bytes() == b"an earlier export"
+
+
+def test_failed_export_leaves_no_model_and_no_blobs(tmp_path, registry, monkeypatch):
+    source = tmp_path / "m.onnx"
+    source.write_bytes(NEG_ADD)
+
+    def reject(model, *args, **kwargs):
+        raise onnx.checker.ValidationError("rejected for the test")
+
+    monkeypatch.setattr(onnx.checker, "check_model", reject)
+    with pytest.raises(EpContextError, match="not valid ONNX"):
+        plugrt.load(source, device="ctxaccel", registry=registry, **{"ep.context_enable": 1, "ep.context_embed_mode": 0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(LIGHT) if f.endswith(".onnx")))
+def test_light_models_export_valid_context_models(tmp_path, name):
+    pytest.importorskip("plugrt_provider_template")
+    source = tmp_path / name
+    source.write_bytes(open(os.path.join(LIGHT, name), "rb").read())
+    assert onnx.load(str(source), load_external_data=False).ir_version == 3
+    session = plugrt.load(source, device="template", **{"ep.context_enable": 1, "ep.context_embed_mode": 0})
+    exported = onnx.load(session.context_model_path)
+    onnx.checker.check_model(exported)
+    assert any(n.op_type == "EPContext" for n in exported.graph.node)
+    restored = plugrt.load(session.context_model_path)
+    assert any(p.restored for p in restored.placement.partitions)
+
+
+def test_light_model_context_export_runs_like_the_source(tmp_path):
+    pytest.importorskip("plugrt_provider_template")
+    source = tmp_path / "squeezenet.onnx"
+    source.write_bytes(open(os.path.join(LIGHT, "light_squeezenet.onnx"), "rb").read())
+    session = plugrt.load(source, device="template", **{"ep.context_enable": 1, "ep.context_embed_mode": 0})
+    (spec,) = session.inputs
+    feeds = {spec.name: np.random.default_rng(0).standard_normal(spec.shape).astype(np.float32)}
+    restored = plugrt.load(session.context_model_path)
+    expected = plugrt.load(source, device="cpu").run(feeds)
+    for name, value in restored.run(feeds).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-6)
