@@ -1,0 +1,94 @@
+"""Find CUDA lazily: cupy, a driver, devices, and why not when any is missing."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+from plugrt.provider import Device, DeviceKind
+
+__all__ = ["Probe", "probe", "import_cupy", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'plugrt[cuda]' ./providers/cuda (cupy-cuda12x)"
+
+# cudaError_t values that mean "no usable driver" and "no device"
+_INSUFFICIENT_DRIVER = 35
+_NO_DEVICE = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What a probe found: the devices, or why there are none."""
+
+    devices: tuple[Device, ...]
+    reason: str | None  # None when there is at least one device
+    cupy_version: str = ""
+    driver_version: int = 0  # cudaDriverGetVersion, e.g. 12040; 0 when no driver
+    runtime_version: int = 0
+    architectures: tuple[str, ...] = ()  # per device, "sm_90"
+
+
+def import_cupy() -> Any:
+    """cupy, imported on first use (tests replace this to fake a machine)."""
+    return importlib.import_module("cupy")
+
+
+def probe(importer: Callable[[], Any] = import_cupy) -> Probe:
+    """Look for cupy, a CUDA driver and devices, in that order; say which is missing."""
+    try:
+        cupy = importer()
+    except ImportError as exc:
+        return Probe((), f"cupy is not installed ({exc}); install it with {INSTALL_HINT}")
+    except Exception as exc:  # a broken cupy install must not break the runtime
+        return Probe((), f"cupy failed to import ({type(exc).__name__}: {exc}); reinstall cupy-cuda12x")
+    version = str(getattr(cupy, "__version__", "?"))
+    runtime = cupy.cuda.runtime
+    try:
+        driver = int(runtime.driverGetVersion())
+    except Exception as exc:
+        driver, driver_error = 0, f" ({type(exc).__name__}: {exc})"
+    else:
+        driver_error = ""
+    if driver == 0:
+        return Probe(
+            (), "no CUDA driver: the NVIDIA driver (libcuda) is not installed or cannot be loaded"
+            + driver_error + "; install the NVIDIA driver, or use device='cpu'",
+            cupy_version=version,
+        )
+    try:
+        runtime_version = int(runtime.runtimeGetVersion())
+    except Exception:
+        runtime_version = 0
+    try:
+        count = int(runtime.getDeviceCount())
+    except Exception as exc:
+        status = getattr(exc, "status", None)
+        if status == _INSUFFICIENT_DRIVER:
+            why = (
+                f"the CUDA driver ({_version_text(driver)}) is older than cupy's CUDA runtime "
+                f"({_version_text(runtime_version)}); update the NVIDIA driver"
+            )
+        elif status == _NO_DEVICE:
+            why = "no CUDA device: the driver is installed but reports no GPU"
+        else:
+            why = f"no CUDA device: getDeviceCount failed ({type(exc).__name__}: {exc})"
+        return Probe((), why, version, driver, runtime_version)
+    if count == 0:
+        return Probe((), "no CUDA device: the driver is installed but reports no GPU", version, driver, runtime_version)
+    devices, architectures = [], []
+    for index in range(count):
+        try:
+            props = runtime.getDeviceProperties(index)
+            name = props["name"]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            architectures.append(f"sm_{props['major']}{props['minor']}")
+        except Exception:
+            name = f"CUDA device {index}"
+            architectures.append("")
+        devices.append(Device(DeviceKind.GPU, index, name))
+    return Probe(tuple(devices), None, version, driver, runtime_version, tuple(architectures))
+
+
+def _version_text(version: int) -> str:
+    return f"CUDA {version // 1000}.{version % 1000 // 10}" if version else "unknown"

@@ -1,0 +1,327 @@
+"""The CUDA provider: probes lazily, claims the ops in ``_ops`` for float32/float16, keeps
+values in device memory, captures partitions as CUDA graphs and saves compiled kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from plugrt.errors import EpContextError, UnsupportedOpError
+from plugrt.ir_utils import constant_array
+from plugrt.provider import (
+    CaptureContext,
+    CapturedPartition,
+    CompiledPartition,
+    Device,
+    DeviceKind,
+    NotCapturable,
+    Partition,
+    Step,
+    Support,
+    SupportContext,
+    node_label,
+)
+
+from . import __version__, _context, _probe
+from ._backend import Backend, CupyBackend
+from ._ops import FLOAT_DTYPES, OPS, PRIVATE_DOMAIN, OpInfo, OpSpec, inputs_not_constant
+
+__all__ = ["CUDAProvider", "CompiledState"]
+
+_ONNX_DOMAINS = ("", "ai.onnx")
+_UNSUPPORTED_TYPES = ("string", "complex64", "complex128", "bfloat16")
+
+
+@dataclasses.dataclass
+class CompiledState:
+    """Provider-private data of a compiled partition."""
+
+    backend: Backend
+    verdict: str = ""  # for a partition restored from a context: "" or why it was recompiled
+
+
+def _claimed() -> str:
+    return ", ".join(sorted({op for domain, op in OPS if domain == ""}))
+
+
+class CUDAProvider:
+    """Device arrays are cupy arrays; kernels are cupy's and the provider's own (``_sources``)."""
+
+    name = "cuda"
+    priority = 100
+    memory = "cuda"
+    context_source_keys = ("cuda",)
+    sdk_version = _context.FORMAT
+
+    def __init__(
+        self,
+        *,
+        importer: Callable[[], Any] = _probe.import_cupy,
+        backend: Backend | None = None,
+    ) -> None:
+        # ``backend`` runs the kernels over another array module (numpy in tests without
+        # a GPU); the default is cupy, created on first use.
+        self._importer = importer
+        self._probe: _probe.Probe | None = None
+        self._backend = backend
+
+    # -- availability ------------------------------------------------------------------
+
+    def probe(self) -> _probe.Probe:
+        if self._probe is None:
+            self._probe = _probe.probe(self._importer)
+        return self._probe
+
+    def devices(self) -> list[Device]:
+        return list(self.probe().devices)
+
+    @property
+    def unavailable_reason(self) -> str:
+        return self.probe().reason or ""
+
+    @property
+    def default_device(self) -> Device:
+        devices = self.probe().devices
+        return devices[0] if devices else Device(DeviceKind.GPU, 0)
+
+    def backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = CupyBackend(self._importer())
+        return self._backend
+
+    # -- placement ---------------------------------------------------------------------
+
+    def supports_op(self, node: ir.Node, ctx: SupportContext) -> Support:
+        domain = "" if node.domain in _ONNX_DOMAINS else node.domain
+        shown = f"{domain or 'ai.onnx'}::{node.op_type}"
+        if domain not in ("", PRIVATE_DOMAIN):
+            return Support.no(f"the CUDA provider runs ai.onnx ops only, not {shown}")
+        spec = OPS.get((domain, node.op_type))
+        if spec is None:
+            return Support.no(f"the CUDA provider has no kernel for {shown}; it claims {_claimed()}")
+        opset = ctx.opset(node.domain)
+        if domain == "" and opset < spec.since:
+            return Support.no(
+                f"the CUDA provider implements {node.op_type} from opset {spec.since}; the model imports "
+                f"opset {opset}: convert it with onnx.version_converter.convert_version"
+            )
+        inputs = list(node.inputs)
+        for value in inputs:
+            if value is None:
+                continue
+            why = _dtype_problem(value, spec)
+            if why:
+                return Support.no(f"{shown}: {why}")
+        if spec.math:
+            first = next((v for v in inputs if v is not None), None)
+            dtype = _dtype_name(first)
+            if dtype not in FLOAT_DTYPES:
+                return Support.no(
+                    f"{shown}: the CUDA provider computes float32 and float16 only; input "
+                    f"{first.name if first is not None else '?'!r} is {dtype or 'of unknown type'}"
+                )
+        constants = [constant_array(v) if v is not None else None for v in inputs]
+        missing = inputs_not_constant(spec, constants, [v is not None for v in inputs])
+        if missing:
+            names = ", ".join(repr(inputs[i].name) for i in missing)  # type: ignore[union-attr]
+            return Support.no(
+                f"{shown}: input {names} is computed at run time; the CUDA provider needs it constant "
+                "(reading it from device memory would stall the stream and break capture)"
+            )
+        if spec.check is not None:
+            why = spec.check(self._info(node, opset, constants, backend=None))
+            if why:
+                return Support.no(why)
+        return Support.yes()
+
+    # -- compile -----------------------------------------------------------------------
+
+    def compile(self, partition: Partition) -> CompiledPartition:
+        return self._compile(partition, self.backend())
+
+    def _compile(self, partition: Partition, backend: Backend, verdict: str = "", restored: bool = False) -> CompiledPartition:
+        uploaded: dict[ir.Value, Any] = {}
+        steps = [self._bind(node, partition.opset_imports, backend, uploaded) for node in partition.nodes]
+        return CompiledPartition(partition, steps, self.name, restored=restored, state=CompiledState(backend, verdict))
+
+    def _info(self, node: ir.Node, opset: int, constants: list, backend: Backend | None) -> OpInfo:
+        attributes = {name: _attribute_value(attr) for name, attr in node.attributes.items()}
+        outputs = list(node.outputs)
+        while len(outputs) > 1 and outputs[-1] is None:
+            outputs.pop()
+        return OpInfo(attributes, constants, opset, len(node.inputs), len(outputs), backend)  # type: ignore[arg-type]
+
+    def _bind(self, node: ir.Node, opset_imports: dict[str, int], backend: Backend, uploaded: dict) -> Step:
+        domain = "" if node.domain in _ONNX_DOMAINS else node.domain
+        spec = OPS.get((domain, node.op_type))
+        opset = opset_imports.get(domain, 1 if domain else 0)
+        label = node_label(node)
+        if spec is None:
+            raise UnsupportedOpError(
+                domain, node.op_type, opset, node=label, providers_consulted=[self.name],
+                reasons={self.name: "no CUDA kernel"},
+            )
+        inputs = list(node.inputs)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        constants = [constant_array(v) if v is not None else None for v in inputs]
+        info = self._info(node, opset, constants, backend)
+        fn = spec.builder(info)
+        multi = spec.multi_output or bool(getattr(fn, "multi_output", False))
+        # Constant inputs arrive as host arrays: upload each once, at compile time.
+        device_constants: list[Any] = [None] * len(inputs)
+        for position, (value, array) in enumerate(zip(inputs, constants)):
+            if array is None or position in spec.constant_inputs:
+                continue
+            if value not in uploaded:
+                uploaded[value] = _upload(backend, array)
+            device_constants[position] = uploaded[value]
+        if any(c is not None for c in device_constants):
+            fn = _with_constants(fn, tuple(device_constants))
+        outputs = list(node.outputs)[: info.num_outputs]
+        return Step(fn, inputs, outputs, multi_output=multi, name=label, op_type=node.op_type, domain=domain, nodes=(label,))
+
+    # -- memory (MemoryCapability) -----------------------------------------------------
+
+    def _cupy(self) -> Any:
+        return self.backend().xp
+
+    def _on(self, device: Device | None) -> Any:
+        return self._cupy().cuda.Device(device.index if device is not None else self.default_device.index)
+
+    def allocate(self, shape: tuple[int, ...], dtype: Any, device: Device | None) -> Any:
+        with self._on(device):
+            return self._cupy().empty(tuple(shape), np.dtype(dtype))
+
+    def to_device(self, array: Any, device: Device | None) -> Any:
+        """A device copy of a host array; a CUDA array from another library (torch, JAX,
+        anything with ``__cuda_array_interface__`` or ``__dlpack__``) is taken without a copy."""
+        cp = self._cupy()
+        if isinstance(array, cp.ndarray):
+            return array
+        if hasattr(array, "__cuda_array_interface__"):
+            return cp.asarray(array)
+        if hasattr(array, "__dlpack__") and not isinstance(array, np.ndarray):
+            device_type = array.__dlpack_device__()[0] if hasattr(array, "__dlpack_device__") else None
+            if device_type in (2, 3, 13):  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+                return cp.from_dlpack(array)
+        with self._on(device):
+            return cp.asarray(np.ascontiguousarray(array))
+
+    def to_host(self, array: Any) -> np.ndarray:
+        cp = self._cupy()
+        return cp.asnumpy(array) if isinstance(array, cp.ndarray) else np.asarray(array)
+
+    def copy_into(self, source: Any, target: Any) -> None:
+        cp = self._cupy()
+        if isinstance(target, np.ndarray):
+            np.copyto(target, cp.asnumpy(source))
+        elif isinstance(source, np.ndarray):
+            if target.flags.c_contiguous and source.flags.c_contiguous:
+                target.set(source)
+            else:
+                cp.copyto(target, cp.asarray(source))
+        else:
+            cp.copyto(target, source)
+
+    def owns(self, array: Any) -> bool:
+        return type(array).__module__.startswith("cupy") and hasattr(array, "data") and hasattr(array, "device")
+
+    def allocated_bytes(self) -> int:
+        return int(self._cupy().get_default_memory_pool().total_bytes())
+
+    # -- capture (CaptureCapability) ---------------------------------------------------
+
+    def capture(self, compiled: CompiledPartition, ctx: CaptureContext) -> CapturedPartition | NotCapturable:
+        from ._capture import capture_partition
+
+        state = compiled.state
+        if not isinstance(state, CompiledState) or not isinstance(state.backend, CupyBackend):
+            return NotCapturable([(s.name, "CUDA graphs need the cupy backend") for s in compiled.steps])
+        return capture_partition(compiled, ctx, state.backend)
+
+    # -- EPContext (ContextCapability, ContextCompatibilityCapability) -----------------
+
+    def save_context(self, compiled: CompiledPartition) -> bytes:
+        state = compiled.state
+        if not isinstance(state, CompiledState) or not isinstance(state.backend, CupyBackend):
+            raise EpContextError(f"partition {compiled.partition.name!r} was not compiled by the CUDA provider on a GPU")
+        found = self.probe()
+        arch = found.architectures[0] if found.architectures else ""
+        saved = _context.SavedContext(
+            arch, found.driver_version, found.runtime_version, found.cupy_version, state.backend.compiled_cubins(arch)
+        )
+        return _context.dumps(saved)
+
+    def check_context(self, meta: Mapping[str, Any]) -> Support:
+        version = meta.get("ep_sdk_version")
+        if version not in (None, "", _context.FORMAT):
+            return Support.no(f"CUDA context format {version!r}; this plugrt-cuda {__version__} reads {_context.FORMAT!r}: re-export the model")
+        return Support.yes()
+
+    def load_context(self, blob: bytes, meta: Mapping[str, Any]) -> CompiledPartition:
+        """Restore a partition: load the saved cubins when they fit this GPU, driver and
+        cupy, else compile from source and say why in ``state.verdict``."""
+        label = meta.get("partition_name", "?")
+        partition = meta.get("partition")
+        if not isinstance(partition, Partition):
+            raise EpContextError("CUDA load_context needs meta['partition'], the Partition the context stands for")
+        try:
+            saved = _context.loads(blob)
+        except ValueError as exc:
+            raise EpContextError(f"CUDA context of partition {label!r} cannot be restored: {exc}") from exc
+        found = self.probe()
+        arch = found.architectures[0] if found.architectures else ""
+        why = _context.verdict(saved, arch=arch, driver_version=found.driver_version, cupy_version=found.cupy_version)
+        if why is not None:
+            return self._compile(partition, self.backend(), verdict=f"recompiled: {why}")
+        return self._compile(partition, CupyBackend(self._importer(), saved.cubins), verdict="restored", restored=True)
+
+
+def _with_constants(fn: Callable[..., Any], device_constants: tuple) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        return fn(*[d if d is not None else a for a, d in zip(args, device_constants)], *args[len(device_constants) :])
+
+    return run
+
+
+def _upload(backend: Backend, array: np.ndarray) -> Any:
+    return backend.xp.asarray(np.ascontiguousarray(array))
+
+
+def _dtype_name(value: ir.Value | None) -> str | None:
+    if value is None or not isinstance(value.type, ir.TensorType) or value.dtype is None:
+        return None
+    try:
+        return np.dtype(value.dtype.numpy()).name
+    except Exception:
+        return value.dtype.name.lower()
+
+
+def _dtype_problem(value: ir.Value, spec: OpSpec) -> str | None:
+    if value.type is not None and not isinstance(value.type, ir.TensorType):
+        return f"input {value.name!r} is a {type(value.type).__name__}, the CUDA provider takes tensors only"
+    name = _dtype_name(value)
+    if name is not None and (name in _UNSUPPORTED_TYPES or name.startswith("float8") or name in ("int4", "uint4")):
+        return f"input {value.name!r} is {name}, which the CUDA provider does not hold on the device"
+    return None
+
+
+def _attribute_value(attr: ir.Attr) -> Any:
+    kind, value = attr.type, attr.value
+    if kind == ir.AttributeType.FLOAT:
+        return float(value)
+    if kind == ir.AttributeType.INT:
+        return int(value)
+    if kind == ir.AttributeType.STRING:
+        return value.decode("utf-8") if isinstance(value, bytes) else value
+    if kind == ir.AttributeType.FLOATS:
+        return [float(v) for v in value]
+    if kind == ir.AttributeType.INTS:
+        return [int(v) for v in value]
+    if kind == ir.AttributeType.TENSOR:
+        return value.numpy()
+    return value
