@@ -116,9 +116,16 @@ def resolve_device(
                     where = f"{kind_word}:{index}" if index is not None else kind_word
                     have = {p.name: [str(d) for d in registry.devices(p.name)] for p in available}
                     failures = "; ".join(str(f) for f in registry.failures().values())
+                    # installed providers without a device say why (e.g. cuda: no CUDA driver)
+                    idle = "; ".join(
+                        f"{name}: {why}"
+                        for name in registry.providers()
+                        if name not in registry.failures() and (why := registry.unavailable_reason(name))
+                    )
                     raise ProviderUnavailableError(
                         where,
                         f"no installed provider offers a {where} device (available: {have})"
+                        + (f"; unavailable: {idle}" if idle else "")
                         + (f"; failed providers: {failures}" if failures else ""),
                         hint="install a provider package for this device (e.g. 'pip install plugrt[cuda]'), "
                         "or use device='auto' to fall back to what is available",
