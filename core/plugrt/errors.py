@@ -34,9 +34,6 @@ __all__ = [
     "EpContextOverwriteError",
     "ModelBuildError",
     "RunError",
-    "EpContextOverwriteError",
-    "ModelBuildError",
-    "RunError",
     "BatchColumnError",
     "BatchRowError",
     "RunTerminatedError",
@@ -445,44 +442,6 @@ class ProviderNameMismatchError(PlugrtError):
             f"provider {provider!r} returned a CompiledPartition labelled {labelled!r}; leave "
             f"CompiledPartition's provider out (plugrt fills in {provider!r}) or rename it to match"
         )
-
-
-# --- hostile models and misbehaving providers ----------------------------------------
-
-
-class EpContextOverwriteError(EpContextError):
-    """Exporting an EPContext model would replace an existing file (the source model, an
-    earlier export, a blob)."""
-
-    def __init__(self, path: str, why: str):
-        self.path = path
-        self.why = why
-        super().__init__(
-            f"EPContext export refused: {path!r} {why}; delete it or choose another "
-            "'ep.context_file_path'"
-        )
-
-
-class ModelBuildError(ModelLoadError):
-    """Building a session from a model failed in a way no specific check anticipated."""
-
-    def __init__(self, cause: BaseException, *, source: str | None = None):
-        self.cause = cause
-        super().__init__(
-            f"the model cannot be built: {type(cause).__name__}: {cause}; the model is malformed "
-            "or uses something plugrt does not handle (report it with the model if onnxruntime "
-            "accepts it)",
-            source=source,
-            reason=f"unexpected {type(cause).__name__}",
-        )
-
-
-class RunError(PlugrtError):
-    """A run failed outside any kernel in a way no specific check anticipated."""
-
-    def __init__(self, cause: BaseException):
-        self.cause = cause
-        super().__init__(f"the run failed: {type(cause).__name__}: {cause}")
 
 
 # --- hostile models and misbehaving providers ----------------------------------------
