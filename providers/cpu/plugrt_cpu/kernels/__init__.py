@@ -23,6 +23,9 @@ from . import (
     loss,
     training,
     ml,
+    contrib_attention,
+    contrib_quantization,
+    contrib_normalization,
 )
 
-__all__ = ["elementwise", "tensor", "generator", "conv", "pooling", "softmax", "dropout", "lrn", "normalization", "reduction", "linalg", "quantization", "controlflow", "sequence", "rnn", "attention", "signal", "image", "text", "loss", "training", "ml", ]
+__all__ = ["elementwise", "tensor", "generator", "conv", "pooling", "softmax", "dropout", "lrn", "normalization", "reduction", "linalg", "quantization", "controlflow", "sequence", "rnn", "attention", "signal", "image", "text", "loss", "training", "ml", "contrib_attention", "contrib_quantization", "contrib_normalization", ]

@@ -1,0 +1,522 @@
+"""com.microsoft attention kernels: GroupQueryAttention, MultiHeadAttention, Attention, RotaryEmbedding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._registry import KernelContext, kernel, kernel_builder
+from .attention import _grouped_matmul, _merge_heads, _split_heads
+
+_MS = "com.microsoft"
+_DEFAULT_MASK_FILTER = -10000.0
+
+
+def _rotate(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool
+) -> np.ndarray:
+    """Rotary embedding of x (..., seq, size) with cos/sin (..., seq, rotary/2) broadcast over heads.
+
+    The first ``rotary`` channels of each head rotate in pairs (adjacent pairs when
+    ``interleaved``, the two halves otherwise); the rest pass through.
+    """
+    half = cos.shape[-1]
+    rotary = 2 * half
+    if rotary > x.shape[-1]:
+        raise ValueError(f"rotary dimension {rotary} (2 x cos_cache's last dimension) exceeds head size {x.shape[-1]}")
+    cos = cos.astype(x.dtype, copy=False)
+    sin = sin.astype(x.dtype, copy=False)
+    out = x.copy()
+    if interleaved:
+        first, second = x[..., 0:rotary:2], x[..., 1:rotary:2]
+        out[..., 0:rotary:2] = first * cos - second * sin
+        out[..., 1:rotary:2] = first * sin + second * cos
+    else:
+        first, second = x[..., :half], x[..., half:rotary]
+        out[..., :half] = first * cos - second * sin
+        out[..., half:rotary] = first * sin + second * cos
+    return out
+
+
+def _cache_rows(cache: np.ndarray, positions: np.ndarray, name: str) -> np.ndarray:
+    """cos/sin cache rows for integer ``positions``, with a clear error when out of range."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.size and (positions.min() < 0 or positions.max() >= cache.shape[0]):
+        raise ValueError(
+            f"position ids range over [{positions.min()}, {positions.max()}] but {name} has "
+            f"{cache.shape[0]} rows; build the cache for the longest sequence the model will see"
+        )
+    return cache[positions]
+
+
+# ----------------------------------------------------------------------------- RotaryEmbedding
+
+
+@kernel("RotaryEmbedding", 1, domain=_MS)
+def rotary_embedding(
+    x,
+    position_ids,
+    cos_cache,
+    sin_cache,
+    *,
+    interleaved=0,
+    num_heads=0,
+    rotary_embedding_dim=0,
+    is_packed_batching=0,
+    scale=1.0,
+):
+    if is_packed_batching:
+        raise ValueError("RotaryEmbedding with is_packed_batching=1 is not supported on the CPU provider")
+    if x.ndim == 4:  # (batch, heads, seq, size)
+        batch, _, seq, size = x.shape
+        heads = x
+    elif x.ndim == 3:
+        batch, seq, hidden = x.shape
+        if num_heads:
+            size = hidden // num_heads
+        else:
+            # without num_heads the head size follows from a full-width cos cache
+            size = rotary_embedding_dim or 2 * cos_cache.shape[-1]
+        if not size or hidden % size:
+            raise ValueError(f"hidden size {hidden} is not a multiple of the head size {size}; set num_heads")
+        heads = x.reshape(batch, seq, hidden // size, size).transpose(0, 2, 1, 3)
+    else:
+        raise ValueError(f"RotaryEmbedding expects a 3-D or 4-D input, got rank {x.ndim}")
+    position_ids = np.asarray(position_ids, dtype=np.int64)
+    if position_ids.size == 1 and position_ids.ndim <= 1:
+        # one offset: token s of every sequence sits at offset + s
+        positions = position_ids.reshape(()) + np.arange(seq)[None, :]
+        positions = np.broadcast_to(positions, (batch, seq))
+    elif position_ids.shape == (batch, seq):
+        positions = position_ids
+    else:
+        raise ValueError(f"position_ids must have shape (1,) or ({batch}, {seq}), got {position_ids.shape}")
+    half = (rotary_embedding_dim or size) // 2
+    if cos_cache.shape[-1] < half:
+        raise ValueError(f"cos_cache's last dimension {cos_cache.shape[-1]} is below rotary_embedding_dim/2 = {half}")
+    cos = _cache_rows(cos_cache[:, :half], positions, "cos_cache")[:, None]  # (batch, 1, seq, half)
+    sin = _cache_rows(sin_cache[:, :half], positions, "sin_cache")[:, None]
+    out = _rotate(heads, cos, sin, bool(interleaved))
+    if x.ndim == 3:
+        out = out.transpose(0, 2, 1, 3).reshape(x.shape)
+    return out
+
+
+# ----------------------------------------------------------------------------- shared attention core
+
+
+def _softmax_rows(scores: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:
+    """Softmax over the last axis, in place; ``sink`` (broadcastable to the row max) adds
+    exp(sink) to each denominator (smooth softmax / attention sinks)."""
+    row_max = np.max(scores, axis=-1, keepdims=True)
+    if sink is not None:
+        row_max = np.maximum(row_max, sink)
+    np.subtract(scores, row_max, out=scores)
+    np.exp(scores, out=scores)
+    total = np.sum(scores, axis=-1, keepdims=True)
+    if sink is not None:
+        total += np.exp(sink - row_max)
+    scores /= total
+    return scores
+
+
+def _masked_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    additive: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """softmax(scale * q k^T + additive) v for (B, H, S, D) inputs; returns (output, raw scores, probs)."""
+    scores = _grouped_matmul(q * q.dtype.type(scale), np.swapaxes(k, -1, -2))
+    raw = scores
+    if additive is not None:
+        scores = scores + additive
+    else:
+        scores = scores.copy()
+    probs = _softmax_rows(scores)
+    return _grouped_matmul(probs, v), raw, probs
+
+
+def _padding_mask_additive(
+    mask: np.ndarray | None,
+    batch: int,
+    seq: int,
+    past: int,
+    total: int,
+    filter_value: float,
+    dtype: np.dtype,
+) -> np.ndarray | None:
+    """An additive (B, 1, S, T) term for an Attention mask_index / MultiHeadAttention key
+    padding mask, in every layout onnxruntime accepts (see ContribOperators.md)."""
+    if mask is None:
+        return None
+    keys = np.arange(total)
+    if mask.ndim == 1 and mask.shape[0] == batch:  # right padding: valid lengths
+        allowed = keys[None, :] < mask.astype(np.int64)[:, None]
+        allowed = allowed[:, None, None, :]
+    elif mask.ndim == 1 and mask.shape[0] == 2 * batch:  # left padding: exclusive ends, then starts
+        ends = mask[:batch].astype(np.int64)[:, None]
+        starts = mask[batch:].astype(np.int64)[:, None]
+        allowed = ((keys[None, :] < ends) & (keys[None, :] >= starts))[:, None, None, :]
+    elif mask.ndim == 2 and mask.shape[0] == batch and mask.shape[1] in (total, total - past):
+        if mask.shape[1] != total:  # a mask over the new keys only: the past is always attended
+            mask = np.concatenate([np.ones((batch, past), mask.dtype), mask], axis=1)
+        allowed = (mask != 0)[:, None, None, :]
+    elif mask.ndim == 3 and mask.shape == (batch, seq, total):
+        allowed = (mask != 0)[:, None]
+    elif mask.ndim == 4 and mask.shape[0] == batch and mask.shape[1] == 1:
+        # (B, 1, max, max) with the max-length causal layout: take our window of it
+        if mask.shape[2] < past + seq or mask.shape[3] < total:
+            raise ValueError(f"4-D mask of shape {mask.shape} is too small for {past + seq} queries over {total} keys")
+        allowed = mask[:, :, past:past + seq, :total] != 0
+    else:
+        raise ValueError(
+            f"mask of shape {mask.shape} is not one of (B,), (2B,), (B, T), (B, S, T), (B, 1, M, M) "
+            f"for batch {batch}, sequence {seq}, total length {total}"
+        )
+    return np.where(allowed, dtype.type(0), dtype.type(filter_value))
+
+
+def _causal_additive(seq: int, past: int, total: int, filter_value: float, dtype: np.dtype) -> np.ndarray:
+    """(S, T) additive term masking keys after each query's own position (query i sits at past + i)."""
+    future = np.arange(total)[None, :] > (past + np.arange(seq))[:, None]
+    return np.where(future, dtype.type(filter_value), dtype.type(0))
+
+
+def _add(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+# ----------------------------------------------------------------------------- Attention
+
+
+@kernel_builder("Attention", 1, domain=_MS, multi_output=True)
+def attention(ctx: KernelContext):
+    attrs = ctx.attributes
+    num_heads = int(attrs["num_heads"]) if "num_heads" in attrs else 0
+    if num_heads <= 0:
+        raise NotImplementedError("Attention needs a positive num_heads attribute")
+    if attrs.get("do_rotary", 0):
+        raise NotImplementedError("Attention with do_rotary=1 is not supported on the CPU provider")
+    if attrs.get("past_present_share_buffer", 0):
+        raise NotImplementedError("Attention with past_present_share_buffer=1 is not supported on the CPU provider")
+    unidirectional = bool(attrs.get("unidirectional", 0))
+    scale_attr = float(attrs.get("scale", 0.0) or 0.0)
+    filter_value = float(attrs.get("mask_filter_value", _DEFAULT_MASK_FILTER))
+    sizes = attrs.get("qkv_hidden_sizes")
+
+    def run(x, weights, bias=None, mask_index=None, past=None, attention_bias=None, past_sequence_length=None):
+        if x.ndim != 3 or weights.ndim != 2 or weights.shape[0] != x.shape[2]:
+            raise ValueError(f"input {x.shape} and weights {weights.shape} must be (B, S, In) and (In, Hq + Hk + Hv)")
+        hidden = weights.shape[1]
+        if sizes:
+            q_size, k_size, v_size = (int(s) for s in sizes)
+        else:
+            if hidden % 3:
+                raise ValueError(f"weights' second dimension {hidden} is not divisible by 3; set qkv_hidden_sizes")
+            q_size = k_size = v_size = hidden // 3
+        if q_size + k_size + v_size != hidden or q_size != k_size:
+            raise ValueError(f"qkv_hidden_sizes {(q_size, k_size, v_size)} do not fit weights of width {hidden}")
+        for size in (q_size, v_size):
+            if size % num_heads:
+                raise ValueError(f"hidden size {size} is not a multiple of num_heads={num_heads}")
+        projected = np.matmul(x, weights)  # one BLAS call for Q, K and V
+        if bias is not None:
+            projected += bias
+        q = _split_heads(projected[..., :q_size], num_heads, "Q")
+        k = _split_heads(projected[..., q_size:q_size + k_size], num_heads, "K")
+        v = _split_heads(projected[..., q_size + k_size:], num_heads, "V")
+        past_length = 0
+        if past is not None:
+            if past.ndim != 5 or past.shape[0] != 2:
+                raise ValueError(f"past must be (2, B, N, P, D), got {past.shape}")
+            past_length = past.shape[3]
+            k = np.concatenate([past[0].astype(k.dtype, copy=False), k], axis=2)
+            v = np.concatenate([past[1].astype(v.dtype, copy=False), v], axis=2)
+        batch, _, seq, head_size = q.shape
+        total = k.shape[2]
+        dtype = q.dtype
+        additive = _padding_mask_additive(mask_index, batch, seq, past_length, total, filter_value, dtype)
+        if unidirectional:
+            additive = _add(additive, _causal_additive(seq, past_length, total, filter_value, dtype))
+        if attention_bias is not None:
+            additive = _add(additive, attention_bias.astype(dtype, copy=False))
+        scale = scale_attr or 1 / np.sqrt(head_size)
+        out, _, _ = _masked_attention(q, k, v, scale, additive)
+        present = np.stack([k, v]) if ctx.num_outputs > 1 else None
+        return _merge_heads(out), present
+
+    return run
+
+
+# ----------------------------------------------------------------------------- MultiHeadAttention
+
+
+def _mha_inputs(
+    query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None, bias: np.ndarray | None, num_heads: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """q (B, N, S, D), k and v (B, N, L, D) from MultiHeadAttention's input layouts; the
+    flag says whether k/v were given already in BNSH (cross-attention cache) form."""
+    if query.ndim == 5:  # packed QKV (B, S, N, 3, D)
+        if key is not None or value is not None:
+            raise ValueError("packed QKV query (5-D) takes no key or value inputs")
+        if bias is not None:
+            query = query + bias.reshape(3, num_heads, -1).transpose(1, 0, 2)
+        parts = query.transpose(3, 0, 2, 1, 4)  # (3, B, N, S, D)
+        return parts[0], parts[1], parts[2], False
+    if query.ndim != 3:
+        raise ValueError(f"query must be 3-D (B, S, hidden) or 5-D packed QKV, got rank {query.ndim}")
+    q_hidden = query.shape[2]
+    if key is None:
+        raise ValueError("MultiHeadAttention needs key and value unless query is packed QKV")
+    if key.ndim == 5:  # packed KV (B, L, N, 2, D)
+        if value is not None:
+            raise ValueError("packed KV key (5-D) takes no value input")
+        if bias is not None:
+            query = query + bias[:q_hidden]
+            key = key + bias[q_hidden:].reshape(2, num_heads, -1).transpose(1, 0, 2)
+        parts = key.transpose(3, 0, 2, 1, 4)
+        return _split_heads(query, num_heads, "query"), parts[0], parts[1], False
+    if value is None:
+        raise ValueError("MultiHeadAttention needs a value input with a 3-D or 4-D key")
+    if key.ndim == 4:  # BNSH keys and values, used as they are
+        if bias is not None:
+            query = query + bias[:q_hidden]
+        return _split_heads(query, num_heads, "query"), key, value, True
+    if key.ndim != 3 or value.ndim != 3:
+        raise ValueError(f"key and value must both be 3-D or 4-D, got ranks {key.ndim}, {value.ndim}")
+    if bias is not None:
+        k_hidden = key.shape[2]
+        query = query + bias[:q_hidden]
+        key = key + bias[q_hidden:q_hidden + k_hidden]
+        value = value + bias[q_hidden + k_hidden:]
+    return (
+        _split_heads(query, num_heads, "query"),
+        _split_heads(key, num_heads, "key"),
+        _split_heads(value, num_heads, "value"),
+        False,
+    )
+
+
+@kernel_builder("MultiHeadAttention", 1, domain=_MS, multi_output=True)
+def multi_head_attention(ctx: KernelContext):
+    attrs = ctx.attributes
+    num_heads = int(attrs.get("num_heads", 0))
+    if num_heads <= 0:
+        raise NotImplementedError("MultiHeadAttention needs a positive num_heads attribute")
+    unidirectional = bool(attrs.get("unidirectional", 0))
+    scale_attr = float(attrs.get("scale", 0.0) or 0.0)
+    filter_value = float(attrs.get("mask_filter_value", _DEFAULT_MASK_FILTER))
+
+    def run(
+        query,
+        key=None,
+        value=None,
+        bias=None,
+        key_padding_mask=None,
+        attention_bias=None,
+        past_key=None,
+        past_value=None,
+        past_sequence_length=None,
+        cache_indirection=None,
+    ):
+        if past_sequence_length is not None or cache_indirection is not None:
+            raise ValueError(
+                "MultiHeadAttention's past_sequence_length / cache_indirection (beam search) are not supported"
+            )
+        if (past_key is None) != (past_value is None):
+            raise ValueError("past_key and past_value must be given together")
+        q, k, v, bnsh = _mha_inputs(query, key, value, bias, num_heads)
+        past_length = 0
+        if past_key is not None:
+            if bnsh:
+                raise ValueError("past_key/past_value cannot be combined with 4-D (BNSH) key and value")
+            past_length = past_key.shape[2]
+            k = np.concatenate([past_key, k], axis=2)
+            v = np.concatenate([past_value, v], axis=2)
+        batch, _, seq, head_size = q.shape
+        total = k.shape[2]
+        dtype = q.dtype
+        additive = _padding_mask_additive(key_padding_mask, batch, seq, past_length, total, filter_value, dtype)
+        if unidirectional:
+            additive = _add(additive, _causal_additive(seq, past_length, total, filter_value, dtype))
+        if attention_bias is not None:
+            additive = _add(additive, attention_bias.astype(dtype, copy=False))
+        scale = scale_attr or 1 / np.sqrt(head_size)
+        out, raw, probs = _masked_attention(q, k, v, scale, additive)
+        present_key = k if ctx.num_outputs > 1 else None
+        present_value = v if ctx.num_outputs > 2 else None
+        qk = raw if ctx.num_outputs > 3 else None
+        return _merge_heads(out), present_key, present_value, qk
+
+    return run
+
+
+# ----------------------------------------------------------------------------- GroupQueryAttention
+
+
+def _gqa_unsupported(attrs: dict[str, Any]) -> str | None:
+    """Why the CPU provider cannot run this GroupQueryAttention node, or None."""
+    for name in ("k_quant_type", "v_quant_type"):
+        value = attrs.get(name, "NONE")
+        value = value.decode() if isinstance(value, bytes) else value
+        if value != "NONE":
+            return f"GroupQueryAttention with a quantized KV cache ({name}={value}) is not supported"
+    if attrs.get("sliding_window_cache", 0):
+        return "GroupQueryAttention with sliding_window_cache=1 is not supported"
+    if attrs.get("qk_output", 0):
+        return "GroupQueryAttention's qk_output is not supported"
+    return None
+
+
+@kernel_builder("GroupQueryAttention", 1, domain=_MS, multi_output=True)
+def group_query_attention(ctx: KernelContext):
+    attrs = ctx.attributes
+    num_heads = int(attrs.get("num_heads", 0))
+    kv_num_heads = int(attrs.get("kv_num_heads", 0))
+    if num_heads <= 0 or kv_num_heads <= 0 or num_heads % kv_num_heads:
+        raise NotImplementedError(
+            f"GroupQueryAttention needs num_heads ({num_heads}) a positive multiple of kv_num_heads ({kv_num_heads})"
+        )
+    reason = _gqa_unsupported(attrs)
+    if reason:
+        raise NotImplementedError(reason)
+    if int(attrs.get("causal", 1)) != 1:
+        raise NotImplementedError("GroupQueryAttention with causal=0 is not supported")
+    scale_attr = float(attrs.get("scale", 0.0) or 0.0)
+    softcap = float(attrs.get("softcap", 0.0) or 0.0)
+    do_rotary = bool(attrs.get("do_rotary", 0))
+    interleaved = bool(attrs.get("rotary_interleaved", 0))
+    window = int(attrs.get("local_window_size", -1))
+    smooth = int(attrs.get("smooth_softmax", -1)) == 1
+
+    def run(
+        query,
+        key=None,
+        value=None,
+        past_key=None,
+        past_value=None,
+        seqlens_k=None,
+        total_sequence_length=None,
+        cos_cache=None,
+        sin_cache=None,
+        position_ids=None,
+        attention_bias=None,
+        head_sink=None,
+        k_scale=None,
+        v_scale=None,
+        q_norm_weight=None,
+        k_norm_weight=None,
+        query_seqlens=None,
+    ):
+        if seqlens_k is None or total_sequence_length is None:
+            raise ValueError("GroupQueryAttention needs the seqlens_k and total_sequence_length inputs")
+        if q_norm_weight is not None or k_norm_weight is not None or query_seqlens is not None:
+            raise ValueError("GroupQueryAttention's q/k_norm_weight and query_seqlens inputs are not supported")
+        if (past_key is None) != (past_value is None):
+            raise ValueError("past_key and past_value must be given together")
+        if query.ndim != 3:
+            raise ValueError(f"query must be 3-D (B, S, hidden), got shape {query.shape}")
+        batch, seq, hidden = query.shape
+        if key is None:  # packed QKV
+            if value is not None:
+                raise ValueError("packed QKV (no key input) takes no value input")
+            head_size, rest = divmod(hidden, num_heads + 2 * kv_num_heads)
+            if rest:
+                raise ValueError(f"packed QKV width {hidden} is not a multiple of num_heads + 2 * kv_num_heads")
+            q_width, kv_width = num_heads * head_size, kv_num_heads * head_size
+            key = query[..., q_width:q_width + kv_width]
+            value = query[..., q_width + kv_width:]
+            query = query[..., :q_width]
+        elif value is None:
+            raise ValueError("GroupQueryAttention needs a value input with a key input")
+        q = _split_heads(query, num_heads, "query")
+        k = _split_heads(key, kv_num_heads, "key")
+        v = _split_heads(value, kv_num_heads, "value")
+        head_size = q.shape[-1]
+        if k.shape[2] != seq:
+            raise ValueError(
+                f"key has {k.shape[2]} tokens but query has {seq}; GroupQueryAttention needs equal lengths"
+            )
+        dtype = q.dtype
+        lengths = np.asarray(seqlens_k, dtype=np.int64).reshape(-1) + 1  # tokens in the cache after this step
+        if lengths.shape[0] != batch:
+            raise ValueError(f"seqlens_k has {lengths.shape[0]} entries for batch {batch}")
+        max_total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+        buffer = 0 if past_key is None else past_key.shape[2]
+        capacity = max(max_total, buffer)
+        # A first prompt fills the cache from position 0; otherwise the new tokens follow
+        # the cached ones of each batch entry.
+        first_prompt = seq == max_total
+        past_lengths = np.zeros(batch, np.int64) if first_prompt else lengths - seq
+        if np.any(past_lengths < 0) or np.any(past_lengths > buffer) or np.any(lengths > capacity):
+            raise ValueError(
+                f"seqlens_k {lengths - 1} do not fit a step of {seq} tokens with a past of {buffer} "
+                f"and total_sequence_length {max_total}"
+            )
+        if do_rotary:
+            if cos_cache is None or sin_cache is None:
+                raise ValueError("do_rotary=1 needs the cos_cache and sin_cache inputs")
+            if position_ids is None:
+                positions = past_lengths[:, None] + np.arange(seq)[None, :]
+            elif first_prompt:
+                # a first prompt reads only the first position id (as onnxruntime does)
+                first = int(np.asarray(position_ids).reshape(-1)[0])
+                positions = np.broadcast_to(first + np.arange(seq)[None, :], (batch, seq))
+            else:
+                positions = np.asarray(position_ids, dtype=np.int64).reshape(batch, seq)
+            cos = _cache_rows(cos_cache, positions, "cos_cache")[:, None]
+            sin = _cache_rows(sin_cache, positions, "sin_cache")[:, None]
+            q = _rotate(q, cos, sin, interleaved)
+            k = _rotate(k, cos, sin, interleaved)
+
+        present_k = np.zeros((batch, kv_num_heads, capacity, head_size), dtype)
+        present_v = np.zeros_like(present_k)
+        uniform = bool(np.all(past_lengths == past_lengths[0]))
+        if uniform:  # the common case: one slice for the whole batch
+            start = int(past_lengths[0])
+            if past_key is not None and start:
+                present_k[:, :, :start] = past_key[:, :, :start]
+                present_v[:, :, :start] = past_value[:, :, :start]
+            present_k[:, :, start:start + seq] = k[:, :, :capacity - start]
+            present_v[:, :, start:start + seq] = v[:, :, :capacity - start]
+        else:
+            for b in range(batch):  # ragged batch: a loop over the (small) batch dimension
+                start = int(past_lengths[b])
+                if past_key is not None:
+                    present_k[b, :, :start] = past_key[b, :, :start]
+                    present_v[b, :, :start] = past_value[b, :, :start]
+                present_k[b, :, start:start + seq] = k[b, :, :capacity - start]
+                present_v[b, :, start:start + seq] = v[b, :, :capacity - start]
+
+        scale = scale_attr or 1 / np.sqrt(head_size)
+        scores = _grouped_matmul(q * dtype.type(scale), np.swapaxes(present_k, -1, -2))  # (B, N, S, C)
+        if softcap > 0:
+            scores = np.tanh(scores / dtype.type(softcap)) * dtype.type(softcap)
+        if attention_bias is not None:
+            if attention_bias.shape[-1] < capacity:
+                pad = [(0, 0)] * (attention_bias.ndim - 1) + [(0, capacity - attention_bias.shape[-1])]
+                attention_bias = np.pad(attention_bias, pad)
+            scores = scores + attention_bias[..., :capacity].astype(dtype, copy=False)
+        query_positions = past_lengths[:, None] + np.arange(seq)[None, :]  # (B, S)
+        keys = np.arange(capacity)
+        allowed = (keys[None, None, :] <= query_positions[:, :, None]) & (keys[None, None, :] < lengths[:, None, None])
+        if window > 0:
+            allowed &= keys[None, None, :] > query_positions[:, :, None] - window
+        scores = np.where(allowed[:, None], scores, dtype.type(-np.inf))
+        sink = None
+        if head_sink is not None:
+            sink = head_sink.astype(dtype, copy=False).reshape(1, num_heads, 1, 1)
+        elif smooth:
+            sink = np.zeros((1, 1, 1, 1), dtype)
+        probs = _softmax_rows(scores, sink)
+        out = _grouped_matmul(probs, present_v)
+        return _merge_heads(out), present_k, present_v
+
+    return run

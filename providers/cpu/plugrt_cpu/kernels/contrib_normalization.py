@@ -1,0 +1,161 @@
+"""com.microsoft fused normalization and activation kernels (SkipLayerNormalization, FastGelu, ...)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._registry import kernel
+from .elementwise import erf, sigmoid
+
+_MS = "com.microsoft"
+_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_HALF = 0.7071067811865476
+
+
+def _work(x: np.ndarray) -> np.ndarray:
+    """x in a type the statistics are computed in: float32 and float64 as they are, half types in float32."""
+    return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+
+
+def _normalize(
+    x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilon: float, simplified: bool, axis: int = -1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(Layer or RMS) normalization of x over the axes from ``axis`` on: (y, mean, inv_std).
+
+    y has x's type; the statistics keep their reduced axes (size 1) in the work type.
+    """
+    work = _work(x)
+    axis = axis + x.ndim if axis < 0 else axis
+    if not 0 <= axis < x.ndim:
+        raise ValueError(f"normalization axis {axis} is out of range for rank {x.ndim}")
+    axes = tuple(range(axis, x.ndim))
+    if simplified:
+        mean = np.zeros(x.shape[:axis] + (1,) * len(axes), work.dtype)
+        centred = work
+    else:
+        mean = np.mean(work, axis=axes, keepdims=True)
+        centred = work - mean
+    variance = np.mean(np.square(centred), axis=axes, keepdims=True)
+    inv_std = 1 / np.sqrt(variance + work.dtype.type(epsilon))
+    y = centred * inv_std
+    y = y * _work(gamma)
+    if beta is not None:
+        y += _work(beta)
+    return y.astype(x.dtype, copy=False), mean, inv_std
+
+
+def _skip_sum(x: np.ndarray, skip: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    hidden = x.shape[-1]
+    if skip.shape[-1] != hidden:
+        raise ValueError(f"skip's last dimension {skip.shape[-1]} differs from the input's hidden size {hidden}")
+    total = x + skip
+    if bias is not None:
+        total += bias
+    return total
+
+
+def _check_hidden(name: str, value: np.ndarray | None, hidden: int) -> None:
+    if value is not None and value.shape[-1:] != (hidden,):
+        raise ValueError(f"{name} must have shape ({hidden},) to match the hidden size, got {value.shape}")
+
+
+@kernel("SkipLayerNormalization", 1, domain=_MS, multi_output=True)
+def skip_layer_normalization(x, skip, gamma, beta=None, bias=None, *, epsilon=1e-12):
+    hidden = x.shape[-1]
+    for name, value in (("gamma", gamma), ("beta", beta), ("bias", bias)):
+        _check_hidden(name, value, hidden)
+    total = _skip_sum(x, skip, bias)
+    y, mean, inv_std = _normalize(total, gamma, beta, epsilon, simplified=False)
+    return y, mean, inv_std, total
+
+
+@kernel("SkipSimplifiedLayerNormalization", 1, domain=_MS, multi_output=True)
+def skip_simplified_layer_normalization(x, skip, gamma, bias=None, *, epsilon=1e-12):
+    hidden = x.shape[-1]
+    for name, value in (("gamma", gamma), ("bias", bias)):
+        _check_hidden(name, value, hidden)
+    total = _skip_sum(x, skip, bias)
+    y, mean, inv_std = _normalize(total, gamma, None, epsilon, simplified=True)
+    return y, mean, inv_std, total
+
+
+# onnxruntime registers SimplifiedLayerNormalization in the default (ai.onnx) domain.
+@kernel("SimplifiedLayerNormalization", 1, multi_output=True)
+def simplified_layer_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    y, _, inv_std = _normalize(x, scale, None, epsilon, simplified=True, axis=axis)
+    return y, inv_std.astype(np.float32, copy=False)
+
+
+@kernel("FastGelu", 1, domain=_MS)
+def fast_gelu(x, bias=None):
+    work = _work(x if bias is None else x + bias)
+    cube = work * work * work
+    inner = work.dtype.type(_SQRT_2_OVER_PI) * (work + work.dtype.type(0.044715) * cube)
+    y = work * (np.tanh(inner) + 1) * work.dtype.type(0.5)
+    return y.astype(x.dtype, copy=False)
+
+
+@kernel("BiasGelu", 1, domain=_MS)
+def bias_gelu(a, b):
+    work = _work(a + b)
+    y = work * (erf(work * work.dtype.type(_SQRT_HALF)) + 1) * work.dtype.type(0.5)
+    return y.astype(a.dtype, copy=False)
+
+
+@kernel("QuickGelu", 1, domain=_MS)
+def quick_gelu(x, *, alpha=1.702):
+    work = _work(x)
+    return (work * sigmoid(work * work.dtype.type(alpha))).astype(x.dtype, copy=False)
+
+
+@kernel("BiasAdd", 1, domain=_MS)
+def bias_add(x, bias, skip):
+    if x.ndim != 3 or bias.shape != (x.shape[2],) or skip.shape != x.shape:
+        raise ValueError(
+            f"BiasAdd needs X (N, S, C), bias (C,) and skip (N, S, C); got {x.shape}, {bias.shape}, {skip.shape}"
+        )
+    return x + bias + skip
+
+
+def _lookup(table: np.ndarray, ids: np.ndarray, name: str) -> np.ndarray:
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+        raise ValueError(f"{name} ids range over [{ids.min()}, {ids.max()}] but the table has {table.shape[0]} rows")
+    return table[ids]
+
+
+@kernel("EmbedLayerNormalization", 1, domain=_MS, multi_output=True)
+def embed_layer_normalization(
+    input_ids,
+    segment_ids,
+    word_embedding,
+    position_embedding,
+    segment_embedding=None,
+    gamma=None,
+    beta=None,
+    mask=None,
+    position_ids=None,
+    *,
+    epsilon=1e-12,
+    mask_index_type=1,
+):
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (batch, sequence), got shape {input_ids.shape}")
+    if gamma is None or beta is None:
+        raise ValueError("EmbedLayerNormalization needs gamma and beta")
+    batch, seq = input_ids.shape
+    if position_ids is None:
+        position_ids = np.arange(seq)[None, :]
+    position_ids = np.broadcast_to(np.asarray(position_ids, dtype=np.int64), (batch, seq))
+    total = _lookup(word_embedding, input_ids, "input") + _lookup(position_embedding, position_ids, "position")
+    if segment_ids is not None:
+        if segment_embedding is None:
+            raise ValueError("segment_ids need a segment_embedding")
+        total += _lookup(segment_embedding, segment_ids, "segment")
+    y, _, _ = _normalize(total, gamma, beta, epsilon, simplified=False)
+    if mask is None:
+        mask_index = np.zeros(batch, np.int32)
+    else:
+        # the count of attended words per sequence
+        mask_index = np.count_nonzero(np.asarray(mask), axis=1).astype(np.int32)
+    return y, mask_index, total

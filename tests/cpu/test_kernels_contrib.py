@@ -1,0 +1,668 @@
+"""com.microsoft contrib kernels checked against onnxruntime on single-node models built from the spec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import plugrt
+from plugrt.errors import KernelError, PlugrtError, UnsupportedOpError
+
+ort = pytest.importorskip("onnxruntime")
+
+MS = "com.microsoft"
+FP32_RTOL, FP32_ATOL = 1e-4, 1e-5
+# onnxruntime's own MatMulNBits tests: accuracy_level 4 (int8 activations) and float16 A.
+INT8_ACCURACY_ATOL, INT8_ACCURACY_RTOL = 0.1, 0.02
+FP16_ATOL, FP16_RTOL = 0.055, 0.02
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _randn(rng: np.random.Generator, *shape: int, dtype: Any = np.float32) -> np.ndarray:
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _model(
+    op: str,
+    inputs: dict[str, np.ndarray | None],
+    outputs: list[str],
+    *,
+    domain: str = MS,
+    consts: tuple[str, ...] = (),
+    output_types: dict[str, int] | None = None,
+    **attributes: Any,
+) -> onnx.ModelProto:
+    """One node; ``None`` inputs are omitted, names in ``consts`` become initializers."""
+    names = [name if value is not None else "" for name, value in inputs.items()]
+    while names and not names[-1]:
+        names.pop()
+    graph_inputs = [
+        helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
+        for name, value in inputs.items()
+        if value is not None and name not in consts
+    ]
+    initializers = [numpy_helper.from_array(inputs[name], name) for name in consts]
+    graph_outputs = [
+        helper.make_tensor_value_info(name, (output_types or {}).get(name, TensorProto.FLOAT), None)
+        for name in outputs
+        if name
+    ]
+    node = helper.make_node(op, names, outputs, domain=domain, **attributes)
+    graph = helper.make_graph([node], op, graph_inputs, graph_outputs, initializer=initializers)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _run_both(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[list, list]:
+    data = model.SerializeToString()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    expected = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = plugrt.InferenceSession(data).run(None, feeds)
+    return got, expected
+
+
+def _assert_close(got: list, expected: list, rtol: float = FP32_RTOL, atol: float = FP32_ATOL) -> None:
+    assert len(got) == len(expected) > 0
+    for g, e in zip(got, expected):
+        g, e = np.asarray(g), np.asarray(e)
+        assert g.shape == e.shape and g.dtype == e.dtype, (g.shape, g.dtype, e.shape, e.dtype)
+        assert e.size > 0
+        np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol)
+
+
+def _check(op: str, inputs: dict[str, np.ndarray | None], outputs: list[str], *, rtol=FP32_RTOL, atol=FP32_ATOL,
+           **kwargs: Any) -> list:
+    consts = kwargs.get("consts", ())
+    feeds = {name: value for name, value in inputs.items() if value is not None and name not in consts}
+    got, expected = _run_both(_model(op, inputs, outputs, **kwargs), feeds)
+    _assert_close(got, expected, rtol, atol)
+    return got
+
+
+# ----------------------------------------------------------------------------- GroupQueryAttention
+
+
+def _gqa_inputs(
+    rng, batch, seq, past, num_heads, kv_heads, head_size, *, buffer=None, rotary_half=None, packed=False
+) -> dict[str, np.ndarray | None]:
+    total = past + seq
+    buffer = past if buffer is None else buffer
+    query = _randn(rng, batch, seq, num_heads * head_size)
+    key = _randn(rng, batch, seq, kv_heads * head_size)
+    value = _randn(rng, batch, seq, kv_heads * head_size)
+    inputs: dict[str, np.ndarray | None] = {
+        "query": np.concatenate([query, key, value], axis=-1) if packed else query,
+        "key": None if packed else key,
+        "value": None if packed else value,
+        "past_key": _randn(rng, batch, kv_heads, buffer, head_size),
+        "past_value": _randn(rng, batch, kv_heads, buffer, head_size),
+        "seqlens_k": np.full(batch, total - 1, np.int32),
+        "total_sequence_length": np.array(total, np.int32),
+    }
+    if rotary_half:
+        inputs["cos_cache"] = _randn(rng, 64, rotary_half)
+        inputs["sin_cache"] = _randn(rng, 64, rotary_half)
+    return inputs
+
+
+GQA_CASES = {
+    # name: (batch, seq, past, num_heads, kv_heads, extra attributes, input options)
+    "prompt_empty_past": (2, 5, 0, 4, 2, {}, {}),
+    "decode_odd_past": (2, 1, 7, 4, 2, {}, {}),
+    "subsequent_prompt": (1, 3, 4, 4, 2, {}, {}),
+    "multi_query_one_kv_head": (2, 1, 5, 4, 1, {}, {}),
+    "equal_heads": (2, 1, 6, 4, 4, {}, {}),
+    "rotary_prompt": (2, 5, 0, 4, 2, {"do_rotary": 1}, {"rotary_half": 8}),
+    "rotary_interleaved_decode": (2, 1, 6, 4, 2, {"do_rotary": 1, "rotary_interleaved": 1}, {"rotary_half": 8}),
+    "rotary_interleaved_prompt": (2, 3, 0, 4, 2, {"do_rotary": 1, "rotary_interleaved": 1}, {"rotary_half": 8}),
+    "rotary_subsequent_prompt": (1, 3, 6, 4, 2, {"do_rotary": 1}, {"rotary_half": 8}),
+    "local_window": (2, 1, 9, 4, 2, {"local_window_size": 3}, {}),
+    "local_window_prompt": (1, 7, 0, 4, 2, {"local_window_size": 2}, {}),
+    "softcap": (2, 1, 9, 4, 2, {"softcap": 2.0}, {}),
+    "scale": (2, 1, 6, 4, 2, {"scale": 0.2}, {}),
+    "smooth_softmax": (2, 3, 0, 4, 2, {"smooth_softmax": 1}, {}),
+    "packed_qkv": (2, 1, 5, 4, 2, {}, {"packed": True}),
+    "cache_capacity_above_total": (2, 1, 5, 4, 2, {}, {"buffer": 12}),
+}
+
+
+@pytest.mark.parametrize("case", list(GQA_CASES))
+def test_group_query_attention_matches_onnxruntime(case):
+    batch, seq, past, num_heads, kv_heads, attributes, options = GQA_CASES[case]
+    inputs = _gqa_inputs(_rng(), batch, seq, past, num_heads, kv_heads, 16, **options)
+    _check(
+        "GroupQueryAttention", inputs, ["output", "present_key", "present_value"],
+        num_heads=num_heads, kv_num_heads=kv_heads, **attributes,
+    )
+
+
+def test_group_query_attention_omitted_past_matches_onnxruntime():
+    inputs = _gqa_inputs(_rng(1), 2, 4, 0, 4, 2, 16)
+    inputs["past_key"] = inputs["past_value"] = None
+    _check("GroupQueryAttention", inputs, ["output", "present_key", "present_value"], num_heads=4, kv_num_heads=2)
+
+
+@pytest.mark.parametrize("seq,past", [(1, 6), (3, 0)])
+def test_group_query_attention_head_sink_and_bias_match_onnxruntime(seq, past):
+    rng = _rng(2)
+    inputs = _gqa_inputs(rng, 2, seq, past, 4, 2, 16)
+    inputs.update(cos_cache=None, sin_cache=None, position_ids=None)
+    inputs["attention_bias"] = _randn(rng, 2, 4, seq, seq + past)
+    inputs["head_sink"] = _randn(rng, 4)
+    _check("GroupQueryAttention", inputs, ["output", "present_key", "present_value"], num_heads=4, kv_num_heads=2)
+
+
+@pytest.mark.parametrize("seq,past", [(1, 6), (3, 0)])
+def test_group_query_attention_rotary_position_ids_match_onnxruntime(seq, past):
+    rng = _rng(3)
+    inputs = _gqa_inputs(rng, 2, seq, past, 4, 2, 16, rotary_half=8)
+    inputs["position_ids"] = rng.integers(0, 40, (2, seq)).astype(np.int64)
+    _check(
+        "GroupQueryAttention", inputs, ["output", "present_key", "present_value"],
+        num_heads=4, kv_num_heads=2, do_rotary=1,
+    )
+
+
+def test_group_query_attention_right_padded_prompt_matches_onnxruntime_on_valid_rows():
+    inputs = _gqa_inputs(_rng(4), 2, 4, 0, 4, 2, 16, rotary_half=8)
+    lengths = np.array([4, 2])
+    inputs["seqlens_k"] = (lengths - 1).astype(np.int32)
+    model = _model(
+        "GroupQueryAttention", inputs, ["output", "present_key", "present_value"],
+        num_heads=4, kv_num_heads=2, do_rotary=1,
+    )
+    got, expected = _run_both(model, {k: v for k, v in inputs.items() if v is not None})
+    for b, length in enumerate(lengths):  # padding rows are unspecified by the spec
+        np.testing.assert_allclose(got[0][b, :length], expected[0][b, :length], rtol=FP32_RTOL, atol=FP32_ATOL)
+        for i in (1, 2):
+            np.testing.assert_allclose(
+                got[i][b, :, :length], expected[i][b, :, :length], rtol=FP32_RTOL, atol=FP32_ATOL
+            )
+
+
+def test_group_query_attention_quantized_cache_is_unsupported():
+    inputs = _gqa_inputs(_rng(), 1, 1, 2, 2, 1, 16)
+    model = _model(
+        "GroupQueryAttention", inputs, ["output", "present_key", "present_value"],
+        num_heads=2, kv_num_heads=1, k_quant_type="PER_TENSOR", v_quant_type="PER_TENSOR",
+    )
+    with pytest.raises(UnsupportedOpError, match="quantized KV cache"):
+        plugrt.InferenceSession(model.SerializeToString())
+
+
+# ----------------------------------------------------------------------------- MultiHeadAttention / Attention
+
+BATCH, SEQ, KV_SEQ, HEADS, HEAD_SIZE = 2, 3, 5, 2, 8
+HIDDEN = HEADS * HEAD_SIZE
+
+
+def _mha_cases(rng) -> dict[str, tuple[dict, list[str], dict]]:
+    def r(*shape):
+        return _randn(rng, *shape)
+
+    return {
+        "cross_bias_lengths_mask": (
+            dict(query=r(BATCH, SEQ, HIDDEN), key=r(BATCH, KV_SEQ, HIDDEN), value=r(BATCH, KV_SEQ, HIDDEN),
+                 bias=r(3 * HIDDEN), key_padding_mask=np.array([5, 3], np.int32)),
+            ["output"], {},
+        ),
+        "raw_mask_and_attention_bias": (
+            dict(query=r(BATCH, SEQ, HIDDEN), key=r(BATCH, KV_SEQ, HIDDEN), value=r(BATCH, KV_SEQ, HIDDEN), bias=None,
+                 key_padding_mask=np.array([[1, 1, 1, 0, 1], [1, 0, 1, 1, 1]], np.int32),
+                 attention_bias=r(1, HEADS, SEQ, KV_SEQ)),
+            ["output"], {},
+        ),
+        "past_unidirectional_present": (
+            dict(query=r(BATCH, SEQ, HIDDEN), key=r(BATCH, SEQ, HIDDEN), value=r(BATCH, SEQ, HIDDEN), bias=None,
+                 key_padding_mask=None, attention_bias=None,
+                 past_key=r(BATCH, HEADS, 4, HEAD_SIZE), past_value=r(BATCH, HEADS, 4, HEAD_SIZE)),
+            ["output", "present_key", "present_value"], {"unidirectional": 1},
+        ),
+        "empty_past": (
+            dict(query=r(BATCH, SEQ, HIDDEN), key=r(BATCH, SEQ, HIDDEN), value=r(BATCH, SEQ, HIDDEN), bias=None,
+                 key_padding_mask=None, attention_bias=None,
+                 past_key=r(BATCH, HEADS, 0, HEAD_SIZE), past_value=r(BATCH, HEADS, 0, HEAD_SIZE)),
+            ["output", "present_key", "present_value"], {"unidirectional": 1},
+        ),
+        "bnsh_key_value": (
+            dict(query=r(BATCH, SEQ, HIDDEN), key=r(BATCH, HEADS, KV_SEQ, HEAD_SIZE),
+                 value=r(BATCH, HEADS, KV_SEQ, HEAD_SIZE)),
+            ["output"], {},
+        ),
+        "qk_output_and_scale": (
+            dict(query=r(BATCH, SEQ, HIDDEN), key=r(BATCH, KV_SEQ, HIDDEN), value=r(BATCH, KV_SEQ, HIDDEN)),
+            ["output", "", "", "qk"], {"scale": 0.3},
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_mha_cases(_rng())))
+def test_multi_head_attention_matches_onnxruntime(case):
+    inputs, outputs, attributes = _mha_cases(_rng(5))[case]
+    _check("MultiHeadAttention", inputs, outputs, num_heads=HEADS, **attributes)
+
+
+def test_multi_head_attention_packed_layouts_match_onnxruntime_on_unpacked_inputs():
+    # onnxruntime's CPU kernel rejects packed QKV/KV, so the oracle is its result on the same
+    # tensors unpacked.
+    rng = _rng(6)
+    q, k, v = (_randn(rng, BATCH, SEQ, HEADS, HEAD_SIZE) for _ in range(3))
+    bias = _randn(rng, 3 * HIDDEN)
+    flat = {name: t.reshape(BATCH, SEQ, HIDDEN) for name, t in (("query", q), ("key", k), ("value", v))}
+    unpacked = _model("MultiHeadAttention", {**flat, "bias": bias}, ["y"], consts=("bias",), num_heads=HEADS)
+    _, expected = _run_both(unpacked, flat)
+    packed_qkv = np.stack([q, k, v], axis=3)
+    got = plugrt.InferenceSession(
+        _model("MultiHeadAttention", {"query": packed_qkv, "key": None, "value": None, "bias": bias}, ["y"],
+               consts=("bias",), num_heads=HEADS).SerializeToString()
+    ).run(None, {"query": packed_qkv})
+    _assert_close(got, expected)
+    packed_kv = np.stack([k, v], axis=3)
+    got = plugrt.InferenceSession(
+        _model("MultiHeadAttention", {"query": flat["query"], "key": packed_kv, "value": None, "bias": bias}, ["y"],
+               consts=("bias",), num_heads=HEADS).SerializeToString()
+    ).run(None, {"query": flat["query"], "key": packed_kv})
+    _assert_close(got, expected)
+
+
+IN_HIDDEN = 12
+
+
+def _attention_cases(rng) -> dict[str, tuple[dict, list[str], dict]]:
+    def r(*shape):
+        return _randn(rng, *shape)
+
+    def base():
+        return dict(input=r(BATCH, SEQ, IN_HIDDEN), weights=r(IN_HIDDEN, 3 * HIDDEN), bias=r(3 * HIDDEN))
+
+    return {
+        "bidirectional": (base(), ["output"], {}),
+        "right_padding_unidirectional_past": (
+            {**base(), "mask_index": np.array([6, 7], np.int32), "past": r(2, BATCH, HEADS, 4, HEAD_SIZE)},
+            ["output", "present"], {"unidirectional": 1},
+        ),
+        "empty_past_unidirectional": (
+            {**base(), "mask_index": None, "past": r(2, BATCH, HEADS, 0, HEAD_SIZE)},
+            ["output", "present"], {"unidirectional": 1},
+        ),
+        "left_padding_end_start": ({**base(), "mask_index": np.array([3, 2, 0, 1], np.int32)}, ["output"], {}),
+        "raw_mask_attention_bias": (
+            {**base(), "mask_index": np.array([[1, 0, 1], [1, 1, 0]], np.int32), "past": None,
+             "attention_bias": r(BATCH, HEADS, SEQ, SEQ)},
+            ["output"], {},
+        ),
+        "three_d_mask": (
+            {**base(), "mask_index": (rng.random((BATCH, SEQ, SEQ)) > 0.3).astype(np.int32)}, ["output"], {},
+        ),
+        "qkv_hidden_sizes": (
+            dict(input=r(BATCH, SEQ, IN_HIDDEN), weights=r(IN_HIDDEN, 2 * HIDDEN + 2 * HEADS),
+                 bias=r(2 * HIDDEN + 2 * HEADS)),
+            ["output"], {"qkv_hidden_sizes": [HIDDEN, HIDDEN, 2 * HEADS]},
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_attention_cases(_rng())))
+def test_attention_matches_onnxruntime(case):
+    inputs, outputs, attributes = _attention_cases(_rng(7))[case]
+    _check("Attention", inputs, outputs, num_heads=HEADS, **attributes)
+
+
+def test_attention_four_d_mask_matches_onnxruntime_on_the_equivalent_three_d_mask():
+    # onnxruntime's CPU kernel rejects the (B, 1, M, M) layout; its window is the 3-D mask.
+    rng = _rng(8)
+    inputs = dict(input=_randn(rng, BATCH, SEQ, IN_HIDDEN), weights=_randn(rng, IN_HIDDEN, 3 * HIDDEN),
+                  bias=_randn(rng, 3 * HIDDEN))
+    past = _randn(rng, 2, BATCH, HEADS, 2, HEAD_SIZE)
+    full = (rng.random((BATCH, 1, 8, 8)) > 0.3).astype(np.int32)
+    full[..., 0] = 1
+    window = full[:, 0, 2:2 + SEQ, :2 + SEQ]
+    feeds = {**inputs, "mask_index": window, "past": past}
+    _, expected = _run_both(_model("Attention", feeds, ["output", "present"], num_heads=HEADS), feeds)
+    feeds["mask_index"] = full
+    model = _model("Attention", feeds, ["output", "present"], num_heads=HEADS)
+    got = plugrt.InferenceSession(model.SerializeToString()).run(
+        None, feeds
+    )
+    _assert_close(got, expected)
+
+
+# ----------------------------------------------------------------------------- RotaryEmbedding
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("layout", ["bsh_position_matrix", "bsh_offset_num_heads", "bnsh", "partial_rotary"])
+def test_rotary_embedding_matches_onnxruntime(layout, interleaved):
+    rng = _rng(9)
+    batch, seq, heads, size = 2, 3, 2, 16
+    cos, sin = _randn(rng, 32, size // 2), _randn(rng, 32, size // 2)
+    positions = rng.integers(0, 32, (batch, seq)).astype(np.int64)
+    attributes: dict[str, Any] = {"interleaved": interleaved}
+    if layout == "bsh_position_matrix":
+        x = _randn(rng, batch, seq, heads * size)
+    elif layout == "bsh_offset_num_heads":
+        x, positions = _randn(rng, batch, seq, heads * size), np.array([5], np.int64)
+        attributes["num_heads"] = heads
+    elif layout == "bnsh":
+        x = _randn(rng, batch, heads, seq, size)
+    else:
+        x, cos, sin = _randn(rng, batch, seq, heads * size), cos[:, :4], sin[:, :4]
+        attributes.update(num_heads=heads, rotary_embedding_dim=8)
+    _check("RotaryEmbedding", dict(input=x, position_ids=positions, cos_cache=cos, sin_cache=sin), ["y"], **attributes)
+
+
+def test_rotary_embedding_position_beyond_cache_is_a_typed_error():
+    rng = _rng()
+    x, cos = _randn(rng, 1, 2, 16), _randn(rng, 4, 8)
+    inputs = dict(input=x, position_ids=np.array([[1, 9]]), cos_cache=cos, sin_cache=cos)
+    session = plugrt.InferenceSession(_model("RotaryEmbedding", inputs, ["y"]).SerializeToString())
+    with pytest.raises(KernelError, match="cos_cache"):
+        session.run(None, inputs)
+
+
+# ----------------------------------------------------------------------------- normalization and activations
+
+
+def _norm_cases(rng) -> dict[str, tuple[str, dict, list[str], dict]]:
+    b, s, h = 2, 3, 16
+
+    def r(*shape):
+        return _randn(rng, *shape)
+
+    x = r(b, s, h) * 3
+    return {
+        "skip_layer_norm_all_outputs": (
+            "SkipLayerNormalization", dict(input=r(b, s, h), skip=r(b, s, h), gamma=r(h), beta=r(h), bias=r(h)),
+            ["y", "mean", "inv_std_var", "sum"], {},
+        ),
+        "skip_layer_norm_2d_skip_no_beta": (
+            "SkipLayerNormalization", dict(input=r(b, s, h), skip=r(s, h), gamma=r(h)), ["y", "", "", "sum"],
+            {"epsilon": 1e-5},
+        ),
+        "skip_simplified_layer_norm_all_outputs": (
+            "SkipSimplifiedLayerNormalization", dict(input=r(b, s, h), skip=r(b, s, h), gamma=r(h), bias=r(h)),
+            ["y", "mean", "inv_std_var", "sum"], {},
+        ),
+        "skip_simplified_layer_norm_2d": (
+            "SkipSimplifiedLayerNormalization", dict(input=r(s, h), skip=r(s, h), gamma=r(h)), ["y"], {"epsilon": 1e-6},
+        ),
+        "simplified_layer_norm_default_domain": (
+            "SimplifiedLayerNormalization", dict(X=r(b, s, h), scale=r(h)), ["y", "inv_std_var"],
+            {"domain": "", "epsilon": 1e-6},
+        ),
+        "simplified_layer_norm_axis_1": (
+            "SimplifiedLayerNormalization", dict(X=r(b, s, h), scale=r(s, h)), ["y"], {"domain": "", "axis": 1},
+        ),
+        "fast_gelu": ("FastGelu", dict(X=x), ["y"], {}),
+        "fast_gelu_bias": ("FastGelu", dict(X=x, bias=r(h)), ["y"], {}),
+        "bias_gelu": ("BiasGelu", dict(A=x, B=r(h)), ["y"], {}),
+        "quick_gelu": ("QuickGelu", dict(X=x), ["y"], {}),
+        "quick_gelu_alpha": ("QuickGelu", dict(X=x), ["y"], {"alpha": 1.3}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_norm_cases(_rng())))
+def test_normalization_and_activation_match_onnxruntime(case):
+    op, inputs, outputs, attributes = _norm_cases(_rng(10))[case]
+    _check(op, inputs, outputs, **attributes)
+
+
+def test_bias_add_matches_onnxruntime_adds():
+    # onnxruntime has no CPU BiasAdd; its oracle is X + bias + skip in two Adds.
+    rng = _rng(11)
+    feeds = dict(x=_randn(rng, 2, 4, 8), bias=_randn(rng, 8), skip=_randn(rng, 2, 4, 8))
+    adds = onnx.parser.parse_model(
+        """<ir_version: 10, opset_import: ["" : 21]>
+        g (float[2,4,8] x, float[8] bias, float[2,4,8] skip) => (float[2,4,8] y) {
+            t = Add(x, bias)
+            y = Add(t, skip)
+        }"""
+    )
+    expected = ort.InferenceSession(adds.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = plugrt.InferenceSession(_model("BiasAdd", feeds, ["y"]).SerializeToString()).run(None, feeds)
+    _assert_close(got, expected)
+
+
+def _embed_inputs(rng, *, segments=True, mask=None, position_ids=None) -> dict[str, np.ndarray | None]:
+    vocab, b, s, h = 20, 2, 3, 16
+    return dict(
+        input_ids=rng.integers(0, vocab, (b, s)).astype(np.int32),
+        segment_ids=rng.integers(0, 2, (b, s)).astype(np.int32) if segments else None,
+        word_embedding=_randn(rng, vocab, h),
+        position_embedding=_randn(rng, 8, h),
+        segment_embedding=_randn(rng, 2, h) if segments else None,
+        gamma=_randn(rng, h),
+        beta=_randn(rng, h),
+        mask=mask,
+        position_ids=position_ids,
+    )
+
+
+@pytest.mark.parametrize(
+    "case,options,outputs",
+    [
+        ("segments_mask", {"mask": np.array([[1, 1, 0], [1, 1, 1]], np.int32)}, ["y", "mask_index", "sum"]),
+        ("mask_with_hole", {"mask": np.array([[1, 0, 1], [0, 0, 0]], np.int32)}, ["y", "mask_index"]),
+        ("no_mask_no_segments", {"segments": False}, ["y", "mask_index"]),
+        (
+            "position_ids",
+            {"segments": False, "position_ids": np.array([[4, 1, 2], [0, 5, 6]], np.int32)},
+            ["y", "mask_index"],
+        ),
+    ],
+)
+def test_embed_layer_normalization_matches_onnxruntime(case, options, outputs):
+    inputs = _embed_inputs(_rng(12), **options)
+    _check("EmbedLayerNormalization", inputs, outputs, output_types={"mask_index": TensorProto.INT32})
+
+
+# ----------------------------------------------------------------------------- MatMulNBits
+
+
+def _pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """Pack uint8 values of ``bits`` bits along the last axis, low-order bits first."""
+    per_byte = 8 // bits
+    padded = np.zeros(values.shape[:-1] + (-(-values.shape[-1] // per_byte) * per_byte,), np.uint8)
+    padded[..., : values.shape[-1]] = values
+    packed = np.zeros(padded.shape[:-1] + (padded.shape[-1] // per_byte,), np.uint8)
+    for i in range(per_byte):
+        packed |= (padded[..., i::per_byte] << (i * bits)).astype(np.uint8)
+    return packed
+
+
+def _nbits_inputs(rng, n, k, block_size, bits=4, zero_points="packed") -> dict[str, np.ndarray | None]:
+    blocks = -(-k // block_size)
+    quantized = rng.integers(0, 1 << bits, (n, blocks * block_size)).astype(np.uint8)
+    zeros = rng.integers(0, 1 << bits, (n, blocks)).astype(np.uint8)
+    return {
+        "B": _pack(quantized, bits).reshape(n, blocks, block_size * bits // 8),
+        "scales": (rng.random((n, blocks)) * 0.1 + 0.01).astype(np.float32),
+        "zero_points": {"packed": _pack(zeros, bits), "float": zeros.astype(np.float32), None: None}[zero_points],
+    }
+
+
+def _matmul_nbits(rng, m, k, n, block_size, *, bits=4, zero_points="packed", accuracy_level=0, constant=True,
+                  bias=False, a_dtype=np.float32):
+    weights = _nbits_inputs(rng, n, k, block_size, bits, zero_points)
+    inputs: dict[str, np.ndarray | None] = {"A": _randn(rng, 2, m, k, dtype=a_dtype), **weights}
+    if a_dtype != np.float32:
+        inputs["scales"] = inputs["scales"].astype(a_dtype)
+        if zero_points == "float":
+            inputs["zero_points"] = inputs["zero_points"].astype(a_dtype)
+    if bias:
+        inputs.update(g_idx=None, bias=_randn(rng, n, dtype=a_dtype))
+    consts = tuple(name for name in ("B", "scales", "zero_points", "bias") if inputs.get(name) is not None)
+    out_type = helper.np_dtype_to_tensor_dtype(np.dtype(a_dtype))
+    model = _model(
+        "MatMulNBits", inputs, ["Y"], consts=consts if constant else (), output_types={"Y": out_type},
+        K=k, N=n, block_size=block_size, bits=bits, accuracy_level=accuracy_level,
+    )
+    feeds = {name: value for name, value in inputs.items() if value is not None and (not constant or name == "A")}
+    return _run_both(model, feeds)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("zero_points", ["packed", None])
+def test_matmul_nbits_4bit_matches_onnxruntime(block_size, zero_points):
+    # K = 100 is not a multiple of any block size: the last block is partial.
+    got, expected = _matmul_nbits(_rng(13), 3, 100, 24, block_size, zero_points=zero_points)
+    _assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    "case,options",
+    [
+        ("float_zero_points", {"zero_points": "float"}),
+        ("bias", {"bias": True}),
+        ("8_bits", {"bits": 8}),
+        ("2_bits", {"bits": 2}),
+        ("accuracy_level_1", {"accuracy_level": 1}),
+        ("weights_as_graph_inputs", {"constant": False}),
+    ],
+)
+def test_matmul_nbits_variants_match_onnxruntime(case, options):
+    got, expected = _matmul_nbits(_rng(14), 5, 64, 16, 32, **options)
+    _assert_close(got, expected)
+
+
+@pytest.mark.parametrize("zero_points", ["packed", None])
+def test_matmul_nbits_accuracy_level_4_within_onnxruntime_tolerance(zero_points):
+    # onnxruntime quantizes A to int8 at level 4; its own tests allow abs 0.1 / rel 0.02.
+    got, expected = _matmul_nbits(_rng(15), 5, 128, 32, 32, zero_points=zero_points, accuracy_level=4)
+    _assert_close(got, expected, rtol=INT8_ACCURACY_RTOL, atol=INT8_ACCURACY_ATOL)
+
+
+def test_matmul_nbits_float16_within_onnxruntime_tolerance():
+    got, expected = _matmul_nbits(_rng(16), 4, 64, 16, 32, a_dtype=np.float16)
+    _assert_close(got, expected, rtol=FP16_RTOL, atol=FP16_ATOL)
+
+
+def test_matmul_nbits_unsupported_bit_width_is_rejected_at_build():
+    inputs = {"A": np.zeros((1, 64), np.float32), **_nbits_inputs(_rng(), 8, 64, 32, 4)}
+    model = _model("MatMulNBits", inputs, ["Y"], K=64, N=8, block_size=32, bits=3)
+    with pytest.raises(UnsupportedOpError, match="bits=3"):
+        plugrt.InferenceSession(model.SerializeToString())
+
+
+def test_matmul_nbits_wrong_inner_dimension_is_a_typed_error():
+    weights = _nbits_inputs(_rng(), 8, 64, 32)
+    inputs = {"A": np.zeros((1, 48), np.float32), **weights}
+    model = _model("MatMulNBits", inputs, ["Y"], consts=("B", "scales", "zero_points"), K=64, N=8, block_size=32)
+    session = plugrt.InferenceSession(model.SerializeToString())
+    with pytest.raises(PlugrtError, match="K=64"):
+        session.run(None, {"A": np.zeros((1, 48), np.float32)})
+
+
+# ----------------------------------------------------------------------------- GatherBlockQuantized
+
+
+def _gather_block_quantized(data, indices, scales, zero_points=None, **attributes):
+    inputs = {"data": data, "indices": indices, "scales": scales, "zero_points": zero_points}
+    consts = tuple(name for name in ("data", "scales", "zero_points") if inputs[name] is not None)
+    return _check("GatherBlockQuantized", inputs, ["y"], consts=consts, **attributes)
+
+
+@pytest.mark.parametrize("zero_points", [True, False])
+def test_gather_block_quantized_int4_matches_onnxruntime(zero_points):
+    rng = _rng(17)
+    data = rng.integers(-8, 8, (10, 64)).astype(ml_dtypes.int4)
+    scales = (rng.random((10, 4)) * 0.1).astype(np.float32)
+    zeros = rng.integers(-8, 8, (10, 4)).astype(ml_dtypes.int4) if zero_points else None
+    indices = np.array([[1, 3, 9], [0, -1, 2]], np.int64)
+    _gather_block_quantized(data, indices, scales, zeros, block_size=16)
+
+
+def test_gather_block_quantized_uint4_int32_indices_matches_onnxruntime():
+    rng = _rng(18)
+    data = rng.integers(0, 16, (10, 64)).astype(ml_dtypes.uint4)
+    zeros = rng.integers(0, 16, (10, 2)).astype(ml_dtypes.uint4)
+    scales = rng.random((10, 2)).astype(np.float32)
+    _gather_block_quantized(data, np.array([[4, 0], [9, 9]], np.int32), scales, zeros, block_size=32)
+
+
+@pytest.mark.parametrize("bits,zero_points", [(4, True), (4, False), (8, False)])
+def test_gather_block_quantized_packed_uint8_matches_onnxruntime(bits, zero_points):
+    rng = _rng(19)
+    data = rng.integers(0, 256, (10, 64 * bits // 8)).astype(np.uint8)
+    scales = rng.random((10, 2)).astype(np.float32)
+    zeros = rng.integers(0, 256, (10, 1)).astype(np.uint8) if zero_points else None
+    _gather_block_quantized(data, np.array([[1, 3, 9], [0, -1, 2]]), scales, zeros, block_size=32, bits=bits)
+
+
+def test_gather_block_quantized_other_axes_and_out_of_range_indices_match_onnxruntime():
+    rng = _rng(20)
+    data = rng.integers(-8, 8, (64, 10)).astype(ml_dtypes.int4)
+    scales = rng.random((4, 10)).astype(np.float32)
+    got = _gather_block_quantized(
+        data, np.array([0, 12, -11, 3]), scales, block_size=16, gather_axis=1, quantize_axis=0
+    )
+    assert not got[0][:, 1:3].any()  # out of range gathers zeros
+
+
+# ----------------------------------------------------------------------------- Quantize / Dequantize
+
+
+def test_com_microsoft_dequantize_linear_matches_onnxruntime():
+    rng = _rng(21)
+    x = rng.integers(-300, 300, (4, 6)).astype(np.int16)
+    _check("DequantizeLinear", dict(x=x, s=rng.random(4).astype(np.float32), z=rng.integers(-5, 5, 4).astype(np.int16)),
+           ["y"], axis=0)
+    _check("DequantizeLinear", dict(x=x.astype(np.uint8), s=np.array(0.1, np.float32), z=np.array(7, np.uint8)), ["y"])
+
+
+@pytest.mark.parametrize(
+    "zero_point,output_type",
+    [(np.array(7, np.uint8), TensorProto.UINT8), (np.arange(-3, 3).astype(np.int8), TensorProto.INT8),
+     (np.array(300, np.uint16), TensorProto.UINT16)],
+)
+def test_com_microsoft_quantize_linear_matches_onnxruntime(zero_point, output_type):
+    rng = _rng(22)
+    scale = np.asarray(rng.random(zero_point.shape) * 0.5 + 0.01, dtype=np.float32)
+    _check("QuantizeLinear", dict(x=_randn(rng, 4, 6) * 10, s=scale, z=zero_point), ["y"], axis=1,
+           output_types={"y": output_type})
+
+
+def test_blocked_dequantize_linear_int4_matches_onnxruntime():
+    rng = _rng(23)
+    inputs = dict(x=rng.integers(-8, 8, (4, 64)).astype(ml_dtypes.int4), s=rng.random((4, 4)).astype(np.float32),
+                  z=rng.integers(-8, 8, (4, 4)).astype(ml_dtypes.int4))
+    _check("DequantizeLinear", inputs, ["y"], domain="", axis=1, block_size=16, consts=("x", "z"))
+
+
+def test_blocked_dequantize_linear_partial_last_block_matches_onnxruntime():
+    rng = _rng(24)
+    inputs = dict(x=rng.integers(0, 256, (40, 3)).astype(np.uint8), s=rng.random((3, 3)).astype(np.float32),
+                  z=rng.integers(0, 256, (3, 3)).astype(np.uint8))
+    _check("DequantizeLinear", inputs, ["y"], domain="", axis=0, block_size=16)
+
+
+def test_blocked_quantize_linear_uint8_matches_onnxruntime():
+    rng = _rng(25)
+    inputs = dict(x=_randn(rng, 4, 64) * 4, s=(rng.random((4, 4)) * 0.1).astype(np.float32),
+                  z=rng.integers(0, 256, (4, 4)).astype(np.uint8))
+    _check("QuantizeLinear", inputs, ["y"], domain="", axis=1, block_size=16, output_types={"y": TensorProto.UINT8})
+
+
+def test_blocked_quantize_linear_int4_round_trip_matches_onnxruntime():
+    # onnxruntime cannot hand int4 tensors to Python: the int4 result is read back through
+    # DequantizeLinear, which is exact.
+    rng = _rng(26)
+    model = onnx.parser.parse_model(
+        """<ir_version: 10, opset_import: ["" : 21]>
+        g (float[4,64] x, float[4,2] s) => (float[4,64] y) {
+            q = QuantizeLinear <axis = 1, block_size = 32, output_dtype = 22> (x, s)
+            y = DequantizeLinear <axis = 1, block_size = 32> (q, s)
+        }"""
+    )
+    feeds = dict(x=_randn(rng, 4, 64) * 4, s=(rng.random((4, 2)) + 0.5).astype(np.float32))
+    got, expected = _run_both(model, feeds)
+    _assert_close(got, expected, rtol=0, atol=0)
