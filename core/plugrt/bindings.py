@@ -1,16 +1,18 @@
-"""Device bindings (IO binding): persistent buffers on the session's device bound to
-inputs and outputs, with transfer statistics."""
+"""Device bindings (IO binding): persistent buffers bound to inputs and outputs, and
+how a run's outputs reach their bindings or the caller."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .errors import InvalidInputError
+from .provider import MemoryCapability
+from .transfers import MemorySpaces
 
-__all__ = ["TransferStats", "DeviceBinding"]
+__all__ = ["TransferStats", "DeviceBinding", "deliver", "deliver_outputs", "bound_feeds"]
 
 
 @dataclasses.dataclass
@@ -40,8 +42,8 @@ class DeviceBinding:
         buffer: Any,
         shape: Sequence[int],
         device: Any,
-        upload: Callable[[np.ndarray, Any], None] | None = None,
-        download: Callable[[Any], np.ndarray] | None = None,
+        memory: MemoryCapability | None = None,
+        spaces: MemorySpaces | None = None,
         caller_owned: bool = False,
     ):
         if input is None and output is None:
@@ -54,8 +56,8 @@ class DeviceBinding:
         self.stats = TransferStats()
         self.freed = False
         self.generation = 0  # bumped whenever the logical shape changes: captures check it
-        self._upload = upload
-        self._download = download
+        self.memory = memory  # the provider owning the buffer's memory; None: host memory
+        self._spaces = spaces if spaces is not None else MemorySpaces([memory] if memory is not None else [])
         self._shape = tuple(int(d) for d in shape)
         self._check_fits(self._shape)
 
@@ -110,10 +112,7 @@ class DeviceBinding:
                 f"binding {self.name!r} holds {self.dtype}, got {array.dtype}", input_name=self.input
             )
         self.set_shape(array.shape)
-        if self._upload is not None:
-            self._upload(array, self.view())
-        else:
-            np.copyto(self.view(), array)
+        self._spaces.copy_into(array, self.view())
         self.stats.uploads += 1
         self.stats.upload_bytes += array.nbytes
 
@@ -121,19 +120,21 @@ class DeviceBinding:
         """Download the logical region to a new host array."""
         self._check_alive()
         view = self.view()
-        host = self._download(view) if self._download is not None else np.array(view, copy=True)
+        host = self.memory.to_host(view) if self.memory is not None else np.array(view, copy=True)
         self.stats.downloads += 1
         self.stats.download_bytes += host.nbytes
         return host
 
     def store(self, value: Any) -> None:
-        """Put a run's output into the buffer (device to device; not counted as a transfer)."""
+        """Put a run's output into the buffer, through the provider owning either (device
+        to device when the output was made where the buffer is: no host copy)."""
         self._check_alive()
-        value = np.asarray(value) if self._upload is None else value
+        if self._spaces.owner(value) is None and not isinstance(value, np.ndarray):
+            value = np.asarray(value)
         self.set_shape(value.shape)
         target = self.view()
         if target is not value:
-            np.copyto(target, value)
+            self._spaces.copy_into(value, target)
 
     def free(self) -> None:
         """Release the buffer; a capture that uses it must be reset before the next replay."""
@@ -148,3 +149,55 @@ class DeviceBinding:
     def __repr__(self) -> str:
         io = ", ".join(f"{k}={v!r}" for k, v in (("input", self.input), ("output", self.output)) if v)
         return f"DeviceBinding({io}, dtype={self.dtype}, shape={self.shape}, capacity={self.capacity})"
+
+
+def bound_feeds(feeds: Any, bindings: Sequence[DeviceBinding]) -> dict[str, Any]:
+    """``feeds`` with each bound input read from its buffer (on its device, no copy)."""
+    merged = dict(feeds or {})
+    for binding in bindings:
+        if binding.input is not None:
+            merged[binding.input] = binding.view()
+    return merged
+
+
+def deliver(value: Any, args: Sequence[Any], spaces: MemorySpaces) -> Any:
+    """An output the caller may keep and mutate: a host array of its own memory (never a
+    numpy scalar, a read-only constant, a caller's input or a view of one)."""
+    if type(value) is np.ndarray:
+        if not value.flags.writeable:
+            return value.copy()
+        if value.base is not None or any(value is a for a in args):
+            if any(type(a) is np.ndarray and np.may_share_memory(value, a) for a in args):
+                return value.copy()
+        return value
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    if isinstance(value, list):
+        return [deliver(v, args, spaces) for v in value]
+    return spaces.to_host(value) if spaces else value
+
+
+def deliver_outputs(
+    names: Sequence[str],
+    values: Sequence[Any],
+    bindings: Sequence[DeviceBinding],
+    args: Sequence[Any],
+    spaces: MemorySpaces,
+    *,
+    persistent: bool = False,
+) -> dict[str, Any]:
+    """Bound outputs go into their buffers (returned as None); the rest to the caller on
+    the host. ``persistent``: the values are buffers a later run overwrites (a capture),
+    so host outputs are copied."""
+    bound = {b.output: b for b in bindings if b.output is not None}
+    result: dict[str, Any] = {}
+    for name, value in zip(names, values):
+        binding = bound.get(name)
+        if binding is not None:
+            binding.store(value)
+            result[name] = None
+        elif persistent and isinstance(value, np.ndarray):
+            result[name] = value.copy()
+        else:
+            result[name] = deliver(value, args, spaces)
+    return result

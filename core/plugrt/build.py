@@ -3,23 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 import onnx_ir as ir
 
-from .errors import PlugrtError, ProviderUnavailableError
+from .errors import PlugrtError, ProviderNameMismatchError, ProviderUnavailableError
 from .ir_utils import tensor_array
 from .placement import Fallback, PartitionInfo, PlacementReport, Transfer, assign, make_partitions, node_label
 from .plan import Plan, StepInfo
-from .provider import CompiledPartition, ExecutionProvider, Step, SupportContext
+from .provider import (
+    HOST_MEMORY,
+    CompiledPartition,
+    ExecutionProvider,
+    MemoryCapability,
+    Step,
+    SupportContext,
+    memory_of,
+)
+from .transfers import MemorySpaces
 
 if TYPE_CHECKING:
     from .registry import ProviderRegistry
 
-__all__ = ["BuiltGraph", "build_graph", "HOST"]
+__all__ = ["BuiltGraph", "Stage", "build_graph", "HOST"]
 
-HOST = "host"
+HOST = HOST_MEMORY
 _RESTORED = "\0restored:"
+
+
+@dataclasses.dataclass
+class Stage:
+    """Consecutive plan steps of one kind: a compiled partition's steps (their inputs
+    renamed to moved values), or the transfers staged before it (``compiled`` is None)."""
+
+    provider: str
+    steps: list[Step]
+    compiled: CompiledPartition | None
+    memory: MemoryCapability | None  # where the stage's results live; None: host
 
 
 @dataclasses.dataclass
@@ -27,10 +48,10 @@ class BuiltGraph:
     plan: Plan
     report: PlacementReport
     compiled: list[CompiledPartition]
-
-
-def _memory(provider: ExecutionProvider) -> str:
-    return getattr(provider, "memory", HOST)
+    stages: list[Stage]
+    spaces: MemorySpaces
+    # plan inputs read only by partitions of one device memory (their defaults move there once)
+    input_homes: dict[ir.Value, MemoryCapability]
 
 
 def _compile_all(
@@ -62,8 +83,13 @@ def _compile_all(
                 continue
             provider = by_name[provider_name]
             partition.device = devices.get(provider_name)
+            partition.build_subgraph = functools.partial(
+                _build_subgraph, provider=provider, opset_imports=opset_imports
+            )
             try:
                 result = provider.compile(partition)
+                if result.provider and result.provider != provider_name:
+                    raise ProviderNameMismatchError(provider_name, result.provider)
             except Exception as exc:
                 if provider_name in pinned and not isinstance(exc, PlugrtError):
                     if registry is not None:
@@ -77,7 +103,7 @@ def _compile_all(
                     raise
                 failed = (provider_name, exc, partition.nodes)
                 break
-            result.provider = result.provider or provider_name
+            result.provider = provider_name  # filled in here: a provider need not repeat its name
             compiled.append(result)
         if failed is None:
             return compiled, compile_fallbacks + fallbacks
@@ -91,17 +117,13 @@ def _compile_all(
         active = [p for p in active if p.name != name]
 
 
-def _transfer_fn(source: ExecutionProvider | None, target: ExecutionProvider | None):
-    to_host = getattr(source, "to_host", None) if source is not None else None
-    to_device = getattr(target, "to_device", None) if target is not None else None
-    device = getattr(target, "default_device", None) if target is not None else None
-    if to_host and to_device:
-        return lambda x: to_device(to_host(x), device)
-    if to_host:
-        return to_host
-    if to_device:
-        return lambda x: to_device(x, device)
-    return None
+def _build_subgraph(
+    graph: ir.Graph, outer: Sequence[ir.Value], *, provider: ExecutionProvider, opset_imports: dict[str, int]
+) -> Plan:
+    """A subgraph (an If branch, a Loop body) planned on ``provider`` alone."""
+    return build_graph(
+        graph, [provider], opset_imports, extra_inputs=outer, pinned=frozenset({provider.name})
+    ).plan
 
 
 def build_graph(
@@ -117,12 +139,16 @@ def build_graph(
     precompiled: Sequence[CompiledPartition] | None = None,
     devices: dict | None = None,
     restored: dict | None = None,
+    spaces: MemorySpaces | None = None,
 ) -> BuiltGraph:
     """Place, partition and compile ``graph`` on ``providers`` (priority order, fallback
     last) and return its plan. ``extra_inputs`` are outer-scope values a subgraph reads;
-    the plan takes them after the graph's own inputs."""
+    the plan takes them after the graph's own inputs. ``spaces`` counts the transfers
+    (one is made from the providers when not given)."""
     nodes = list(graph)
     providers = list(providers)
+    if spaces is None:
+        spaces = MemorySpaces([m for m in map(memory_of, providers) if m is not None])
     if precompiled is not None:
         compiled, fallbacks = list(precompiled), []
     else:
@@ -130,8 +156,12 @@ def build_graph(
             nodes, providers, graph, opset_imports, registry, strict, pinned, devices or {}, restored or {}
         )
     by_name = {p.name: p for p in providers}
+    inputs = list(graph.inputs) + [v for v in extra_inputs if v not in graph.inputs]
+    plan_inputs = set(inputs)
 
-    # Transfers where a value crosses between memory spaces.
+    # Values cross memory spaces through transfer steps, staged before the partition that
+    # reads them. A constant reaches a device partition once, here; a plan input may be
+    # fed on the host or bound on a device, so its step moves it only when needed.
     producer_of: dict[ir.Value, str] = {}
     for part in compiled:
         for value in part.partition.outputs:
@@ -139,28 +169,54 @@ def build_graph(
     transfers: list[Transfer] = []
     steps: list[Step] = []
     infos: list[StepInfo] = []
+    stages: list[Stage] = []
+    device_constants: dict[ir.Value, Any] = {}
+    moved_to: dict[tuple[ir.Value, str], ir.Value] = {}
+    input_homes: dict[ir.Value, set[str]] = {}
     for part in compiled:
         provider = by_name.get(part.provider)
-        target_memory = _memory(provider) if provider is not None else HOST
+        target = memory_of(provider) if provider is not None else None
+        space = target.memory if target is not None else HOST
         remap: dict[ir.Value, ir.Value] = {}
+        moves: list[Step] = []
         for value in part.partition.inputs:
-            source_name = producer_of.get(value)
-            source = by_name.get(source_name) if source_name else None
-            source_memory = _memory(source) if source is not None else HOST
-            if source_memory == target_memory or (source is None and value.is_initializer()):
+            if value in plan_inputs:
+                input_homes.setdefault(value, set()).add(space)
+                if not spaces:
+                    continue
+            elif value not in producer_of:  # an initializer or an outer-scope constant
+                if target is None or value.const_value is None:
+                    continue
+                moved = moved_to.get((value, space))
+                if moved is None:
+                    moved = ir.Value(name=f"{value.name}@{part.provider}")
+                    device_constants[moved] = target.to_device(tensor_array(value.const_value), target.default_device)
+                    moved_to[(value, space)] = moved
+                remap[value] = moved
                 continue
-            fn = _transfer_fn(source if source_memory != HOST else None, provider if target_memory != HOST else None)
-            if fn is None:
-                continue
-            moved = ir.Value(name=f"{value.name}@{part.provider}")
+            else:
+                source = by_name.get(producer_of[value])
+                source_memory = memory_of(source) if source is not None else None
+                if (source_memory.memory if source_memory is not None else HOST) == space:
+                    continue
+            moved = moved_to.get((value, space))
+            if moved is None:
+                moved = ir.Value(name=f"{value.name}@{part.provider}")
+                moved_to[(value, space)] = moved
+                moves.append(
+                    Step(spaces.mover(target), [value], [moved], name=f"transfer:{value.name}", op_type="Transfer")
+                )
+                infos.append(StepInfo(f"transfer:{value.name}", "Transfer", part.provider))
+                transfers.append(Transfer(value.name, producer_of.get(value, "input"), part.provider))
             remap[value] = moved
-            steps.append(Step(fn, [value], [moved], name=f"transfer:{value.name}", op_type="Transfer"))
-            infos.append(StepInfo(f"transfer:{value.name}", "Transfer", part.provider))
-            transfers.append(Transfer(value.name, source_name or "input", part.provider))
+        if moves:
+            steps.extend(moves)
+            stages.append(Stage(part.provider, moves, None, target))
+        part_steps = []
         for step in part.steps:
             if remap:
                 step = dataclasses.replace(step, inputs=[remap.get(v, v) if v is not None else None for v in step.inputs])
-            steps.append(step)
+            part_steps.append(step)
             infos.append(
                 StepInfo(
                     step.name,
@@ -171,21 +227,12 @@ def build_graph(
                     step.nodes,
                 )
             )
+        steps.extend(part_steps)
+        stages.append(Stage(part.provider, part_steps, part, target))
 
     outputs = list(graph.outputs)
-    for index, value in enumerate(outputs):
-        source_name = producer_of.get(value)
-        source = by_name.get(source_name) if source_name else None
-        if source is not None and _memory(source) != HOST:
-            moved = ir.Value(name=f"{value.name}@host")
-            steps.append(Step(source.to_host, [value], [moved], name=f"transfer:{value.name}", op_type="Transfer"))
-            infos.append(StepInfo(f"transfer:{value.name}", "Transfer", source_name))
-            transfers.append(Transfer(value.name, source_name, HOST))
-            outputs[index] = moved
-
-    inputs = list(graph.inputs) + [v for v in extra_inputs if v not in graph.inputs]
     read = {v for s in steps for v in s.inputs if v is not None} | set(outputs)
-    constants: dict[ir.Value, Any] = {}
+    constants: dict[ir.Value, Any] = dict(device_constants)
     for value in graph.initializers.values():
         if value in read and value not in inputs and value.const_value is not None:
             constants[value] = tensor_array(value.const_value)
@@ -209,4 +256,10 @@ def build_graph(
             placed = next((p.provider for p in compiled if any(node_label(n) == fb.node for n in p.partition.nodes)), "?")
             fallbacks[index] = dataclasses.replace(fb, placed_on=placed)
     report = PlacementReport([p.name for p in providers], counts, partitions, fallbacks, transfers)
-    return BuiltGraph(plan, report, compiled)
+    by_memory = {m.memory: m for m in spaces.memories}
+    homes = {}
+    for value, places in input_homes.items():
+        (place, *others) = places
+        if not others and place in by_memory:
+            homes[value] = by_memory[place]
+    return BuiltGraph(plan, report, compiled, stages, spaces, homes)

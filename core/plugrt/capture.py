@@ -10,18 +10,43 @@ eager run: a capture never gives a wrong answer.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import functools
+import threading
+import tracemalloc
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .bindings import DeviceBinding
-from .errors import InvalidInputError, KernelError, MissingInputError, PlugrtError, StaleCaptureError
-from .provider import CaptureContext, CaptureMiss, CompiledPartition, MemoryCapability, NotCapturable, Step
+from .bindings import DeviceBinding, deliver_outputs
+from .build import BuiltGraph
+from .errors import InvalidInputError, KernelError, MissingInputError, NoCaptureError, PlugrtError, StaleCaptureError
+from .provider import (
+    CaptureCapability,
+    CaptureContext,
+    CaptureMiss,
+    ExecutionProvider,
+    MemoryCapability,
+    NotCapturable,
+    Step,
+)
+from .signature import InputSignature
+from .transfers import MemorySpaces
 
-if TYPE_CHECKING:
-    from .session import Session
+__all__ = [
+    "DEFAULT_SLOT",
+    "CaptureReport",
+    "Captured",
+    "CapturedPlan",
+    "CaptureBuffers",
+    "CaptureSlots",
+    "CaptureStats",
+    "ReplayResult",
+    "eager_replay",
+    "outputs_of",
+]
 
-__all__ = ["CaptureReport", "Captured", "CapturedPlan", "eager_replay", "outputs_of"]
+#: The slot ``try_capture`` and ``replay`` use when none is named.
+DEFAULT_SLOT = "default"
 
 
 @dataclasses.dataclass
@@ -30,9 +55,13 @@ class CaptureReport:
 
     segments: list[list[str]]
     seams: list[tuple[str, str]]
+    staged: list[str] = dataclasses.field(default_factory=list)  # transfers copied between segments
 
     def summary(self) -> str:
-        lines = [f"capture: {len(self.segments)} segment(s), {len(self.seams)} seam(s)"]
+        lines = [
+            f"capture: {len(self.segments)} segment(s), {len(self.seams)} seam(s), "
+            f"{len(self.staged)} staged transfer(s)"
+        ]
         for index, segment in enumerate(self.segments):
             lines.append(f"  segment {index}: {len(segment)} node(s)")
         for node, reason in self.seams:
@@ -161,28 +190,38 @@ def outputs_of(step: Step, result: Any) -> list:
     return [result]
 
 
-def _persistent_copy(value: Any) -> Any:
+def _persistent_copy(value: Any, ctx: CaptureContext) -> Any:
     if isinstance(value, np.ndarray):
         return value.copy()
     if isinstance(value, np.generic):
         return np.array(value)
     if isinstance(value, list):
         return list(value)
+    owner = ctx.owner(value) if isinstance(ctx, CaptureBuffers) else None
+    if owner is not None:  # a device array: a buffer of its memory, filled by its provider
+        buffer = ctx.buffer_like(value)
+        owner.copy_into(value, buffer)
+        return buffer
     return value
 
 
 def eager_replay(step: Step, inputs: list, recorded: list, ctx: CaptureContext) -> Callable[[], None]:
     """Register copies of ``recorded`` as the step's buffers; the returned callable runs
     the step eagerly and copies its result into them (CaptureMiss when it no longer fits)."""
-    buffers = [_persistent_copy(r) for r in recorded]
+    buffers = [_persistent_copy(r, ctx) for r in recorded]
+    owners = [ctx.owner(b) if isinstance(ctx, CaptureBuffers) else None for b in buffers]
     for value, buffer in zip(step.outputs, buffers):
         ctx.set(value, buffer)
     fn = step.fn
 
     def run() -> None:
         results = outputs_of(step, fn(*inputs))
-        for buffer, new in zip(buffers, results):
-            if isinstance(buffer, np.ndarray):
+        for buffer, owner, new in zip(buffers, owners, results):
+            if owner is not None:
+                if not owner.owns(new) or tuple(new.shape) != tuple(buffer.shape) or new.dtype != buffer.dtype:
+                    raise CaptureMiss(f"{step.name}: output became {new.dtype}{list(new.shape)}")
+                owner.copy_into(new, buffer)
+            elif isinstance(buffer, np.ndarray):
                 new = np.asarray(new)
                 if new.shape != buffer.shape or new.dtype != buffer.dtype:
                     raise CaptureMiss(f"{step.name}: output became {new.dtype}{list(new.shape)}")
@@ -195,9 +234,9 @@ def eager_replay(step: Step, inputs: list, recorded: list, ctx: CaptureContext) 
     return run
 
 
-def _eager_partition(compiled: CompiledPartition, ctx: CaptureContext, reason: str):
+def _eager_partition(steps: Sequence[Step], ctx: CaptureBuffers, reason: str):
     runs, nodes = [], []
-    for step in compiled.steps:
+    for step in steps:
         inputs = [ctx.array(v) for v in step.inputs]
         recorded = outputs_of(step, step.fn(*inputs))
         runs.append(eager_replay(step, inputs, recorded, ctx))
@@ -206,23 +245,68 @@ def _eager_partition(compiled: CompiledPartition, ctx: CaptureContext, reason: s
     return runs, nodes
 
 
-class CapturedPlan:
-    """What ``Session.try_capture`` recorded; replayed by ``Session.replay``."""
+def _staged_transfers(steps: Sequence[Step], ctx: CaptureBuffers, spaces: MemorySpaces) -> list[Callable[[], None]]:
+    """Transfers between memory spaces, outside any captured segment (GPU graph APIs
+    cannot capture host<->device copies): a copy between two persistent buffers."""
+    runs = []
+    for step in steps:
+        source = ctx.array(step.inputs[0])
+        moved = step.fn(source)
+        if moved is source or not hasattr(moved, "shape") or isinstance(moved, np.generic):
+            ctx.set(step.outputs[0], moved)  # already where it is read: nothing to move
+        else:
+            buffer = ctx.buffer_like(moved)
+            spaces.copy_into(source, buffer)
+            ctx.set(step.outputs[0], buffer)
+            runs.append(functools.partial(spaces.copy_into, source, buffer))
+        ctx.step_done(step)
+    return runs
 
-    def __init__(self, session: "Session", feeds: dict[str, Any], bindings: Sequence[DeviceBinding]):
+
+def _allocated_bytes(spaces: MemorySpaces) -> int:
+    """Bytes allocated so far by the memory providers that count them, plus host memory
+    when tracemalloc is tracing (numpy reports its buffers to it)."""
+    total = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
+    for memory in spaces.memories:
+        counted = getattr(memory, "allocated_bytes", None)
+        if counted is not None:
+            total += int(counted())
+    return total
+
+
+class CapturedPlan:
+    """What ``Session.try_capture`` recorded for one slot; replayed by ``Session.replay``."""
+
+    def __init__(
+        self,
+        built: BuiltGraph,
+        signature: InputSignature,
+        output_names: Sequence[str],
+        providers: Sequence[ExecutionProvider],
+        feeds: dict[str, Any],
+        bindings: Sequence[DeviceBinding],
+    ):
         self.bindings = list(bindings)
         self._generations = [b.generation for b in self.bindings]
         self.bound_inputs = {b.input: b for b in self.bindings if b.input}
         self.replays = 0
         self.misses = 0
-        plan = session._plan
-        self._input_buffers: dict[str, np.ndarray] = {}
+        self._spaces = spaces = built.spaces
+        plan = built.plan
+        self._input_buffers: dict[str, Any] = {}
         arrays: dict[Any, Any] = dict(plan.constants)
-        for spec, value in zip(session._specs, plan.inputs):
+        for spec, value in zip(signature.specs, plan.inputs):
             if spec.name in self.bound_inputs:
                 arrays[value] = self.bound_inputs[spec.name].view()
             elif spec.name in feeds:
-                buffer = np.array(feeds[spec.name], copy=True) if spec.is_tensor else feeds[spec.name]
+                feed = feeds[spec.name]
+                if spec.is_tensor and spaces.owner(feed) is not None:
+                    buffer = spaces.owner(feed).allocate(tuple(feed.shape), feed.dtype, None)
+                    spaces.copy_into(feed, buffer)
+                elif spec.is_tensor:
+                    buffer = np.array(feed, copy=True).view(np.ndarray)
+                else:
+                    buffer = feed
                 arrays[value] = buffer
                 self._input_buffers[spec.name] = buffer
             elif spec.default is not None:
@@ -230,38 +314,42 @@ class CapturedPlan:
             elif spec.info.kind == "optional":
                 arrays[value] = None
             else:
-                raise MissingInputError(spec.name, [s.name for s in session._specs])
-        tensors = [arrays[v] for s, v in zip(session._specs, plan.inputs) if s.is_tensor]
-        session._check_signature(tensors, tensors_only=True)
+                raise MissingInputError(spec.name, [s.name for s in signature.specs])
+        signature.check([arrays[v] for s, v in zip(signature.specs, plan.inputs) if s.is_tensor], tensors_only=True)
 
         # The last step reading each value, so its buffer can serve a later value;
         # the plan's outputs are read after the last step.
         last_use: dict[Any, int] = {}
         index = 0
-        for compiled in session._built.compiled:
-            for step in compiled.steps:
-                for value in step.inputs:
-                    if value is not None:
-                        last_use[value] = index
+        for stage in built.stages:
+            for step in stage.steps:
+                for read in step.inputs:
+                    if read is not None:
+                        last_use[read] = index
                 index += 1
         for value in plan.outputs:
             last_use[value] = index
-        ctx = CaptureBuffers(arrays, last_use)
-        providers = {p.name: p for p in session.selection.providers}
+        ctx = CaptureBuffers(arrays, last_use, spaces.memories)
+        by_name = {p.name: p for p in providers}
         runs: list[Callable[[], None]] = []
         nodes: list[tuple[str, bool, str]] = []
-        for compiled in session._built.compiled:
-            provider = providers.get(compiled.provider)
-            capture = getattr(provider, "capture", None)
+        staged: list[str] = []
+        for stage in built.stages:
+            if stage.compiled is None:
+                runs.extend(_staged_transfers(stage.steps, ctx, spaces))
+                staged.extend(step.name for step in stage.steps)
+                continue
+            compiled = dataclasses.replace(stage.compiled, steps=stage.steps)
+            provider = by_name.get(compiled.provider)
             try:
-                result = capture(compiled, ctx) if capture is not None else None
+                result = provider.capture(compiled, ctx) if isinstance(provider, CaptureCapability) else None
                 if result is None or isinstance(result, NotCapturable):
                     why = (
                         f"provider {compiled.provider!r} does not offer capture"
                         if result is None
                         else "; ".join(f"{n}: {r}" for n, r in result.report) or "declined"
                     )
-                    part_runs, part_nodes = _eager_partition(compiled, ctx, why)
+                    part_runs, part_nodes = _eager_partition(stage.steps, ctx, why)
                 else:
                     part_runs, part_nodes = result.runs, result.nodes
             except PlugrtError:
@@ -272,7 +360,7 @@ class CapturedPlan:
             nodes.extend(part_nodes)
         self._runs = runs
         self._outputs = [ctx.array(v) for v in plan.outputs]
-        self._output_names = [o.name for o in session.outputs]
+        self.output_names = list(output_names)
         segments: list[list[str]] = []
         seams: list[tuple[str, str]] = []
         previous_captured = False
@@ -284,7 +372,8 @@ class CapturedPlan:
             else:
                 seams.append((name, reason))
             previous_captured = captured
-        self.report = CaptureReport(segments, seams)
+        self.report = CaptureReport(segments, seams, staged)
+        self.arguments = [arrays[v] for v in plan.inputs]
 
     def check(self, bindings: Sequence[DeviceBinding] | None) -> None:
         if bindings is not None and [id(b) for b in bindings] != [id(b) for b in self.bindings]:
@@ -304,24 +393,26 @@ class CapturedPlan:
                 if name in self.bound_inputs:
                     raise InvalidInputError(f"input {name!r} is bound; write to its binding instead", input_name=name)
                 raise InvalidInputError(f"input {name!r} was not fed when the capture was made", input_name=name)
-            if not isinstance(buffer, np.ndarray):
+            if not hasattr(buffer, "shape"):
                 raise StaleCaptureError(f"input {name!r} is not a tensor and cannot be refilled", name=name)
-            value = np.asarray(value)
-            if value.shape != buffer.shape or value.dtype != buffer.dtype:
+            if self._spaces.owner(value) is None:
+                value = np.asarray(value)
+            if tuple(value.shape) != tuple(buffer.shape) or value.dtype != buffer.dtype:
                 raise StaleCaptureError(
                     f"input {name!r} is {value.dtype}{list(value.shape)}, captured as "
                     f"{buffer.dtype}{list(buffer.shape)}",
                     name=name,
                 )
-            np.copyto(buffer, value)
+            self._spaces.copy_into(value, buffer)
 
     def replay(self) -> list | None:
         """Run the captured steps; None when an eager seam missed (caller runs eagerly)."""
         try:
             for run in self._runs:
                 run()
-        except CaptureMiss:
+        except CaptureMiss as miss:
             self.misses += 1
+            self.last_miss = str(miss)
             return None
         self.replays += 1
         return self._outputs
@@ -329,3 +420,74 @@ class CapturedPlan:
     def current_feeds(self) -> dict[str, Any]:
         """The inputs as the capture's buffers hold them now (for an eager fallback)."""
         return dict(self._input_buffers)
+
+
+@dataclasses.dataclass
+class CaptureStats:
+    """What a session's replays did: replays, eager fallbacks by reason, and the bytes
+    allocated during replays (by memory providers that count them, and on the host when
+    tracemalloc is tracing). A replay should allocate nothing."""
+
+    replays: int = 0
+    eager_fallbacks: int = 0
+    fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_allocated_during_replay: int = 0
+
+
+class ReplayResult(dict):
+    """``replay``'s outputs by name, saying whether the capture was replayed (``replayed``)
+    or the run went the plain way, and why (``reason``)."""
+
+    replayed: bool = True
+    reason: str = ""
+    slot: str = DEFAULT_SLOT
+
+
+class CaptureSlots:
+    """A session's captures by slot name, and the lock that serialises them: a capture's
+    buffers are shared, so two threads replaying one capture take turns."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, CapturedPlan] = {}
+        self.lock = threading.RLock()
+        self.stats = CaptureStats()
+
+    def get(self, slot: str) -> CapturedPlan:
+        captured = self.slots.get(slot)
+        if captured is None:
+            raise NoCaptureError() if slot == DEFAULT_SLOT else StaleCaptureError(
+                f"no capture in slot {slot!r} (slots: {sorted(self.slots) or 'none'})", name=slot
+            )
+        return captured
+
+    def replay(
+        self,
+        slot: str,
+        feeds: dict[str, Any],
+        bindings: Sequence[DeviceBinding] | None,
+        run_eagerly: Callable[[dict[str, Any], Sequence[DeviceBinding]], dict[str, Any]],
+    ) -> ReplayResult:
+        with self.lock:
+            captured = self.get(slot)
+            captured.check(bindings)
+            if feeds:
+                captured.load_feeds(feeds)
+            spaces = captured._spaces
+            before = _allocated_bytes(spaces)
+            values = captured.replay()
+            self.stats.bytes_allocated_during_replay += max(0, _allocated_bytes(spaces) - before)
+            if values is None:  # an eager seam changed shape: this run goes the plain way
+                reason = f"an eager step no longer fits the capture ({captured.last_miss})"
+                self.stats.eager_fallbacks += 1
+                self.stats.fallback_reasons[reason] = self.stats.fallback_reasons.get(reason, 0) + 1
+                result = ReplayResult(run_eagerly(captured.current_feeds(), captured.bindings))
+                result.replayed, result.reason = False, reason
+            else:
+                self.stats.replays += 1
+                result = ReplayResult(
+                    deliver_outputs(
+                        captured.output_names, values, captured.bindings, captured.arguments, spaces, persistent=True
+                    )
+                )
+            result.slot = slot
+            return result

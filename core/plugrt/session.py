@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any, Iterable, Mapping, Sequence
@@ -11,102 +10,24 @@ import numpy as np
 import onnx_ir as ir
 
 from . import passes
-from ._dtypes import numpy_dtype
-from .bindings import DeviceBinding
+from ._guard import protect_inputs, tensor_limit, typed_load_errors, typed_run_errors
+from .bindings import DeviceBinding, bound_feeds, deliver, deliver_outputs
 from .build import BuiltGraph, build_graph
-from .capture import Captured, CapturedPlan, CaptureReport
+from .capture import DEFAULT_SLOT, Captured, CapturedPlan, CaptureReport, CaptureSlots, CaptureStats, ReplayResult
 from .epcontext import export_context_model, required_providers, restore_context_nodes
-from .errors import (
-    InputDtypeError,
-    InputRankError,
-    InputShapeError,
-    InvalidInputError,
-    InvalidOptionValueError,
-    MissingInputError,
-    NoCaptureError,
-    OptionError,
-    SymbolConflictError,
-    UnknownInputError,
-)
+from .errors import InvalidInputError, InvalidOptionValueError, OptionError, UnknownInputError
 from .intent import Selection, resolve_device
 from .ir_utils import tensor_array
 from .loader import LoadLimits, ModelSource, load_model
 from .options import SessionOptions, parse_options
 from .placement import PlacementReport
-from .provider import Device, DeviceKind, NotCapturable
+from .provider import Device, DeviceKind, NotCapturable, memory_of
 from .registry import ProviderRegistry, default_registry
+from .signature import InputSignature, InputSpec, ModelMetadata, TensorInfo, model_metadata, tensor_info
+from .threads import begin_run
+from .transfers import MemorySpaces, TransferCounter
 
 __all__ = ["TensorInfo", "ModelMetadata", "Session", "SessionBuilder", "load"]
-
-_SIGNATURE_CACHE_SIZE = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """A model input or output: name, element dtype, shape (ints, symbol names or None)."""
-
-    name: str
-    dtype: np.dtype | None
-    shape: tuple[int | str | None, ...] | None
-    kind: str = "tensor"  # "tensor", "sequence", "optional", "map"
-    type_string: str = ""  # onnxruntime's spelling, e.g. "tensor(float)"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelMetadata:
-    producer_name: str
-    producer_version: str
-    graph_name: str
-    domain: str
-    description: str
-    version: int
-    custom_metadata_map: dict[str, str]
-    opset_imports: dict[str, int]
-
-
-def _type_string(type_: ir.TypeProtocol | None) -> tuple[str, str, np.dtype | None]:
-    if type_ is None:
-        return "tensor", "tensor(undefined)", None
-    if isinstance(type_, ir.SequenceType):
-        inner = _type_string(type_.elem_type)[1]
-        return "sequence", f"seq({inner})", None
-    if isinstance(type_, ir.OptionalType):
-        inner = _type_string(type_.elem_type)[1]
-        return "optional", f"optional({inner})", None
-    dtype_enum = type_.dtype
-    try:
-        dtype = numpy_dtype(int(dtype_enum))
-    except ValueError:
-        dtype = None
-    return "tensor", f"tensor({dtype_enum.name.lower()})", dtype
-
-
-def _tensor_info(value: ir.Value) -> TensorInfo:
-    kind, type_string, dtype = _type_string(value.type)
-    shape = None
-    if value.shape is not None:
-        dims = []
-        for dim in value.shape:
-            if isinstance(dim, int):
-                dims.append(dim)
-            else:
-                dims.append(dim.value if getattr(dim, "value", None) is not None else None)
-        shape = tuple(dims)
-    return TensorInfo(value.name, dtype, shape, kind, type_string)
-
-
-class _InputSpec:
-    """What run() checks of one input, prepared at build."""
-
-    __slots__ = ("name", "info", "dtype", "dims", "default", "is_tensor")
-
-    def __init__(self, info: TensorInfo, default: Any):
-        self.name = info.name
-        self.info = info
-        self.dtype = info.dtype
-        self.dims = info.shape
-        self.default = default
-        self.is_tensor = info.kind == "tensor"
 
 
 class Session:
@@ -115,6 +36,7 @@ class Session:
     Use :func:`plugrt.load` or :class:`SessionBuilder` rather than this constructor.
     """
 
+    @typed_load_errors
     def __init__(
         self,
         model: ModelSource,
@@ -135,9 +57,10 @@ class Session:
             tensor_bytes=self.options["limits.tensor_bytes"],
             nodes=self.options["limits.nodes"],
             subgraph_depth=self.options["limits.subgraph_depth"],
+            context_bytes=self.options["limits.context_bytes"],
         )
-        if self.options["intra_op_num_threads"]:
-            _limit_blas_threads(self.options["intra_op_num_threads"])
+        # this session's limit, set on the running thread at each run (0: every free core)
+        self._intra_op_threads = self.options["intra_op_num_threads"]
         loaded = load_model(model, limits)
         self.model_path = loaded.source if loaded.base_dir else None
         self._model = loaded.model
@@ -145,22 +68,17 @@ class Session:
         ir_model = loaded.model
 
         # Metadata is read before passes change the graph.
-        self.inputs: list[TensorInfo] = [_tensor_info(v) for v in ir_model.graph.inputs]
-        self.outputs: list[TensorInfo] = [_tensor_info(v) for v in ir_model.graph.outputs]
-        self.metadata = ModelMetadata(
-            producer_name=ir_model.producer_name or "",
-            producer_version=ir_model.producer_version or "",
-            graph_name=ir_model.graph.name or "",
-            domain=ir_model.domain or "",
-            description=ir_model.doc_string or "",
-            version=int(ir_model.model_version or 0),
-            custom_metadata_map=dict(ir_model.metadata_props),
-            opset_imports={d or "ai.onnx": v for d, v in ir_model.opset_imports.items()},
-        )
+        self.inputs: list[TensorInfo] = [tensor_info(v) for v in ir_model.graph.inputs]
+        self.outputs: list[TensorInfo] = [tensor_info(v) for v in ir_model.graph.outputs]
+        self.metadata: ModelMetadata = model_metadata(ir_model)
 
         opsets = {("" if d == "ai.onnx" else d): v for d, v in ir_model.opset_imports.items()}
-        context_dir = loaded.base_dir or os.path.dirname(os.path.abspath(self.options["ep.context_file_path"] or "."))
-        restored = restore_context_nodes(ir_model.graph, registry, context_dir, opsets)
+        context_path = self.options["ep.context_file_path"]
+        # a model given as bytes has no folder: blobs are read only from one named explicitly
+        context_dir = loaded.base_dir or (os.path.dirname(os.path.abspath(context_path)) if context_path else "")
+        restored = restore_context_nodes(
+            ir_model.graph, registry, context_dir, opsets, max_blob_bytes=limits.context_bytes
+        )
         if restored:
             needed = [p for p in required_providers(ir_model.graph, registry) if p not in self.selection.providers]
             # a context node runs only on the provider that made it: add it ahead of the fallback
@@ -190,30 +108,32 @@ class Session:
         # Unique node names: placement reports, errors and EPContext export refer to them.
         passes.name_nodes(ir_model)
         opsets = {("" if d == "ai.onnx" else d): v for d, v in ir_model.opset_imports.items()}
-        self._built: BuiltGraph = build_graph(
-            ir_model.graph,
-            chosen,
-            opsets,
-            registry=registry,
-            strict=self.options["strict"],
-            pinned=self.selection.pinned,
-            profile=self.options["profiling"],
-            devices=self.selection.devices,
-            restored=restored,
-        )
-        self._plan = self._built.plan
-        self._specs = [
-            _InputSpec(
-                info,
-                tensor_array(value.const_value) if value.const_value is not None else None,
+        self._spaces = MemorySpaces([m for m in map(memory_of, chosen) if m is not None])
+        with tensor_limit(self.options["limits.tensor_bytes"]):  # kernel outputs above it are refused
+            self._built: BuiltGraph = build_graph(
+                ir_model.graph,
+                chosen,
+                opsets,
+                registry=registry,
+                strict=self.options["strict"],
+                pinned=self.selection.pinned,
+                profile=self.options["profiling"],
+                devices=self.selection.devices,
+                restored=restored,
+                spaces=self._spaces,
             )
-            for info, value in zip(self.inputs, ir_model.graph.inputs)
-        ]
-        self._input_names = [s.name for s in self._specs]
-        self._all_tensors = all(s.is_tensor for s in self._specs)
-        self._output_index = {info.name: i for i, info in enumerate(self.outputs)}
-        self._checked: set = set()
-        self._capture: CapturedPlan | None = None
+        self._plan = self._built.plan
+        specs = []
+        for info, value in zip(self.inputs, ir_model.graph.inputs):
+            default = tensor_array(value.const_value) if value.const_value is not None else None
+            home = self._built.input_homes.get(value)
+            if default is not None and home is not None:  # an initializer input read on one device: moved once
+                default = home.to_device(default, home.default_device)
+            specs.append(InputSpec(info, default))
+        self._signature = InputSignature(specs, self._spaces)
+        self._output_names = [info.name for info in self.outputs]
+        self._output_index = {name: i for i, name in enumerate(self._output_names)}
+        self._captures = CaptureSlots()
         self.context_model_path: str | None = None
         if self.options["ep.context_enable"]:
             self.context_model_path = self._export_context(model)
@@ -228,10 +148,25 @@ class Session:
                 )
             stem, _ = os.path.splitext(self.model_path)
             path = f"{stem}_ctx.onnx"
-        written, _ = export_context_model(self, path, self.options["ep.context_embed_mode"])
+        written, _ = export_context_model(self, path, self.options["ep.context_embed_mode"], source=self.model_path)
         return written
 
     # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def initializer_inputs(self) -> list[str]:
+        """Inputs that have an initializer as default (may be omitted or overridden)."""
+        return [s.name for s in self._signature.specs if s.default is not None]
+
+    @property
+    def transfers(self) -> TransferCounter:
+        """Copies between memory spaces so far (``snapshot()`` / ``since()`` for one run)."""
+        return self._spaces.counter
+
+    @property
+    def capture_stats(self) -> CaptureStats:
+        """Replays, eager fallbacks with their reasons, bytes allocated during replays."""
+        return self._captures.stats
 
     @property
     def placement(self) -> PlacementReport:
@@ -272,9 +207,11 @@ class Session:
             precompiled=compiled,
             profile=self.options["profiling"],
             devices=self.selection.devices,
+            spaces=self._spaces,
         )
         clone._plan = clone._built.plan
-        clone._checked = set()
+        clone._signature = InputSignature(self._signature.specs, self._spaces)
+        clone._captures = CaptureSlots()
         return clone
 
     @property
@@ -304,6 +241,7 @@ class Session:
 
     # -- running ---------------------------------------------------------------------------
 
+    @typed_run_errors
     def run(
         self,
         feeds: Mapping[str, Any] | None = None,
@@ -316,12 +254,30 @@ class Session:
         With ``bindings``, bound inputs are read from their buffers and bound outputs are
         stored into theirs and returned as None (their bytes stay on the device).
         """
+        begin_run(self._intra_op_threads)
         if bindings:
-            return self._run_bound(dict(feeds or {}), bindings)
-        values = self._run_plan(feeds or {})
+            feeds = bound_feeds(feeds, bindings)
+        args = self._signature.arguments(feeds or {})
+        values = self._plan.run(*(args if bindings else protect_inputs(args)))
+        if bindings:
+            return deliver_outputs(self._output_names, values, bindings, args, self._spaces)
         if output_names is None:
-            return {info.name: _deliver(v) for info, v in zip(self.outputs, values)}
-        return {name: _deliver(values[self._output_index_of(name)]) for name in output_names}
+            return {name: deliver(v, args, self._spaces) for name, v in zip(self._output_names, values)}
+        return {name: deliver(values[self._output_index_of(name)], args, self._spaces) for name in output_names}
+
+    def run_list(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list:
+        begin_run(self._intra_op_threads)
+        args = self._signature.arguments(feeds)
+        values = self._plan.run(*protect_inputs(args))
+        if not output_names:
+            return [deliver(v, args, self._spaces) for v in values]
+        return [deliver(values[self._output_index_of(name)], args, self._spaces) for name in output_names]
+
+    def _output_index_of(self, name: str) -> int:
+        try:
+            return self._output_index[name]
+        except KeyError:
+            raise InvalidInputError(f"unknown output {name!r}; the model's outputs are {self._output_names}") from None
 
     # -- device bindings ---------------------------------------------------------------
 
@@ -334,29 +290,22 @@ class Session:
         shape: Sequence[int] | None = None,
         capacity: Sequence[int] | None = None,
     ) -> DeviceBinding:
-        """A persistent buffer on the session's device bound to ``input``, ``output`` or
-        both (one buffer carrying state across runs). ``capacity`` (default ``shape``)
-        may exceed the logical ``shape``; both default to the declared ones."""
+        """A persistent buffer bound to ``input``, ``output`` or both (one buffer carrying
+        state across runs), from the first provider with its own memory (host memory when
+        none has). ``capacity`` (default ``shape``) may exceed the logical ``shape``; both
+        default to the declared ones."""
         info = self._info_for(input, output)
         dtype = np.dtype(dtype if dtype is not None else info.dtype)
         if shape is None:
             if info.shape is None or not all(isinstance(d, int) for d in info.shape):
-                raise InvalidInputError(
-                    f"binding {info.name!r} has symbolic dims {info.shape}; pass shape=", input_name=input
-                )
-            shape = info.shape
+                raise InvalidInputError(f"binding {info.name!r} has symbolic dims {info.shape}; pass shape=", input_name=input)
+            shape = [int(d) for d in info.shape]  # type: ignore[arg-type]
         capacity = tuple(capacity) if capacity is not None else tuple(shape)
-        provider, device = self._binding_provider()
-        allocate = getattr(provider, "allocate", None) if provider is not None else None
-        buffer = allocate(capacity, dtype, device) if allocate is not None else np.zeros(capacity, dtype)
+        memory = self._spaces.memories[0] if self._spaces else None
+        device = memory.default_device if memory is not None else self.devices.get(self.providers[-1])
+        buffer = memory.allocate(capacity, dtype, device) if memory is not None else np.zeros(capacity, dtype)
         return DeviceBinding(
-            input=input,
-            output=output,
-            buffer=buffer,
-            shape=shape,
-            device=device,
-            upload=(lambda host, target: provider.upload(host, target)) if hasattr(provider, "upload") else None,
-            download=getattr(provider, "to_host", None) if allocate is not None else None,
+            input=input, output=output, buffer=buffer, shape=shape, device=device, memory=memory, spaces=self._spaces
         )
 
     def bind_array(self, array: np.ndarray, *, input: str | None = None, output: str | None = None) -> DeviceBinding:
@@ -364,197 +313,74 @@ class Session:
         self._info_for(input, output)
         if not isinstance(array, np.ndarray):
             raise InvalidInputError("bind_array needs a numpy array", input_name=input)
+        device = self.devices.get(self.providers[-1])
         return DeviceBinding(
-            input=input, output=output, buffer=array, shape=array.shape, device=self.devices.get(self.providers[-1]),
+            input=input, output=output, buffer=array, shape=array.shape, device=device, spaces=self._spaces,
             caller_owned=True,
         )
 
     def _info_for(self, input: str | None, output: str | None) -> TensorInfo:
         if input is None and output is None:
             raise InvalidInputError("name an input, an output, or both")
-        if input is not None and input not in self._input_names:
-            raise UnknownInputError(input, self._input_names)
+        if input is not None and input not in self._signature.names:
+            raise UnknownInputError(input, self._signature.names)
         if output is not None and output not in self._output_index:
-            raise InvalidInputError(f"unknown output {output!r}; the model's outputs are {list(self._output_index)}")
-        return self.inputs[self._input_names.index(input)] if input is not None else self.outputs[self._output_index[output]]
-
-    def _binding_provider(self):
-        """The provider whose memory bindings live in: the first one with its own memory."""
-        for provider in self.selection.providers:
-            if getattr(provider, "memory", "host") != "host" and hasattr(provider, "allocate"):
-                return provider, self.selection.devices.get(provider.name)
-        return None, self.selection.devices.get(self.providers[-1]) if self.providers else None
-
-    def _run_bound(self, feeds: dict[str, Any], bindings: Sequence[DeviceBinding]) -> dict[str, Any]:
-        for binding in bindings:
-            if binding.input is not None:
-                feeds[binding.input] = binding.view()
-        values = self._run_plan(feeds)
-        return self._store_bound(values, bindings)
-
-    def _store_bound(self, values: list, bindings: Sequence[DeviceBinding]) -> dict[str, Any]:
-        bound = {b.output: b for b in bindings if b.output is not None}
-        result = {}
-        for info, value in zip(self.outputs, values):
-            binding = bound.get(info.name)
-            if binding is None:
-                result[info.name] = _deliver(value)
-            else:
-                binding.store(value)
-                result[info.name] = None
-        return result
+            raise InvalidInputError(f"unknown output {output!r}; the model's outputs are {self._output_names}")
+        if input is not None:
+            return self.inputs[self._signature.names.index(input)]
+        return self.outputs[self._output_index[output]]  # type: ignore[index]
 
     # -- capture and replay --------------------------------------------------------------
 
     def try_capture(
-        self, feeds: Mapping[str, Any] | None = None, *, bindings: Sequence[DeviceBinding] = ()
+        self,
+        feeds: Mapping[str, Any] | None = None,
+        *,
+        bindings: Sequence[DeviceBinding] = (),
+        slot: str = DEFAULT_SLOT,
     ) -> "Captured | NotCapturable":
-        """Record the plan for these input shapes (and bindings) so ``replay`` can re-run
-        it without checks or allocation. Returns Captured (with a report of captured
-        segments and eager seams) or NotCapturable (every node declined, with reasons)."""
-        self.reset()
-        captured = CapturedPlan(self, dict(feeds or {}), bindings)
-        if not captured.report.segments:
-            return NotCapturable(captured.report.seams)
-        self._capture = captured
-        return Captured(captured.report)
+        """Record the plan for these input shapes (and bindings) in ``slot`` so ``replay``
+        can re-run it without checks or allocation; other slots are kept. Returns Captured
+        (with a report of captured segments, eager seams and staged transfers) or
+        NotCapturable (every node declined, with reasons)."""
+        with self._captures.lock:
+            self._captures.slots.pop(slot, None)
+            captured = CapturedPlan(
+                self._built, self._signature, self._output_names, self.selection.providers, dict(feeds or {}), bindings
+            )
+            if not captured.report.segments:
+                return NotCapturable(captured.report.seams)
+            self._captures.slots[slot] = captured
+            return Captured(captured.report)
 
     def replay(
-        self, feeds: Mapping[str, Any] | None = None, *, bindings: Sequence[DeviceBinding] | None = None
-    ) -> dict[str, Any]:
-        """Re-run the capture. ``feeds`` refill the captured input buffers (same shapes);
-        bound inputs are read from their buffers as they are now."""
-        captured = self._capture
-        if captured is None:
-            raise NoCaptureError()
-        captured.check(bindings)
-        if feeds:
-            captured.load_feeds(dict(feeds))
-        values = captured.replay()
-        if values is None:  # an eager seam changed shape: this run goes the plain way
-            return self.run(captured.current_feeds(), bindings=captured.bindings)
-        return self._store_bound(values, captured.bindings)
+        self,
+        feeds: Mapping[str, Any] | None = None,
+        *,
+        bindings: Sequence[DeviceBinding] | None = None,
+        slot: str = DEFAULT_SLOT,
+    ) -> ReplayResult:
+        """Re-run the capture in ``slot``. ``feeds`` refill the captured input buffers (same
+        shapes, else StaleCaptureError); bound inputs are read from their buffers as they
+        are now. The result says whether it replayed or ran eagerly, and why."""
+        begin_run(self._intra_op_threads)
+        return self._captures.replay(
+            slot, dict(feeds or {}), bindings, lambda feeds, bound: self.run(feeds, bindings=bound)
+        )
 
-    def reset(self) -> None:
-        """Drop the capture (required before shapes change or bindings are freed)."""
-        self._capture = None
+    def reset(self, slot: str | None = None) -> None:
+        """Drop the capture in ``slot``, or every capture (required before shapes change
+        or bindings are freed)."""
+        with self._captures.lock:
+            if slot is None:
+                self._captures.slots.clear()
+            else:
+                self._captures.slots.pop(slot, None)
 
     @property
     def capture_report(self) -> "CaptureReport | None":
-        return self._capture.report if self._capture is not None else None
-
-    def run_list(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list:
-        values = self._run_plan(feeds)
-        if not output_names:
-            return [_deliver(v) for v in values]
-        return [_deliver(values[self._output_index_of(name)]) for name in output_names]
-
-    def _output_index_of(self, name: str) -> int:
-        try:
-            return self._output_index[name]
-        except KeyError:
-            raise InvalidInputError(
-                f"unknown output {name!r}; the model's outputs are {list(self._output_index)}"
-            ) from None
-
-    def _run_plan(self, feeds: Mapping[str, Any]) -> list:
-        try:
-            args = [feeds[name] for name in self._input_names]
-        except KeyError:
-            args = self._fill_defaults(feeds)
-        except TypeError:
-            raise InvalidInputError(f"feeds must be a mapping of input name to array, got {type(feeds).__name__}") from None
-        if len(feeds) > len(args) or (len(feeds) != len(args) and any(n not in self._input_names for n in feeds)):
-            self._check_unknown(feeds)
-        if self._all_tensors:
-            try:
-                key = tuple([(a.dtype, a.shape) for a in args])
-            except AttributeError:
-                args = [a if isinstance(a, np.ndarray) else self._as_array(s, a) for s, a in zip(self._specs, args)]
-                key = tuple([(a.dtype, a.shape) for a in args])
-            if key not in self._checked:
-                self._check_signature(args)
-                if len(self._checked) >= _SIGNATURE_CACHE_SIZE:
-                    self._checked.clear()
-                self._checked.add(key)
-        else:
-            args = [self._as_array(s, a) if s.is_tensor else a for s, a in zip(self._specs, args)]
-            self._check_signature([a for s, a in zip(self._specs, args) if s.is_tensor], tensors_only=True)
-        return self._plan.run(*args)
-
-    @staticmethod
-    def _as_array(spec: _InputSpec, value: Any) -> np.ndarray:
-        if isinstance(value, np.ndarray):
-            return value
-        if isinstance(value, np.generic) or isinstance(value, (int, float, bool, list, tuple)):
-            array = np.asarray(value, dtype=spec.dtype) if spec.dtype is not None and not isinstance(value, np.generic) else np.asarray(value)
-            return array
-        raise InvalidInputError(
-            f"input {spec.name!r} must be a numpy array, got {type(value).__name__}", input_name=spec.name
-        )
-
-    def _fill_defaults(self, feeds: Mapping[str, Any]) -> list:
-        self._check_unknown(feeds)
-        args = []
-        for spec in self._specs:
-            if spec.name in feeds:
-                args.append(feeds[spec.name])
-            elif spec.default is not None:
-                args.append(spec.default)
-            elif not spec.is_tensor and spec.info.kind == "optional":
-                args.append(None)
-            else:
-                raise MissingInputError(spec.name, [s.name for s in self._specs if s.default is None])
-        return args
-
-    def _check_unknown(self, feeds: Mapping[str, Any]) -> None:
-        for name in feeds:
-            if name not in self._input_names:
-                raise UnknownInputError(name, self._input_names)
-
-    def _check_signature(self, args: list, tensors_only: bool = False) -> None:
-        specs = [s for s in self._specs if s.is_tensor] if tensors_only else self._specs
-        bound: dict[str, tuple[str, int, int]] = {}
-        for spec, array in zip(specs, args):
-            if spec.dtype is not None and array.dtype != spec.dtype:
-                if not (spec.dtype == object and array.dtype.kind in "OU"):
-                    raise InputDtypeError(spec.name, str(spec.dtype), str(array.dtype))
-            if spec.dims is None:
-                continue
-            declared = "[" + ", ".join("?" if d is None else str(d) for d in spec.dims) + "]"
-            if array.ndim != len(spec.dims):
-                raise InputRankError(spec.name, len(spec.dims), array.ndim, declared)
-            for axis, (want, got) in enumerate(zip(spec.dims, array.shape)):
-                if want is None:
-                    continue
-                if isinstance(want, int):
-                    if want != got and want >= 0:
-                        raise InputShapeError(spec.name, axis, want, got, declared)
-                    continue
-                previous = bound.get(want)
-                if previous is None:
-                    bound[want] = (spec.name, axis, got)
-                elif previous[2] != got:
-                    raise SymbolConflictError(want, previous, (spec.name, axis, got))
-
-
-def _limit_blas_threads(threads: int) -> None:
-    """Cap the host BLAS threads (process-wide: BLAS libraries have one pool). On a machine
-    where other work holds cores, fewer BLAS threads than cores avoid long stalls."""
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(limits=threads, user_api="blas")
-
-
-def _deliver(value: Any) -> Any:
-    """Outputs the caller may keep and mutate: arrays (never numpy scalars), own memory."""
-    if isinstance(value, np.ndarray):
-        return value if value.flags.writeable else value.copy()
-    if isinstance(value, np.generic):
-        return np.asarray(value)
-    if isinstance(value, list):
-        return [_deliver(v) for v in value]
-    return value
+        captured = self._captures.slots.get(DEFAULT_SLOT)
+        return captured.report if captured is not None else None
 
 
 class SessionBuilder:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from plugrt._dtypes import numpy_dtype, onnx_type
+from plugrt.provider import numpy_dtype, onnx_type
 
 __all__ = ["numpy_dtype", "onnx_type"]

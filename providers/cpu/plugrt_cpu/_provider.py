@@ -8,10 +8,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from plugrt.build import build_graph
 from plugrt.errors import UnsupportedOpError
-from plugrt.ir_utils import constant_array, graph_free_values, implicit_inputs, tensor_array
-from plugrt.placement import node_label
 from plugrt.provider import (
     CaptureContext,
     CapturedPartition,
@@ -22,11 +19,16 @@ from plugrt.provider import (
     Step,
     Support,
     SupportContext,
+    constant_array,
+    graph_free_values,
+    implicit_inputs,
+    node_label,
+    numpy_dtype,
+    tensor_array,
 )
 
 from . import _registry
 from ._capture import capture_partition, into_of
-from ._dtypes import numpy_dtype
 
 __all__ = ["CPUProvider"]
 
@@ -71,14 +73,13 @@ class SubgraphRunner:
 
     __slots__ = ("graph", "input_names", "output_names", "outer_names", "_plan")
 
-    def __init__(self, graph: ir.Graph, provider: "CPUProvider", opset_imports: dict[str, int]):
+    def __init__(self, graph: ir.Graph, build_subgraph: Any):
         free = graph_free_values(graph)
-        built = build_graph(graph, [provider], opset_imports, extra_inputs=free, pinned=frozenset({provider.name}))
         self.graph = graph
         self.input_names = [v.name for v in graph.inputs]
         self.output_names = [v.name for v in graph.outputs]
         self.outer_names = [v.name for v in free]
-        self._plan = built.plan
+        self._plan = build_subgraph(graph, free)
 
     def run(self, inputs: list, outer: dict[str, Any]) -> list:
         return self._plan.run(*inputs, *[outer[name] for name in self.outer_names])
@@ -87,7 +88,7 @@ class SubgraphRunner:
 class CPUProvider:
     """numpy kernels; the fallback for every other provider."""
 
-    name = "cpu"
+    name = _registry.PROVIDER_NAME
     priority = 0
     memory = "host"
 
@@ -119,7 +120,7 @@ class CPUProvider:
 
     def compile(self, partition: Partition) -> CompiledPartition:
         _load_kernels()
-        bound = [self._bind(node, partition.opset_imports) for node in partition.nodes]
+        bound = [self._bind(node, partition.opset_imports, partition.build_subgraph) for node in partition.nodes]
         steps = [step for step, _ in bound]
         # per step: (KernelSpec, attributes), for capture to find out= variants
         return CompiledPartition(partition, steps, self.name, state=[meta for _, meta in bound])
@@ -129,14 +130,12 @@ class CPUProvider:
         metadata = compiled.state if isinstance(compiled.state, list) else [None] * len(compiled.steps)
         return capture_partition(compiled, ctx, metadata)
 
-    def compile_subgraph(self, graph: ir.Graph, opset_imports: dict[str, int]) -> SubgraphRunner:
-        return SubgraphRunner(graph, self, opset_imports)
+    def bind(self, node: ir.Node, opset_imports: dict[str, int], build_subgraph: Any = None) -> Step:
+        """The step that runs ``node``: its kernel with attributes bound once.
+        ``build_subgraph`` (``Partition.build_subgraph``) is needed for control flow."""
+        return self._bind(node, opset_imports, build_subgraph)[0]
 
-    def bind(self, node: ir.Node, opset_imports: dict[str, int]) -> Step:
-        """The step that runs ``node``: its kernel with attributes bound once."""
-        return self._bind(node, opset_imports)[0]
-
-    def _bind(self, node: ir.Node, opset_imports: dict[str, int]) -> tuple[Step, tuple]:
+    def _bind(self, node: ir.Node, opset_imports: dict[str, int], build_subgraph: Any = None) -> tuple[Step, tuple]:
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
         opset = opset_imports.get(domain, 1 if domain else 0)
         spec = _registry.lookup(domain, node.op_type, opset)
@@ -164,7 +163,9 @@ class CPUProvider:
                 input_dtypes=[_dtype_of(v) for v in inputs],
                 constant_inputs=[constant_array(v) if v is not None else None for v in inputs],
                 node=node,
-                compile_subgraph=functools.partial(self.compile_subgraph, opset_imports=opset_imports),
+                compile_subgraph=(
+                    functools.partial(SubgraphRunner, build_subgraph=build_subgraph) if build_subgraph else None
+                ),
                 implicit_inputs=tuple(v.name for v in implicit),
             )
             try:

@@ -7,6 +7,7 @@ import inspect
 from typing import Any, Callable
 
 __all__ = [
+    "PROVIDER_NAME",
     "KernelSpec",
     "KernelContext",
     "kernel",
@@ -16,6 +17,9 @@ __all__ = [
     "versions",
     "registered_ops",
 ]
+
+#: The CPU provider's name (here so that kernels and fusions need not import the provider).
+PROVIDER_NAME = "cpu"
 
 
 @dataclasses.dataclass(frozen=True)

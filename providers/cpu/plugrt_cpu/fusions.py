@@ -26,8 +26,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from plugrt.ir_utils import constant_array
 from plugrt.passes import CLAIMED_BY
 
-from ._provider import CPUProvider
-from ._registry import KernelContext, kernel, kernel_builder
+from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder
 from .kernels import conv as convolution
 from .kernels import elementwise, normalization
 
@@ -60,7 +59,7 @@ def fusion_passes() -> list[InPlacePass]:
 
 def _ours(node: ir.Node) -> bool:
     """Whether the CPU provider will run ``node`` (no higher-priority provider claims it)."""
-    return node.meta.get(CLAIMED_BY, CPUProvider.name) == CPUProvider.name
+    return node.meta.get(CLAIMED_BY, PROVIDER_NAME) == PROVIDER_NAME
 
 
 def _sole_reader(value: ir.Value | None) -> ir.Node | None:
@@ -122,7 +121,7 @@ def _add_constant(graph: ir.Graph, hint: str, array: np.ndarray) -> ir.Value:
 def _replace(graph: ir.Graph, pattern: Sequence[ir.Node], node: ir.Node) -> None:
     """Put ``node`` where ``pattern`` was; its one output takes over the pattern's last output
     (name, type, shape and readers, graph outputs included)."""
-    node.meta[CLAIMED_BY] = CPUProvider.name
+    node.meta[CLAIMED_BY] = PROVIDER_NAME
     last = pattern[-1]
     replace_nodes_and_values(graph, last, pattern, [node], [last.outputs[0]], [node.outputs[0]])
 
