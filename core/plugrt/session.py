@@ -168,6 +168,11 @@ class Session:
         """Replays, eager fallbacks with their reasons, bytes allocated during replays."""
         return self._captures.stats
 
+    def __repr__(self) -> str:
+        model = self.model_path or f"<{self.metadata.graph_name or 'model'} given as bytes>"
+        nodes = ", ".join(f"{p}: {n}" for p, n in self.placement.nodes_per_provider.items())
+        return f"Session(model={model!r}, providers={self.providers}, placement={{{nodes}}})"
+
     @property
     def placement(self) -> PlacementReport:
         """Where each node runs, fallbacks with their reasons, and transfers."""
