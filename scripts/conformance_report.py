@@ -21,8 +21,8 @@ from plugrt.conformance.expectations import match, read_expectations
 from plugrt.conformance.node_cases import iter_node_cases, run_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-XFAILS = os.path.join(ROOT, "tests", "conformance", "node_xfails.txt")
-SKIPS = os.path.join(ROOT, "tests", "conformance", "node_skips.txt")
+XFAILS = os.path.join(ROOT, "providers", "cpu", "plugrt_cpu", "conformance_xfails.txt")
+SKIPS = os.path.join(ROOT, "providers", "cpu", "plugrt_cpu", "conformance_skips.txt")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -382,7 +382,7 @@ class IOBinding:
             raise NotSupportedError(
                 f"gpu_graph_id {slot}", "this plugrt session keeps one capture: use gpu_graph_id 0 or -1"
             )
-        extra = {"slot": str(slot)} if slotted else {}
+        extra = {"slot": _slot_name(slot)} if slotted else {}
         if slot not in self._captured_slots:
             captured = session.try_capture(bindings=bindings, **extra)
             if not isinstance(captured, Captured):
@@ -392,6 +392,13 @@ class IOBinding:
 
     def __getattr__(self, name: str) -> Any:
         raise NotSupportedError(f"IOBinding.{name}", "use get_outputs() or copy_outputs_to_cpu()")
+
+
+def _slot_name(graph_id: int) -> str:
+    """The capture slot for onnxruntime's ``gpu_graph_id``: 0, its default, is plugrt's default slot."""
+    from .capture import DEFAULT_SLOT
+
+    return DEFAULT_SLOT if graph_id == 0 else str(graph_id)
 
 
 def _takes_slot(session: "Session") -> bool:

@@ -7,7 +7,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -44,7 +45,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     model = args.model or EXAMPLE_MODEL
     options = {"optimization": args.optimization}
-    session = load(model, device=args.device, **options)
+    with _Status(f"building {os.path.basename(model)}"):
+        session = load(model, device=args.device, **options)
     feeds = _parse_inputs(args.input)
     generated = [i for i in session.inputs if i.name not in feeds and i.kind == "tensor"]
     feeds.update(example_inputs(generated))
@@ -59,11 +61,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if generated:
         print(f"  (generated inputs: declared shapes, symbolic dims = {DEFAULT_DIM}, seed 0)")
     times = []
-    outputs = {}
-    for _ in range(max(1, args.repeat)):
-        start = time.perf_counter()
-        outputs = session.run(feeds)
-        times.append(time.perf_counter() - start)
+    outputs: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            outputs = session.run(feeds)
+            times.append(time.perf_counter() - start)
+    if any(issubclass(w.category, RuntimeWarning) for w in caught):
+        _warn_by_node(session, feeds)
     for name, value in outputs.items():
         if isinstance(value, np.ndarray):
             print(f"output {name}: {value.dtype} {list(value.shape)} {_format_values(value)}")
@@ -109,17 +115,33 @@ def _cmd_providers(args: argparse.Namespace) -> int:
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
-    from .conformance.expectations import read_expectations
+    from .conformance.expectations import read_expectations, shipped_expectations
     from .conformance.suite import run_conformance
+    from .registry import default_registry
 
-    xfails = read_expectations(args.xfails_file) if args.xfails_file else []
-    skips = read_expectations(args.skips_file) if args.skips_file else []
-    ops = [p for p in (args.ops or "").split(",") if p]
+    # the provider's shipped expectations, then the files given (which add to them)
+    xfails, skips = ([], []) if args.no_shipped_expectations else shipped_expectations(default_registry().get(args.provider))
+    xfails = xfails + (read_expectations(args.xfails_file) if args.xfails_file else [])
+    skips = skips + (read_expectations(args.skips_file) if args.skips_file else [])
+    ops = [p.strip() for p in (args.ops or "").split(",") if p.strip()]
+    if args.ops is not None and not ops:
+        raise SystemExit("plugrt conformance: error: --ops needs at least one op pattern, e.g. --ops 'Conv*,Relu'")
     report = run_conformance(
-        args.provider, ops=ops or None, xfails=xfails, skips=skips, progress=not args.no_progress
+        args.provider, ops=ops or None, xfails=xfails, skips=skips, progress=not args.no_progress and sys.stderr.isatty()
     )
     markdown = report.to_markdown()
-    print(markdown)
+    if args.report:
+        # the full table goes to the files; stdout keeps the verdict
+        totals = report.totals()
+        print(
+            f"conformance of {args.provider}: {'PASS' if report.ok else 'FAIL'} "
+            + ", ".join(f"{totals.get(k, 0)} {k}" for k in ("passed", "failed", "error", "xfailed", "unsupported", "skipped"))
+        )
+        for name, check in report.protocol.items():
+            if check["status"] == "failed":
+                print(f"protocol check failed: {name}: {check.get('detail', '')}")
+    else:
+        print(markdown)
     for path in args.report:
         with open(path, "w", encoding="utf-8") as f:
             f.write(report.to_json() if path.endswith(".json") else markdown)
@@ -127,35 +149,117 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plugrt", description="plugrt: ONNX inference, every provider a plugin")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
+
+def _add_run(sub: Any) -> None:
     run = sub.add_parser("run", help="run a model (the bundled example when none is given)")
     run.add_argument("model", nargs="?", help="path to an .onnx file (default: the bundled example)")
     run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
     run.add_argument("--device", default="auto", help="auto, cpu, gpu, gpu:N, cuda:N, a provider name or a policy")
-    run.add_argument("--repeat", type=int, default=1, help="run N times and report the median latency")
+    run.add_argument("--repeat", type=_positive_int, default=1, help="run N times (N >= 1) and report the median latency")
     run.add_argument("--optimization", default="all", choices=["none", "basic", "all"])
     run.add_argument("--explain", action="store_true", help="print the full placement report")
     run.set_defaults(func=_cmd_run)
 
+
+def _add_providers(sub: Any) -> None:
     providers = sub.add_parser("providers", help="list installed providers, their devices and failures")
     providers.set_defaults(func=_cmd_providers)
 
+
+def _add_conformance(sub: Any) -> None:
     conformance = sub.add_parser(
         "conformance", help="run ONNX's node cases and protocol checks against one provider, fallback off"
     )
     conformance.add_argument("--provider", required=True, help="the provider to check, e.g. cpu")
     conformance.add_argument("--ops", help="comma-separated op patterns (fnmatch), e.g. 'Conv*,Relu'")
     conformance.add_argument(
-        "--report", action="append", default=[], metavar="FILE.json|FILE.md", help="write the report (repeatable)"
+        "--report", action="append", default=[], metavar="FILE.json|FILE.md",
+        help="write the report (repeatable); stdout then shows only the verdict",
     )
-    conformance.add_argument("--xfails-file", help="cases expected to fail: a pattern per line, then '# reason'")
-    conformance.add_argument("--skips-file", help="cases not to run: a pattern per line, then '# reason'")
-    conformance.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    conformance.add_argument(
+        "--xfails-file", help="more cases expected to fail: a pattern per line, then '# reason' (adds to the provider's own)"
+    )
+    conformance.add_argument("--skips-file", help="more cases not to run: a pattern per line, then '# reason'")
+    conformance.add_argument(
+        "--no-shipped-expectations", action="store_true",
+        help="ignore the xfails and skips the provider's package ships",
+    )
+    conformance.add_argument("--no-progress", action="store_true", help="no progress bar (there is none unless stderr is a terminal)")
     conformance.set_defaults(func=_cmd_conformance)
+
+
+def _add_explain(sub: Any) -> None:
+    from .explain import add_parser
+
+    add_parser(sub)
+
+
+def _add_bench(sub: Any) -> None:
+    from .bench import add_parser
+
+    add_parser(sub)
+
+
+#: One function per subcommand, each adding its parser: add a subcommand by adding one here.
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_run, _add_providers, _add_conformance, _add_explain, _add_bench]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="plugrt", description="plugrt: ONNX inference, every provider a plugin")
+    parser.add_argument("--version", action="version", version=f"plugrt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
+
+
+class _Status:
+    """One status line on stderr while something slow runs, only when stderr is a
+    terminal (nothing in logs or pipes); cleared when done."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.shown = sys.stderr.isatty()
+
+    def __enter__(self) -> "_Status":
+        if self.shown:
+            sys.stderr.write(f"plugrt: {self.message} ...")
+            sys.stderr.flush()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _warn_by_node(session: Any, feeds: dict[str, np.ndarray]) -> None:
+    """Name the node behind a run's RuntimeWarnings (overflow, invalid value): one more
+    run with warnings as errors stops at it, and the plan names the step that raised."""
+    from .errors import KernelError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        try:
+            session.run(feeds)
+        except KernelError as exc:
+            print(
+                f"plugrt: warning: node {exc.node!r} ({exc.op_type}, provider {exc.provider}): {exc.cause}",
+                file=sys.stderr,
+            )
+            return
+    print("plugrt: warning: the run raised RuntimeWarnings outside any node", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -163,10 +267,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that went away is noticed here
+        return status
     except PlugrtError as exc:
         print(f"plugrt: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (``plugrt ... | head``): stop quietly, as other tools do;
+        # stdout is pointed at devnull so the interpreter's final flush does not complain
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from .errors import (
     EpContextPathError,
     EpContextSourceError,
     ModelLoadError,
+    ProviderNameMismatchError,
     UnsafeExternalDataError,
 )
 from .ir_utils import is_constant
@@ -273,6 +274,8 @@ def restore_context_nodes(
             "notes": str(_as_text(_attr(node, "notes", ""))),
         }
         compiled = provider.load_context(blob, meta)
+        if compiled.provider and compiled.provider != provider.name:
+            raise ProviderNameMismatchError(provider.name, compiled.provider)
         compiled.provider = provider.name
         compiled.restored = True
         compiled.partition = partition

@@ -4,12 +4,12 @@ pytorch-converted, pytorch-operator and light suites."""
 from __future__ import annotations
 
 import fnmatch
-import os
 
 import onnx.backend.test
 
 import plugrt.backend
-from plugrt.conformance.expectations import read_expectations
+from plugrt.conformance.expectations import shipped_expectations
+from plugrt.registry import default_registry
 
 _backend_test = onnx.backend.test.BackendTest(plugrt.backend, __name__)
 
@@ -21,12 +21,13 @@ _backend_test = onnx.backend.test.BackendTest(plugrt.backend, __name__)
 # returned. test_node_cases.py runs this case with an element-wise comparison.
 _backend_test.exclude(r"^test_loop16_seq_none_cpu$")
 
-_here = os.path.dirname(__file__)
-# Cases whose expected output no correct runtime can reproduce (each line says why).
-for _entry in read_expectations(os.path.join(_here, "node_skips.txt")):
+# The CPU provider's shipped expectations: cases whose expected output no correct runtime
+# can reproduce are skipped, cases it does not pass are expected to fail (each says why).
+_xfails, _skips = shipped_expectations(default_registry().get("cpu"))
+for _entry in _skips:
     _backend_test.exclude(fnmatch.translate(_entry.pattern + "_cpu").replace(r"\Z", "$"))
 
-for _entry in read_expectations(os.path.join(_here, "node_xfails.txt")):
+for _entry in _xfails:
     # fnmatch pattern on the case name; BackendTest names add the device suffix
     _backend_test.xfail(fnmatch.translate(_entry.pattern + "_cpu").replace(r"\Z", "$"))
 

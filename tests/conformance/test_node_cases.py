@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from plugrt.conformance.expectations import match, read_expectations
+from plugrt.conformance.expectations import match, shipped_expectations
 from plugrt.conformance.node_cases import iter_node_cases, run_case
+from plugrt.registry import default_registry
 
-XFAILS = read_expectations(os.path.join(os.path.dirname(__file__), "node_xfails.txt"))
-SKIPS = read_expectations(os.path.join(os.path.dirname(__file__), "node_skips.txt"))
+# the CPU provider's own expectations, shipped with plugrt_cpu
+XFAILS, SKIPS = shipped_expectations(default_registry().get("cpu"))
 CASES = list(iter_node_cases())
 
 

@@ -4,6 +4,9 @@ import subprocess
 import sys
 
 import numpy as np
+import onnx
+import onnx.parser
+import pytest
 
 from plugrt.cli import main
 
@@ -39,3 +42,50 @@ def test_providers_lists_cpu_with_its_device():
         [sys.executable, "-m", "plugrt", "providers"], capture_output=True, text=True, check=True
     ).stdout
     assert "cpu" in out and "cpu:0" in out and "[available]" in out
+
+
+def test_version_prints_the_package_version(capsys):
+    import plugrt
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"plugrt {plugrt.__version__}"
+
+
+def test_negative_repeat_is_refused(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["run", "--repeat", "-1"])
+    assert done.value.code == 2 and "--repeat: must be at least 1" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "plugrt", "providers"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()  # as `| head` does once it has its lines
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141 and err.decode().strip() == ""
+
+
+def test_nothing_is_animated_when_stderr_is_not_a_terminal(capsys):
+    assert main(["run"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_report_files_keep_stdout_to_the_verdict(tmp_path, capsys):
+    report = tmp_path / "relu.md"
+    assert main(["conformance", "--provider", "cpu", "--ops", "Relu", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("conformance of cpu: PASS") and "| op |" not in out
+    assert "| Relu |" in report.read_text()
+
+
+def test_runtime_warnings_name_the_node(tmp_path, capsys):
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["" : 17]> g (float[2] x) => (float[2] y) { h = Neg(x)  y = Exp(h) }'
+    )
+    onnx.save(model, tmp_path / "exp.onnx")
+    np.save(tmp_path / "x.npy", np.array([-1000.0, 0.0], np.float32))
+    assert main(["run", str(tmp_path / "exp.onnx"), "--input", f"x={tmp_path / 'x.npy'}"]) == 0
+    err = capsys.readouterr().err
+    assert "plugrt: warning: node" in err and "(Exp, provider cpu)" in err and "overflow" in err

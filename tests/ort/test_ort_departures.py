@@ -143,3 +143,23 @@ def test_device_output_on_a_machine_without_that_device_is_refused(model_bytes):
     session = ort.InferenceSession(model_bytes)
     with pytest.raises(ProviderUnavailableError):
         session.io_binding().bind_output("Y", "cuda")
+
+
+def test_each_gpu_graph_id_keeps_its_own_capture(model_bytes):
+    session = ort.InferenceSession(model_bytes)
+    results = []
+    for graph_id, x in (("1", X), ("2", -X), ("1", X)):
+        binding = session.io_binding()
+        binding.bind_cpu_input("X", x)
+        binding.bind_output("Y")
+        run_options = ort.RunOptions()
+        run_options.add_run_config_entry("gpu_graph_id", graph_id)
+        session.run_with_iobinding(binding, run_options)
+        results.append(binding.copy_outputs_to_cpu()[0])
+    np.testing.assert_array_equal(results[1], np.maximum(-X, 0))
+    np.testing.assert_array_equal(results[2], np.maximum(X, 0))
+
+
+def test_repr_shows_model_providers_and_placement(model_bytes):
+    text = repr(ort.InferenceSession(model_bytes).session)
+    assert "providers=['cpu'" in text and "cpu: 1" in text and "given as bytes" in text

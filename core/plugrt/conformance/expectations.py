@@ -7,6 +7,10 @@ The format array-api-tests and onnx-tests use::
 
 Blank lines and lines starting with ``#`` are ignored. A pattern without a reason is an
 error: every expectation must say why.
+
+A provider ships its own expectations as ``conformance_xfails.txt`` and
+``conformance_skips.txt`` in its top-level package (package data); ``plugrt
+conformance`` reads them, so a provider passes out of the box.
 """
 
 from __future__ import annotations
@@ -14,8 +18,15 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+from typing import Any
 
-__all__ = ["Expectation", "read_expectations", "match"]
+from ..errors import ConformanceInputError
+
+__all__ = ["Expectation", "read_expectations", "match", "shipped_expectations", "SHIPPED_XFAILS", "SHIPPED_SKIPS"]
+
+#: The file names a provider package ships its expectations under.
+SHIPPED_XFAILS = "conformance_xfails.txt"
+SHIPPED_SKIPS = "conformance_skips.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,18 +36,44 @@ class Expectation:
 
 
 def read_expectations(path: str | os.PathLike) -> list[Expectation]:
+    """The entries of an expectations file; a missing, unreadable or malformed file is a
+    ConformanceInputError naming the file (and the line)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConformanceInputError(f"cannot read expectations file {os.fspath(path)!r}: {exc}", path=os.fspath(path)) from exc
     entries = []
-    with open(path, encoding="utf-8") as f:
-        for number, raw in enumerate(f, 1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            pattern, sep, reason = line.partition("#")
-            pattern, reason = pattern.strip(), reason.strip()
-            if not sep or not reason:
-                raise ValueError(f"{path}:{number}: {pattern!r} has no '# reason'; every entry must say why")
-            entries.append(Expectation(pattern, reason))
+    for number, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pattern, sep, reason = line.partition("#")
+        pattern, reason = pattern.strip(), reason.strip()
+        if not sep or not reason:
+            raise ConformanceInputError(
+                f"{os.fspath(path)}:{number}: {pattern!r} has no '# reason'; every entry must say why",
+                path=os.fspath(path),
+            )
+        entries.append(Expectation(pattern, reason))
     return entries
+
+
+def shipped_expectations(provider: Any) -> tuple[list[Expectation], list[Expectation]]:
+    """The (xfails, skips) that ``provider``'s package ships; empty when it ships none."""
+    import importlib
+    import importlib.resources
+
+    package = type(provider).__module__.split(".")[0]
+    try:
+        root = importlib.resources.files(importlib.import_module(package))
+    except (ImportError, TypeError):
+        return [], []
+    found = []
+    for name in (SHIPPED_XFAILS, SHIPPED_SKIPS):
+        resource = root / name
+        found.append(read_expectations(str(resource)) if resource.is_file() else [])
+    return found[0], found[1]
 
 
 def match(name: str, expectations: list[Expectation]) -> Expectation | None:

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ..errors import PlacementError, PlugrtError, UnsupportedOpError
+from ..errors import ConformanceInputError, PlacementError, PlugrtError, UnsupportedOpError
 from ..provider import Support, SupportContext
 from ..registry import ProviderRegistry, default_registry
 from .expectations import Expectation, match
@@ -42,9 +42,13 @@ class ConformanceReport:
 
     @property
     def ok(self) -> bool:
+        """No case or protocol check failed, and at least one case passed: a run that
+        checked nothing is not a pass."""
         bad = {"failed", "error", "xpassed"}
-        return not any(c.status in bad for c in self.cases) and all(
-            v["status"] != "failed" for v in self.protocol.values()
+        return (
+            any(c.status == "passed" for c in self.cases)
+            and not any(c.status in bad for c in self.cases)
+            and all(v["status"] != "failed" for v in self.protocol.values())
         )
 
     def per_op(self) -> dict[str, collections.Counter]:
@@ -171,6 +175,14 @@ def run_conformance(
     all_cases = list(cases if cases is not None else iter_node_cases())
     if ops:
         all_cases = [c for c in all_cases if any(fnmatch.fnmatchcase(_primary_op(c), p) for p in ops)]
+    if not all_cases:
+        shown = ",".join(ops or ())
+        raise ConformanceInputError(
+            f"--ops {shown!r} selects no ONNX node case; op names are case-sensitive (e.g. 'Relu', 'Conv*')"
+            if ops
+            else "no ONNX node case to run (is onnx's backend test data installed?)",
+            filter=shown or None,
+        )
     bar = _Progress(len(all_cases), enabled=progress)
     outcomes: list[CaseOutcome] = []
     reasonless: list[str] = []
@@ -217,9 +229,16 @@ def run_conformance(
         },
     }
     if hasattr(target, "save_context") and hasattr(target, "load_context"):
+        # a provider that offers EPContext must show it on at least one partition
         protocol["save_context/load_context round-trip"] = {
-            "status": "failed" if roundtrip["failed"] else ("passed" if roundtrip["checked"] else "skipped"),
-            "detail": ", ".join(roundtrip["failed"][:10]) or f"{roundtrip['checked']} partitions restored with identical outputs",
+            "status": "passed" if roundtrip["checked"] and not roundtrip["failed"] else "failed",
+            "detail": ", ".join(roundtrip["failed"][:10])
+            or (
+                f"{roundtrip['checked']} partitions restored with identical outputs"
+                if roundtrip["checked"]
+                else "0 partitions restored: the provider declares save_context/load_context but "
+                "compiled no partition in the selected cases"
+            ),
         }
     else:
         protocol["save_context/load_context round-trip"] = {"status": "skipped", "detail": "provider does not offer EPContext"}

@@ -121,7 +121,8 @@ def _compiled(partition: Partition, program: Program, *, restored: bool) -> Comp
         op_type="TemplateProgram",
         nodes=tuple(program.nodes),
     )
-    return CompiledPartition(partition, [step], "template", restored=restored, state=program)
+    # no provider name here: plugrt fills in the name of the provider that compiled it
+    return CompiledPartition(partition, [step], restored=restored, state=program)
 
 
 @functools.lru_cache(maxsize=None)
