@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import importlib_metadata
@@ -256,10 +257,15 @@ def test_two_threads_replaying_one_capture_each_get_their_own_result(device):
                 return
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so that an unguarded capture would mix results
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert failures == []
     assert session.capture_stats.replays == 100
 
