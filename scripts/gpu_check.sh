@@ -52,7 +52,7 @@ fi
 # onnxruntime (CPU) and onnxruntime-gpu install the same module: keep only the GPU one.
 if [ -n "${GPU_CHECK_NO_INSTALL:-}" ]; then
     say "- install: skipped (GPU_CHECK_NO_INSTALL), using $VENV"
-elif "${PIP[@]}" ".[test]" ./providers/template "./providers/cuda[nvrtc]" "cupy-cuda12x[ctk]" >>"$LOG" 2>&1 \
+elif "${PIP[@]}" ".[test]" ./providers/template ./providers/cuda "cupy-cuda12x[ctk]" >>"$LOG" 2>&1 \
     && python -m pip uninstall --quiet -y onnxruntime >>"$LOG" 2>&1 \
     && "${PIP[@]}" "onnxruntime-gpu[cuda,cudnn]" >>"$LOG" 2>&1; then
     say "- install: ok ($(python -c 'import cupy, onnxruntime; print("cupy", cupy.__version__, "onnxruntime", onnxruntime.__version__)' 2>&1))"

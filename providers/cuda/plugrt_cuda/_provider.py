@@ -304,9 +304,9 @@ def _dtype_name(value: ir.Value | None) -> str | None:
 def _dtype_problem(value: ir.Value, spec: OpSpec) -> str | None:
     if value.type is not None and not isinstance(value.type, ir.TensorType):
         return f"input {value.name!r} is a {type(value.type).__name__}, the CUDA provider takes tensors only"
-    name = _dtype_name(value)
-    if name is not None and (name in _UNSUPPORTED_TYPES or name.startswith("float8") or name in ("int4", "uint4")):
-        return f"input {value.name!r} is {name}, which the CUDA provider does not hold on the device"
+    kind = value.dtype.name.lower() if value.dtype is not None else ""
+    if kind in _UNSUPPORTED_TYPES or kind.startswith("float8") or kind.startswith("float4") or kind in ("int4", "uint4"):
+        return f"input {value.name!r} is {kind}, which the CUDA provider does not hold on the device"
     return None
 
 
