@@ -154,3 +154,43 @@ def test_decoder_block_data_movement_ops_match_onnxruntime():
     expected = session.run(None, feeds)
     for got, want in zip(_run(proto.SerializeToString(), feeds), expected):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+_HALF_NET = """
+<ir_version: 8, opset_import: ["" : 17]>
+net (%(t)s[2, 3, 12, 12] x, %(t)s[8, 3, 3, 3] w, %(t)s[8] b, %(t)s[8, 1, 3, 3] dw, %(t)s[8] g, %(t)s[8] beta,
+     %(t)s[8] mean, %(t)s[8] var, %(t)s[8, 5] fc, %(t)s[5] fc_b, %(t)s[5] ln_g)
+    => (%(t)s[2, 5] y)
+{
+    c = Conv<pads=[1, 1, 1, 1]>(x, w, b)
+    r = Relu(c)
+    d = Conv<group=8, strides=[2, 2], pads=[1, 1, 1, 1]>(r, dw)
+    n = BatchNormalization(d, g, beta, mean, var)
+    p = MaxPool<kernel_shape=[2, 2], strides=[2, 2]>(n)
+    a = AveragePool<kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1>(p)
+    s = GlobalAveragePool(a)
+    f = Flatten(s)
+    h = Gemm<transB=0>(f, fc, fc_b)
+    l = LayerNormalization(h, ln_g)
+    y = Softmax(l)
+}
+"""
+
+
+def test_float16_network_matches_float32_onnxruntime_within_half_precision():
+    import onnxruntime
+
+    rng = np.random.default_rng(9)
+    shapes = {
+        "x": (2, 3, 12, 12), "w": (8, 3, 3, 3), "b": (8,), "dw": (8, 1, 3, 3), "g": (8,), "beta": (8,),
+        "mean": (8,), "var": (8,), "fc": (8, 5), "fc_b": (5,), "ln_g": (5,),
+    }
+    feeds32 = {k: (rng.standard_normal(s) * 0.5).astype(np.float32) for k, s in shapes.items()}
+    feeds32["var"] = np.abs(feeds32["var"]) + 0.5
+    feeds16 = {k: v.astype(np.float16) for k, v in feeds32.items()}
+    feeds32 = {k: v.astype(np.float32) for k, v in feeds16.items()}  # the same values in both
+    proto32 = onnx.parser.parse_model(_HALF_NET % {"t": "float"})
+    expected = onnxruntime.InferenceSession(proto32.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds32)[0]
+    got = _run(onnx.parser.parse_model(_HALF_NET % {"t": "float16"}).SerializeToString(), feeds16)[0]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), expected, rtol=2e-2, atol=2e-3)
