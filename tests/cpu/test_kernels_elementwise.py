@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import plugrt_cpu.kernels  # noqa: F401  (registers the kernels)
-from helpers import reference_node, run_kernel
+from helpers import reference_node, run_kernel, run_node
 from plugrt_cpu._registry import KernelContext, lookup
 from plugrt_cpu.kernels.elementwise import erf, sigmoid
 
@@ -159,6 +159,20 @@ def test_activation_keeps_nan():
         if op in ("ThresholdedRelu", "Shrink"):  # NaN fails both comparisons: 0 by the spec
             continue
         assert np.isnan(run_kernel(op, opset, x, **attributes)[0][0]), op
+
+
+def test_leaky_relu_with_zero_alpha_keeps_positive_infinity():
+    x = np.array([np.inf, 2.0, -3.0, 0.0], np.float32)
+    (got,) = run_node("LeakyRelu", {"x": x}, 16, alpha=0.0)
+    np.testing.assert_array_equal(got, [np.inf, 2.0, -0.0, 0.0])
+
+
+def test_prelu_keeps_non_negative_inputs_whatever_the_slope():
+    # f(x) = x for x >= 0 by the spec, even where slope * x would be NaN
+    x = np.array([3.0, 0.0, -2.0, -1.0, 5.0], np.float32)
+    slope = np.array([np.inf, np.nan, 2.0, np.nan, -np.inf], np.float32)
+    (got,) = run_node("PRelu", {"x": x, "slope": slope}, 16)
+    np.testing.assert_array_equal(got, [3.0, 0.0, -4.0, np.nan, 5.0])
 
 
 def test_shrink_keeps_integer_dtype():

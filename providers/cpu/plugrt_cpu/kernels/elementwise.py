@@ -619,12 +619,18 @@ relu.into = _relu_into
 @kernel("LeakyRelu", 1)
 def leaky_relu(x, *, alpha=0.01):
     # x for x >= 0 and alpha * x below is the larger of the two when alpha <= 1.
-    return (np.maximum if alpha <= 1 else np.minimum)(x, np.multiply(x, alpha))
+    y = (np.maximum if alpha <= 1 else np.minimum)(x, np.multiply(x, alpha))
+    if alpha == 0:
+        # alpha * inf is NaN and the maximum propagates it, yet LeakyRelu(inf) is inf
+        y = np.where(np.isposinf(x), x, y)
+    return y
 
 
 def _leaky_relu_into(out, x, *, alpha=0.01):
     np.multiply(x, alpha, out=out)
     (np.maximum if alpha <= 1 else np.minimum)(x, out, out=out)
+    if alpha == 0:
+        np.copyto(out, x, where=np.isposinf(x))
 
 
 leaky_relu.into = _leaky_relu_into
@@ -645,6 +651,9 @@ def _scaled_negative_part(x, slope, out=None) -> np.ndarray:
     y = np.minimum(x, 0, out=np.empty_like(x) if out is None else out)
     y *= slope
     y += np.maximum(x, 0) if out is None else _positive_part(out, x)
+    if not np.isfinite(slope).all():
+        # 0 * inf is NaN, yet where x >= 0 the result is x whatever the slope
+        np.copyto(y, x, where=x >= 0)
     return y
 
 
