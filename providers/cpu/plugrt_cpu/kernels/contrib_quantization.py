@@ -88,6 +88,22 @@ def _nbits_weight(
     return np.ascontiguousarray(weight.T)
 
 
+def _int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
+    """A quantized to int8 and back, symmetrically per block of ``block_size`` along K
+    (scale = max |a| / 127 over the block), the activations of an int8 matmul."""
+    k = a.shape[-1]
+    blocks = -(-k // block_size)
+    padded = np.zeros(a.shape[:-1] + (blocks * block_size,), a.dtype)
+    padded[..., :k] = a
+    grouped = padded.reshape(a.shape[:-1] + (blocks, block_size))
+    peak = np.max(np.abs(grouped), axis=-1, keepdims=True)
+    scale = peak / a.dtype.type(127)
+    inverse = np.divide(a.dtype.type(127), peak, out=np.zeros_like(peak), where=peak != 0)
+    quantized = np.clip(np.rint(grouped * inverse), -128, 127)
+    quantized *= scale
+    return quantized.reshape(padded.shape)[..., :k]
+
+
 @kernel_builder("MatMulNBits", 1, domain=_MS)
 def matmul_nbits(ctx: KernelContext):
     attrs = ctx.attributes
@@ -102,8 +118,10 @@ def matmul_nbits(ctx: KernelContext):
         raise NotImplementedError(f"MatMulNBits' block_size must be a power of 2 of at least 16, got {block_size}")
     if int(attrs.get("weight_prepacked", 0)):
         raise NotImplementedError("MatMulNBits with weight_prepacked=1 is specific to another provider's layout")
-    # accuracy_level selects onnxruntime's compute type for A (int8 at level 4); this
-    # kernel always multiplies in float32 (float64 for float64 A), at least as accurate.
+    # accuracy_level 4 asks for int8 activations: A is quantized symmetrically per block
+    # of K as onnxruntime does, so greedy decoding picks the same tokens as it. Lower
+    # levels multiply in float32 (float64 for float64 A).
+    int8_activations = int(attrs.get("accuracy_level", 0)) == 4
     a_dtype = ctx.input_dtypes[0] if ctx.input_dtypes else None
     work = _work_dtype(np.dtype(a_dtype)) if a_dtype is not None else np.dtype(np.float32)
     constants = list(ctx.constant_inputs) + [None] * (5 - len(ctx.constant_inputs))
@@ -127,10 +145,15 @@ def matmul_nbits(ctx: KernelContext):
         w = cached
         if w is None:
             w = _nbits_weight(b, scales, zero_points, g_idx, n, k, bits, block_size, _work_dtype(a.dtype))
-        y = np.matmul(a.astype(w.dtype, copy=False), w)
+        out_dtype = a.dtype
+        a = a.astype(w.dtype, copy=False)
+        # onnxruntime keeps float activations when the zero points are floats
+        if int8_activations and (zero_points is None or zero_points.dtype == np.uint8):
+            a = _int8_blocks(a, block_size)
+        y = np.matmul(a, w)
         if bias is not None:
             y += bias.astype(w.dtype, copy=False)
-        return y.astype(a.dtype, copy=False)
+        return y.astype(out_dtype, copy=False)
 
     return run
 
