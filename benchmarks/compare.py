@@ -6,6 +6,7 @@ them alike), peak memory, the ratios plugrt/onnxruntime and plugrt/reference, an
 correctness check. Markdown goes to stdout, JSON to ``--json PATH``.
 
     python benchmarks/compare.py --models 'resnet|encoder' --runs 20 --json out.json
+    python benchmarks/compare.py --load 1    # one busy background process the whole time
 
 Models: the nine light models from onnx, a transformer encoder (benchmarks/make_encoder.py)
 at batch 1 and 8, and a chain of 1,000 elementwise nodes next to a bare numpy loop doing
@@ -22,6 +23,8 @@ import math
 import os
 import platform
 import re
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +51,66 @@ _CHAIN_LENGTH = 1000
 _CHAIN_WIDTH = 16
 _LIGHT_TOLERANCE = {"rtol": 1e-3, "atol": 1e-7}  # what onnx's backend tests use for these models
 _ENCODER_TOLERANCE = {"rtol": 1e-3, "atol": 1e-5}
+
+# A busy background process: pure Python arithmetic (one core, no memory traffic to speak
+# of), ending by itself at its deadline or as soon as its parent is gone.
+_BUSY_LOOP = r"""
+import os, sys, time
+deadline = time.monotonic() + float(sys.argv[1])
+parent = os.getppid()
+while time.monotonic() < deadline and os.getppid() == parent:
+    total = 0
+    for i in range(100000):
+        total += i
+"""
+
+
+class BackgroundLoad:
+    """``count`` busy processes, each a CPU-bound loop, for at most ``seconds``; stopped
+    on exit from the ``with`` block, whatever ends it (an exception, Ctrl-C, SIGTERM)."""
+
+    def __init__(self, count: int, seconds: float):
+        self.count = count
+        self.seconds = seconds
+        self.processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "BackgroundLoad":
+        try:
+            for _ in range(self.count):
+                self.processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _BUSY_LOOP, str(self.seconds)],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )
+                )
+        except BaseException:
+            self.stop()
+            raise
+        if self.processes:
+            time.sleep(0.5)  # let the scheduler see them before the first measurement
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    def running(self) -> int:
+        return sum(p.poll() is None for p in self.processes)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds the with blocks: the busy processes are stopped
 
 
 # ---------------------------------------------------------------------------------------
@@ -350,8 +413,10 @@ def markdown(results: list[dict[str, Any]], environment: dict[str, Any]) -> str:
         f"plugrt optimization={environment['optimization']!r}; {environment['runs']} runs after "
         f"{environment['warmup']} warm-up (reference: at most {environment['reference_runs']} runs); "
         f"BLAS environment: {environment['blas_environment'] or 'unset (numpy default)'}.",
-        f"Load average before: {environment['load_before'][0]:.2f}, after: {environment['load_after'][0]:.2f} "
-        "(above the core count, latencies are noisy).",
+        f"Machine: {environment['cores']} core(s), {environment['usable_cores']} usable by this process; "
+        f"background load: {environment['background_load']} busy process(es) (`--load`).",
+        f"Load average before: {_loads(environment['load_before'])}, after: {_loads(environment['load_after'])} "
+        "(1, 5 and 15 minutes; the busy processes count; above the core count, latencies are noisy).",
         "",
         "| model | runtime | build s | median ms | p90 ms | runs | RSS Δ MiB | py peak MiB | check |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
@@ -378,6 +443,15 @@ def markdown(results: list[dict[str, Any]], environment: dict[str, Any]) -> str:
     if light:
         mean = _geomean(light)
         lines += ["", f"Geometric mean of plugrt/onnxruntime over {len(light)} light model(s): **{mean:.2f}**"]
+    scored = [r for r in results if (r["light"] or r["model"].startswith("encoder")) and r["plugrt_over_ort"]]
+    if scored:
+        worst = max(scored, key=lambda r: r["plugrt_over_ort"])
+        lines += [
+            "",
+            f"Geometric mean of plugrt/onnxruntime over {len(scored)} model(s) (light models and encoders): "
+            f"**{_geomean([r['plugrt_over_ort'] for r in scored]):.2f}**; "
+            f"highest: {worst['model']} {worst['plugrt_over_ort']:.2f}",
+        ]
     lines += [
         "",
         "RSS Δ: the process's peak resident memory (VmHWM, reset before each build) minus the RSS "
@@ -385,6 +459,10 @@ def markdown(results: list[dict[str, Any]], environment: dict[str, Any]) -> str:
         "warm-up (numpy buffers and Python objects; onnxruntime's own allocator is invisible to it).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _loads(values: tuple[float, ...]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
 
 
 def _geomean(values: list[float]) -> float:
@@ -404,14 +482,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-runs", type=int, default=3, help="timed runs of onnx.reference at most (3)")
     parser.add_argument("--optimization", default="all", choices=("none", "basic", "all"), help="plugrt's level")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument(
+        "--load", type=int, default=0, metavar="N",
+        help="N busy background processes (one core each) during the whole measurement (0)",
+    )
+    parser.add_argument(
+        "--load-seconds", type=float, default=1800, metavar="S",
+        help="the busy processes end by themselves after S seconds at the latest (1800)",
+    )
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if not 0 <= args.load <= 64:
+        parser.error("--load must lie in [0, 64]")
 
     pattern = re.compile(args.models) if args.models else None
     environment = {
         "cpu": CPUProvider().devices()[0].name,
         "threads": _threads(),
+        "cores": os.cpu_count(),
+        "usable_cores": _threads(),
+        "background_load": args.load,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "onnxruntime": onnxruntime.__version__,
@@ -426,13 +517,20 @@ def main(argv: list[str] | None = None) -> int:
         "blas_environment": {k: os.environ[k] for k in _BLAS_VARIABLES if k in os.environ},
     }
     results = []
-    with tempfile.TemporaryDirectory(prefix="plugrt-bench-") as workdir:
-        for case in _cases(workdir):
-            if pattern is not None and not pattern.search(case.name):
-                continue
-            print(f"... {case.name}", file=sys.stderr, flush=True)
-            results.append(run_case(case, args))
-    environment["load_after"] = os.getloadavg()
+    previous_handler = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        with tempfile.TemporaryDirectory(prefix="plugrt-bench-") as workdir:
+            cases = [c for c in _cases(workdir) if pattern is None or pattern.search(c.name)]
+            with BackgroundLoad(args.load, args.load_seconds) as load:
+                environment["load_before"] = os.getloadavg()
+                for case in cases:
+                    print(f"... {case.name} (load average {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+                    results.append(run_case(case, args))
+                    if load.running() < args.load:
+                        print("warning: a busy background process ended early", file=sys.stderr)
+            environment["load_after"] = os.getloadavg()
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     sys.stdout.write(markdown(results, environment))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

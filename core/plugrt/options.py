@@ -81,7 +81,7 @@ OPTIONS: dict[str, _Option] = {
     "strict": _Option(_boolean, False, "raise PlacementError instead of falling back to another provider"),
     "disabled_providers": _Option(_names, (), "provider names to ignore, as if not installed"),
     "profiling": _Option(_boolean, False, "record a span per node (Chrome trace JSON via session.profile())"),
-    "intra_op_num_threads": _Option(_non_negative_int, 0, "host BLAS threads, process-wide (0: the library's default, one per core)"),
+    "intra_op_num_threads": _Option(_non_negative_int, 0, "host threads for this session's BLAS calls (0: every usable core other processes leave free)"),
     "limits.model_bytes": _Option(_positive_int, _LIMITS.model_bytes, "largest model file accepted, in bytes"),
     "limits.tensor_bytes": _Option(
         _positive_int,

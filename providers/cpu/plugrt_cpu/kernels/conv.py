@@ -7,6 +7,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from plugrt.threads import blas_threads
 
 from .._registry import KernelContext, kernel, kernel_builder
 from ._window import (
@@ -56,6 +57,8 @@ class _ConvPlan:
         self.out_size = math.prod(out)
         self.m = m
         ksize = math.prod(kernel)
+        # multiply-adds of one GEMM call (per image and group): what BLAS threads are worth
+        self.gemm_work = (m // group) * (c // group) * ksize * self.out_size
         pointwise = ksize == 1 and not any(pb) and all(
             (o - 1) * s + 1 <= size for o, s, size in zip(out, strides, spatial)
         )
@@ -93,6 +96,7 @@ class _ConvPlan:
             )
             layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
+        self.gemm_work = (m // group) * (c // group) * ksize * rows * rest
 
     def _plan_depthwise(
         self,
@@ -175,6 +179,8 @@ class _Convolution:
         """The convolution, into the C-contiguous ``y`` (n, M, *out) when given (the
         ``into`` variant: the same arithmetic, its copies in thread workspaces)."""
         plan: _ConvPlan = self._plans(x.shape, weight.shape, x.dtype.itemsize)
+        if plan.kind != "depthwise":
+            blas_threads(plan.gemm_work)
         if y is not None and plan.kind != "depthwise":  # no reductions but BLAS ones: see with_small_buffers
             return with_small_buffers(self._convolve, x, weight, bias, y, plan)
         return self._convolve(x, weight, bias, y, plan)

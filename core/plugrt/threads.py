@@ -1,0 +1,191 @@
+"""Host threads per call: how many BLAS threads a product may use, from its size, the session's limit and the cores free now.
+
+numpy's OpenBLAS splits every large GEMM statically between its threads, so when another
+process holds a core each call waits for the descheduled thread: 5-20x slower than one
+thread, whatever the size. Here a call gets two or more threads only when it is big
+enough to gain from them and when the cores are free: this process's affinity, minus what
+other processes used over the last ~100 ms (``/proc/stat`` less our own CPU time, sampled
+at most every ``SAMPLE_INTERVAL`` seconds, a few microseconds each). OpenBLAS 0.3.27+
+takes the count per calling thread (``openblas_set_num_threads_local``), so sessions on
+different threads keep their own; the call is made only when the count changes.
+
+Kernels call ``blas_threads(work)`` before a BLAS call of ``work`` multiply-adds; a
+session calls ``begin_run(limit)`` before each run (``intra_op_num_threads``, 0 = every
+usable core), which also sets the count for products no kernel sized.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from typing import Any
+
+__all__ = ["SAMPLE_INTERVAL", "PARALLEL_MIN_WORK", "begin_run", "blas_threads", "threads_for", "free_cores", "usable_cores"]
+
+SAMPLE_INTERVAL = 0.1  # seconds between two readings of /proc/stat
+# Multiply-adds below which a second BLAS thread costs about what it saves (a 2-core Zen3
+# / Xeon: ~68 GFLOP/s on one thread, ~130 on two, tens of microseconds to wake a thread).
+PARALLEL_MIN_WORK = 1 << 22
+# Another process's use of a core, in cores, that still counts the core as free: short
+# daemons and our own accounting noise (jiffies) stay below it, a busy process does not.
+_BUSY_TOLERANCE = 0.3
+
+
+class _Monitor:
+    """Cores other processes keep busy, measured lazily and shared by every thread (a race
+    between two threads only takes one extra sample)."""
+
+    def __init__(self) -> None:
+        self.sampled_at = -1.0
+        self.machine: tuple[int, int] | None = None  # busy and total jiffies at the last sample
+        self.own = 0.0  # this process's CPU seconds at the last sample
+        self.cores = _affinity()
+        self.others = 0.0  # cores busy with other processes over the last interval
+        self.has_stat = os.path.exists("/proc/stat")
+
+    def others_busy(self) -> float:
+        now = time.monotonic()
+        if now - self.sampled_at < SAMPLE_INTERVAL:
+            return self.others
+        previous_at, previous, previous_own = self.sampled_at, self.machine, self.own
+        self.sampled_at = now
+        self.cores = _affinity()
+        own = time.process_time()
+        machine = _machine_jiffies() if self.has_stat else None
+        self.machine, self.own = machine, own
+        if machine is None or previous is None:
+            self.others = _runnable_others()  # first call (or no /proc/stat): an instantaneous count
+            return self.others
+        busy, total = machine[0] - previous[0], machine[1] - previous[1]
+        elapsed = now - previous_at
+        if total <= 0 or elapsed <= 0:
+            return self.others
+        online = os.cpu_count() or 1
+        machine_busy = busy / total * online  # cores busy over the interval, everyone
+        self.others = max(0.0, machine_busy - (own - previous_own) / elapsed)
+        return self.others
+
+
+def _affinity() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _machine_jiffies() -> tuple[int, int] | None:
+    """Busy and total jiffies of all CPUs (the first line of /proc/stat)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != b"cpu":
+        return None
+    values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    total = sum(values)
+    return total - values[3] - values[4], total
+
+
+def _runnable_others() -> float:
+    """Other runnable threads right now (``/proc/loadavg``'s running count, less this one),
+    or the 1-minute load average where there is none."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+        return float(max(0, running - 1))
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        return max(0.0, os.getloadavg()[0] - 1)
+    except (AttributeError, OSError):
+        return 0.0
+
+
+_MONITOR = _Monitor()
+
+
+class _Blas:
+    """The per-thread thread count of numpy's OpenBLAS, when it has one."""
+
+    def __init__(self) -> None:
+        self.set_local: Any = None
+        self.resolved = False
+        self.lock = threading.Lock()
+
+    def resolve(self) -> Any:
+        with self.lock:
+            if not self.resolved:
+                self.set_local = _find_set_local()
+                self.resolved = True
+        return self.set_local
+
+
+def _find_set_local() -> Any:
+    """``openblas_set_num_threads_local`` of the OpenBLAS numpy loaded, or None (another
+    BLAS, an older OpenBLAS, no /proc): then counts are left to the library."""
+    import numpy  # noqa: F401  (loads its BLAS)
+
+    paths = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if "openblas" in os.path.basename(path).lower() and ".so" in path and path not in paths:
+                    paths.append(path)
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            function = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        function.argtypes = [ctypes.c_int]
+        function.restype = ctypes.c_int
+        return function
+    return None
+
+
+_BLAS = _Blas()
+_LOCAL = threading.local()  # .limit: the running session's; .count: what OpenBLAS has for this thread
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity)."""
+    return _MONITOR.cores
+
+
+def free_cores() -> float:
+    """Usable cores minus those other processes kept busy over the last ~100 ms."""
+    return max(0.0, _MONITOR.cores - _MONITOR.others_busy())
+
+
+def threads_for(work: int) -> int:
+    """Threads worth using for ``work`` multiply-adds (or comparable element operations)
+    on this thread now: 1 for small work, else the free cores within the session's limit."""
+    limit = getattr(_LOCAL, "limit", 0) or _MONITOR.cores
+    if work < PARALLEL_MIN_WORK or limit <= 1:
+        return 1
+    free = _MONITOR.cores - _MONITOR.others_busy()
+    return max(1, min(limit, int(free + _BUSY_TOLERANCE)))
+
+
+def blas_threads(work: int) -> int:
+    """Set this thread's BLAS thread count for a product of ``work`` multiply-adds; returns it."""
+    count = threads_for(work)
+    if getattr(_LOCAL, "count", None) != count:
+        set_local = _BLAS.set_local if _BLAS.resolved else _BLAS.resolve()
+        if set_local is not None:
+            set_local(count)
+        _LOCAL.count = count
+    return count
+
+
+def begin_run(limit: int) -> None:
+    """A session's run starts on this thread: its limit (0: every usable core) holds until
+    the next ``begin_run``, and BLAS calls no kernel sized get the count for a large product."""
+    _LOCAL.limit = limit
+    blas_threads(PARALLEL_MIN_WORK)

@@ -1,0 +1,96 @@
+"""Tests for plugrt.threads: BLAS threads per call from work size, session limit and free cores."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx.parser
+import pytest
+
+import plugrt
+from plugrt import threads
+
+BIG = threads.PARALLEL_MIN_WORK * 4
+
+
+@pytest.fixture
+def monitor(monkeypatch):
+    """The contention monitor with a fixed view: 4 usable cores, ``others`` busy ones."""
+    state = {"others": 0.0}
+    monkeypatch.setattr(threads._MONITOR, "cores", 4)
+    monkeypatch.setattr(threads._MONITOR, "others_busy", lambda: state["others"])
+    yield state
+    threads.begin_run(0)
+
+
+def test_small_products_get_one_thread(monitor):
+    threads.begin_run(0)
+    assert threads.threads_for(threads.PARALLEL_MIN_WORK - 1) == 1
+    assert threads.threads_for(BIG) == 4
+
+
+def test_cores_other_processes_keep_busy_are_not_used(monitor):
+    threads.begin_run(0)
+    monitor["others"] = 1.0
+    assert threads.threads_for(BIG) == 3
+    monitor["others"] = 3.5
+    assert threads.threads_for(BIG) == 1
+    monitor["others"] = 0.1  # a daemon waking now and then still leaves the core free
+    assert threads.threads_for(BIG) == 4
+
+
+def test_session_limit_caps_the_count(monitor):
+    threads.begin_run(2)
+    assert threads.threads_for(BIG) == 2
+    threads.begin_run(1)
+    assert threads.threads_for(BIG) == 1
+
+
+def test_blas_threads_sets_openblas_per_thread(monitor):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if threads._BLAS.resolve() is None:
+        pytest.skip("numpy's BLAS has no per-thread thread count")
+    threads.begin_run(0)
+    monitor["others"] = 2.0  # two cores free
+    assert threads.blas_threads(BIG) == 2
+    blas = [i for i in threadpoolctl.threadpool_info() if i["internal_api"] == "openblas"]
+    assert blas and blas[0]["num_threads"] == 2
+    assert threads.blas_threads(1) == 1
+    blas = [i for i in threadpoolctl.threadpool_info() if i["internal_api"] == "openblas"]
+    assert blas[0]["num_threads"] == 1
+
+
+def test_monitor_counts_other_processes_busy_time(monkeypatch):
+    monitor = threads._Monitor()
+    monitor.has_stat = True
+    clock = {"now": 100.0, "own": 10.0, "jiffies": (1000, 4000)}
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(threads.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(threads, "_machine_jiffies", lambda: clock["jiffies"])
+    monkeypatch.setattr(threads, "_runnable_others", lambda: 0.0)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    monitor.others_busy()  # the first sample
+    # one second later: the machine's two CPUs were 75% busy (1.5 cores), we used 0.5 s
+    clock.update(now=101.0, own=10.5, jiffies=(1000 + 150, 4000 + 200))
+    assert monitor.others_busy() == pytest.approx(1.0)
+    # within the sample interval the estimate is reused, not re-read
+    clock.update(now=101.0 + threads.SAMPLE_INTERVAL / 2, jiffies=(0, 0))
+    assert monitor.others_busy() == pytest.approx(1.0)
+
+
+_MATMUL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[512, 512] a, float[512, 512] b) => (float[512, 512] y) { y = MatMul(a, b) }
+"""
+
+
+def test_intra_op_num_threads_holds_per_session(monitor):
+    model = onnx.parser.parse_model(_MATMUL).SerializeToString()
+    feeds = {"a": np.ones((512, 512), np.float32), "b": np.ones((512, 512), np.float32)}
+    one = plugrt.load(model, device="cpu", intra_op_num_threads=1)
+    free = plugrt.load(model, device="cpu")
+    np.testing.assert_array_equal(one.run(feeds)["y"], np.full((512, 512), 512, np.float32))
+    assert threads.threads_for(BIG) == 1
+    free.run(feeds)
+    assert threads.threads_for(BIG) == 4
+    one.run(feeds)
+    assert threads.threads_for(BIG) == 1
