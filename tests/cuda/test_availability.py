@@ -155,7 +155,7 @@ def test_plugrt_providers_lists_cuda_as_unavailable_with_its_reason(monkeypatch,
 
     monkeypatch.setattr(registry_module, "_default", _registry(CUDAProvider(importer=lambda: fake_cupy(driver=0))))
     assert main(["providers"]) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("cuda"))
+    line = next(text for text in capsys.readouterr().out.splitlines() if text.strip().startswith("cuda"))
     assert "unavailable" in line and "no CUDA driver" in line
 
 

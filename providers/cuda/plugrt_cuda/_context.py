@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from typing import Any
 
 __all__ = ["FORMAT", "SavedContext", "dumps", "loads", "verdict"]
 

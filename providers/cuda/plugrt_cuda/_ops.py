@@ -435,11 +435,12 @@ def _axes_op(op_type: str, since_input: int) -> None:
         else:
             axes = info.attributes.get("axes")
         if op_type == "Unsqueeze":
+            inserted = list(axes or [])  # the schema requires axes; a model without them inserts none
 
             def unsqueeze(x: Any, *rest: Any) -> Any:
-                rank = x.ndim + len(axes)
+                rank = x.ndim + len(inserted)
                 shape = list(x.shape)
-                for a in sorted(a % rank for a in axes):
+                for a in sorted(a % rank for a in inserted):
                     shape.insert(a, 1)
                 return x.reshape(shape)
 
