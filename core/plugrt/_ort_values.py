@@ -10,6 +10,7 @@ import numpy as np
 from ._dtypes import numpy_dtype
 from .bindings import DeviceBinding
 from .errors import InvalidInputError, NotSupportedError, ProviderUnavailableError, RunTerminatedError
+from .provider import MemoryCapability, memory_of
 
 if TYPE_CHECKING:
     from .session import Session
@@ -44,29 +45,44 @@ def _element_dtype(element_type: Any) -> np.dtype:
         raise InvalidInputError(f"element_type must be a numpy type or an ONNX type number, got {element_type!r}") from exc
 
 
-def _device_provider(device_type: str) -> Any:
-    """The installed provider whose memory ``device_type`` names (``cuda``), loaded on demand."""
-    from .registry import default_registry
-
+def _device_memory(device_type: str, session: "Session | None" = None) -> MemoryCapability:
+    """The memory ``device_type`` names (``cuda``, or a provider's name): among the
+    session's providers when given, else the installed ones (loaded on demand)."""
     kind = device_type.lower()
     name = _DEVICE_PROVIDERS.get(kind, kind)
-    provider = default_registry().get(name)  # ProviderUnavailableError with the cause
-    if not hasattr(provider, "allocate"):
-        raise ProviderUnavailableError(
-            name, "it keeps its values in host memory", hint="use device_type='cpu' for host arrays"
-        )
-    return provider
+    if session is not None:
+        provider = next((p for p in session.selection.providers if p.name == name), None)
+        if provider is None:
+            raise ProviderUnavailableError(
+                name, f"this session does not use it (its providers: {', '.join(session.providers)})",
+                hint="list it in providers= when creating the session, or bind to device_type='cpu'",
+            )
+    else:
+        from .registry import default_registry
+
+        provider = default_registry().get(name)  # ProviderUnavailableError with the cause
+    memory = memory_of(provider)
+    if memory is None:
+        raise ProviderUnavailableError(name, "it keeps its values in host memory", hint="use device_type='cpu' for host arrays")
+    return memory
+
+
+def _device(memory: MemoryCapability, device_id: int) -> Any:
+    devices = memory.devices()  # type: ignore[attr-defined]
+    if not 0 <= device_id < len(devices):
+        raise InvalidInputError(f"device_id {device_id}: {memory.memory} has {len(devices)} device(s)")
+    return devices[device_id]
 
 
 class OrtValue:
     """A tensor on the host (a numpy array, shared, not copied) or on a provider's device."""
 
-    __slots__ = ("_data", "_device", "_provider")
+    __slots__ = ("_data", "_device", "_memory")
 
-    def __init__(self, data: Any, device: str = "cpu", provider: Any = None) -> None:
+    def __init__(self, data: Any, device: str = "cpu", memory: MemoryCapability | None = None) -> None:
         self._data = data
         self._device = device
-        self._provider = provider
+        self._memory = memory
 
     # -- construction ----------------------------------------------------------------
 
@@ -76,11 +92,8 @@ class OrtValue:
         array = np.asarray(numpy_obj)
         if device_type.lower() == "cpu":
             return cls(array)
-        provider = _device_provider(device_type)
-        device = provider.devices()[device_id]
-        buffer = provider.allocate(array.shape, array.dtype, device)
-        provider.upload(np.ascontiguousarray(array), buffer)
-        return cls(buffer, device_type.lower(), provider)
+        memory = _device_memory(device_type)
+        return cls(memory.to_device(np.ascontiguousarray(array), _device(memory, device_id)), device_type.lower(), memory)
 
     @classmethod
     def ortvalue_from_shape_and_type(
@@ -91,8 +104,8 @@ class OrtValue:
         shape = tuple(int(d) for d in shape)
         if device_type.lower() == "cpu":
             return cls(np.zeros(shape, dtype))
-        provider = _device_provider(device_type)
-        return cls(provider.allocate(shape, dtype, provider.devices()[device_id]), device_type.lower(), provider)
+        memory = _device_memory(device_type)
+        return cls(memory.allocate(shape, dtype, _device(memory, device_id)), device_type.lower(), memory)
 
     # -- what onnxruntime reports ----------------------------------------------------
 
@@ -133,9 +146,9 @@ class OrtValue:
 
     def numpy(self) -> np.ndarray:
         """The host array (shared with this value on the host; a download from a device)."""
-        if self._provider is None:
+        if self._memory is None:
             return self._data
-        return self._provider.to_host(self._data)
+        return self._memory.to_host(self._data)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         array = self.numpy()
@@ -154,24 +167,18 @@ class OrtValue:
                 f"update_inplace: this value is {self._data.dtype}{list(self._data.shape)}, "
                 f"got {data.dtype}{list(data.shape)}; make a new OrtValue for another shape"
             )
-        if self._provider is None:
+        if self._memory is None:
             np.copyto(self._data, data)
         else:
-            self._provider.upload(np.ascontiguousarray(data), self._data)
+            self._memory.copy_into(np.ascontiguousarray(data), self._data)
 
     def binding(self, session: "Session", *, input: str | None = None, output: str | None = None) -> DeviceBinding:
         """This value's memory as a plugrt binding of ``session`` (no copy)."""
-        if self._provider is None:
+        if self._memory is None:
             return session.bind_array(self._data, input=input, output=output)
-        provider = self._provider
         return DeviceBinding(
-            input=input,
-            output=output,
-            buffer=self._data,
-            shape=self._data.shape,
-            device=None,
-            upload=lambda host, target: provider.upload(host, target),
-            download=provider.to_host,
+            input=input, output=output, buffer=self._data, shape=self._data.shape,
+            device=self._memory.default_device, memory=self._memory,
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -186,7 +193,7 @@ class OrtValue:
 def host_value(value: Any) -> Any:
     """A feed as the session takes it: an OrtValue's array, anything else unchanged."""
     if isinstance(value, OrtValue):
-        return value._data if value._provider is None else value.numpy()
+        return value._data if value._memory is None else value.numpy()
     return value
 
 
@@ -320,12 +327,20 @@ class IOBinding:
             array = _host_array(element_type, shape, buffer_ptr)
             self._outputs[name] = ("cpu", self._session.bind_array(array, output=name))
             return
-        if device != "cpu":
-            _device_provider(device_type)  # refused now if there is no such device
-        outputs = [o.name for o in self._session.outputs]
+        outputs = {o.name: o for o in self._session.outputs}
         if name not in outputs:
-            raise InvalidInputError(f"unknown output {name!r}; the model's outputs are {outputs}")
-        self._outputs[name] = (device, None)
+            raise InvalidInputError(f"unknown output {name!r}; the model's outputs are {list(outputs)}")
+        binding = None
+        if device != "cpu":
+            memory = _device_memory(device_type, self._session)  # refused now if the session has no such memory
+            shape = outputs[name].shape
+            if shape is not None and all(isinstance(d, int) for d in shape) and outputs[name].dtype is not None:
+                # a static output gets a buffer in that memory: the run stores into it there
+                binding = DeviceBinding(
+                    input=None, output=name, buffer=memory.allocate(tuple(shape), outputs[name].dtype, _device(memory, device_id)),
+                    shape=shape, device=memory.default_device, memory=memory,
+                )
+        self._outputs[name] = (device, binding)
 
     def bind_ortvalue_output(self, name: str, ortvalue: OrtValue) -> None:
         self._outputs[name] = (ortvalue.device_name(), ortvalue.binding(self._session, output=name))
@@ -365,11 +380,13 @@ class IOBinding:
         values = []
         for name, (device, binding) in self._outputs.items():
             if binding is not None:
-                values.append(OrtValue(binding.view(), device, None if device == "cpu" else _device_provider(device)))
+                values.append(OrtValue(binding.view(), device, binding.memory))
             elif device == "cpu":
                 values.append(OrtValue(results[name]))
             else:
-                values.append(OrtValue.ortvalue_from_numpy(results[name], device))
+                # an output of symbolic shape comes back to the host and is moved once
+                memory = _device_memory(device, session)
+                values.append(OrtValue(memory.to_device(results[name], memory.default_device), device, memory))
         self._results = values
 
     def _replay(self, slot: Any, bindings: list[DeviceBinding]) -> dict[str, Any]:

@@ -3,6 +3,9 @@ EPContext round trip for a provider that offers one."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import fake_plugins
 import pytest
 
@@ -76,3 +79,24 @@ def test_the_cpu_provider_ships_its_expectations_each_with_a_reason():
     xfails, skips = shipped_expectations(default_registry().get("cpu"))
     assert xfails and skips
     assert all(entry.reason for entry in xfails + skips)
+
+
+def _pytest_plugin(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    # an empty folder: the only items are the plugin's
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path), *args],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+
+
+@pytest.mark.slow
+def test_the_pytest_plugin_refuses_a_filter_that_selects_nothing(tmp_path):
+    done = _pytest_plugin(tmp_path, "--plugrt-provider", "cpu", "--plugrt-ops", "Relux")
+    assert done.returncode == 4 and "selects no ONNX node case" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_pytest_plugin_fails_a_run_in_which_nothing_passed(tmp_path):
+    pytest.importorskip("plugrt_provider_template")
+    done = _pytest_plugin(tmp_path, "--plugrt-provider", "template", "--plugrt-ops", "Conv")
+    assert done.returncode == 1 and "at least one case passes" in done.stdout
