@@ -1,0 +1,281 @@
+"""Token generation over a decoder session: greedy, top-k and top-p sampling, KV cache in persistent bindings.
+
+The decoder is an ONNX model as onnxruntime-genai's model builder writes it: inputs
+``input_ids``, ``attention_mask`` (optionally ``position_ids``) and one past key and value
+per layer, outputs ``logits`` and the present keys and values, named as its
+``genai_config.json`` says. Each layer's cache lives in one binding that is the past input
+and the present output at once, with a fixed capacity of ``max_length`` tokens::
+
+    model = plugrt.genai.Model("tiny_llama/fp32")          # the folder with genai_config.json
+    tokens = plugrt.genai.generate(model, [1, 17, 42], max_length=32)
+
+    generator = plugrt.genai.Generator(model, plugrt.genai.SearchOptions(do_sample=True, top_k=40, seed=0))
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import InvalidInputError, InvalidOptionValueError, ModelLoadError
+
+__all__ = ["DecoderLayout", "Model", "SearchOptions", "Generator", "generate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderLayout:
+    """Where a decoder keeps its tensors: names, cache geometry and special tokens."""
+
+    input_ids: str = "input_ids"
+    attention_mask: str | None = "attention_mask"
+    position_ids: str | None = None
+    past_key: str = "past_key_values.%d.key"
+    past_value: str = "past_key_values.%d.value"
+    logits: str = "logits"
+    present_key: str = "present.%d.key"
+    present_value: str = "present.%d.value"
+    num_layers: int = 0
+    kv_heads: int = 0
+    head_size: int = 0
+    context_length: int = 0
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_genai_config(cls, path: str | os.PathLike[str]) -> "DecoderLayout":
+        """Read an onnxruntime-genai ``genai_config.json``."""
+        try:
+            config = json.loads(Path(path).read_text())
+            model = config["model"]
+            decoder = model["decoder"]
+            inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
+            eos = model.get("eos_token_id", ())
+            return cls(
+                input_ids=inputs.get("input_ids", "input_ids"),
+                attention_mask=inputs.get("attention_mask"),
+                position_ids=inputs.get("position_ids"),
+                past_key=inputs.get("past_key_names", cls.past_key),
+                past_value=inputs.get("past_value_names", cls.past_value),
+                logits=outputs.get("logits", "logits"),
+                present_key=outputs.get("present_key_names", cls.present_key),
+                present_value=outputs.get("present_value_names", cls.present_value),
+                num_layers=int(decoder["num_hidden_layers"]),
+                kv_heads=int(decoder["num_key_value_heads"]),
+                head_size=int(decoder["head_size"]),
+                context_length=int(model.get("context_length", 0)),
+                vocab_size=int(model.get("vocab_size", 0)),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"cannot read the decoder layout from {path}: {type(e).__name__}: {e}") from e
+
+    def cache_names(self) -> list[tuple[str, str]]:
+        """(past input, present output) per layer, keys then values."""
+        return [
+            (past % layer, present % layer)
+            for layer in range(self.num_layers)
+            for past, present in ((self.past_key, self.present_key), (self.past_value, self.present_value))
+        ]
+
+
+class Model:
+    """A decoder session and its layout. ``source``: a folder holding ``genai_config.json``
+    and the model it names, or a model path with ``genai_config.json`` beside it (or a
+    ``layout`` given explicitly). Other keyword arguments go to :func:`plugrt.load`."""
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        device: str | None = "cpu",
+        layout: DecoderLayout | None = None,
+        **options: Any,
+    ) -> None:
+        from .session import load
+
+        path = Path(source)
+        folder = path if path.is_dir() else path.parent
+        model_path = path
+        if path.is_dir():
+            config = folder / "genai_config.json"
+            filename = "model.onnx"
+            if config.is_file():
+                filename = json.loads(config.read_text()).get("model", {}).get("decoder", {}).get("filename", filename)
+            model_path = folder / filename
+        if layout is None:
+            layout = DecoderLayout.from_genai_config(folder / "genai_config.json")
+        self.layout = layout
+        self.session = load(model_path, device=device, **options)
+        names = {info.name for info in self.session.inputs}
+        missing = [n for n in (layout.input_ids, *(past for past, _ in layout.cache_names())) if n not in names]
+        if missing:
+            raise ModelLoadError(f"the decoder {model_path} has no input(s) {missing}; its inputs are {sorted(names)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """How the next token is chosen. ``max_length`` counts the prompt (default: the model's
+    context length). Without ``do_sample`` the choice is greedy; with it, the logits are
+    divided by ``temperature``, cut to the ``top_k`` best (0: no cut) and to the smallest set
+    whose probability reaches ``top_p``, then sampled with a generator seeded by ``seed``."""
+
+    max_length: int | None = None
+    do_sample: bool = False
+    top_k: int = 50
+    top_p: float = 1.0
+    temperature: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length < 1:
+            raise InvalidOptionValueError("max_length", self.max_length, "a positive number of tokens")
+        if self.top_k < 0:
+            raise InvalidOptionValueError("top_k", self.top_k, "0 (no cut) or a positive count")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidOptionValueError("top_p", self.top_p, "a probability in (0, 1]")
+        if not self.temperature > 0.0:
+            raise InvalidOptionValueError("temperature", self.temperature, "a positive number")
+
+
+def _choose(logits: np.ndarray, options: SearchOptions, rng: np.random.Generator) -> int:
+    if not options.do_sample:
+        return int(np.argmax(logits))
+    scores = logits.astype(np.float64) / options.temperature
+    candidates = np.arange(scores.shape[0])
+    if 0 < options.top_k < scores.shape[0]:
+        candidates = np.argpartition(-scores, options.top_k - 1)[: options.top_k]
+    order = candidates[np.argsort(-scores[candidates], kind="stable")]  # best first
+    weights = np.exp(scores[order] - scores[order[0]])
+    probabilities = weights / weights.sum()
+    if options.top_p < 1.0:
+        # the smallest best-first prefix whose probability reaches top_p
+        keep = int(np.searchsorted(np.cumsum(probabilities), options.top_p)) + 1
+        order, probabilities = order[:keep], probabilities[:keep] / probabilities[:keep].sum()
+    return int(order[rng.choice(order.shape[0], p=probabilities)])
+
+
+class Generator:
+    """Feeds tokens through a :class:`Model` one step at a time (batch size 1).
+
+    The cache of each layer is one persistent binding serving as past input and present
+    output, its capacity ``max_length`` tokens, so a step allocates no cache memory.
+    """
+
+    def __init__(self, model: Model, options: SearchOptions | None = None, **overrides: Any) -> None:
+        options = options or SearchOptions()
+        if overrides:
+            unknown = set(overrides) - {f.name for f in dataclasses.fields(SearchOptions)}
+            if unknown:
+                key = sorted(unknown)[0]
+                raise InvalidOptionValueError(key, overrides[key], "a SearchOptions field")
+            options = dataclasses.replace(options, **overrides)
+        layout = model.layout
+        max_length = options.max_length or layout.context_length
+        if max_length < 1:
+            raise InvalidOptionValueError("max_length", max_length, "a positive number (the model declares none)")
+        self.model = model
+        self.options = options
+        self.max_length = max_length
+        self._rng = np.random.default_rng(options.seed)
+        session = model.session
+        self._cache = [
+            session.allocate_binding(
+                input=past, output=present, dtype=np.float32,
+                shape=(1, layout.kv_heads, 0, layout.head_size),
+                capacity=(1, layout.kv_heads, max_length, layout.head_size),
+            )
+            for past, present in layout.cache_names()
+        ]
+        self._sequence: list[int] = []
+        self._pending: list[int] = []  # tokens appended but not yet run through the model
+        self._cached = 0  # tokens whose keys and values are in the cache
+        self._logits: np.ndarray | None = None
+        self._done = False
+
+    # -- feeding ----------------------------------------------------------------------------
+
+    def append_tokens(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Queue prompt tokens; they run through the model with the next step."""
+        array = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        vocab = self.model.layout.vocab_size
+        if array.size == 0:
+            raise InvalidInputError("append_tokens needs at least one token", input_name=self.model.layout.input_ids)
+        if vocab and (array.min() < 0 or array.max() >= vocab):
+            raise InvalidInputError(
+                f"token ids must lie in [0, {vocab}), got [{array.min()}, {array.max()}]",
+                input_name=self.model.layout.input_ids,
+            )
+        if len(self._sequence) + array.size > self.max_length:
+            raise InvalidInputError(
+                f"{len(self._sequence) + array.size} tokens exceed max_length={self.max_length}; "
+                f"raise max_length (SearchOptions) up to the model's context length",
+                input_name=self.model.layout.input_ids,
+            )
+        self._sequence.extend(int(t) for t in array)
+        self._pending.extend(int(t) for t in array)
+        self._done = len(self._sequence) >= self.max_length
+
+    def _run_pending(self) -> None:
+        layout = self.model.layout
+        tokens = np.array([self._pending], np.int64)
+        total = self._cached + tokens.shape[1]
+        feeds: dict[str, np.ndarray] = {layout.input_ids: tokens}
+        if layout.attention_mask is not None:
+            feeds[layout.attention_mask] = np.ones((1, total), np.int64)
+        if layout.position_ids is not None:
+            feeds[layout.position_ids] = np.arange(self._cached, total, dtype=np.int64)[None, :]
+        outputs = self.model.session.run(feeds, [layout.logits], bindings=self._cache)
+        self._logits = np.asarray(outputs[layout.logits])[0, -1]
+        self._cached = total
+        self._pending = []
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def generate_next_token(self) -> int:
+        """Run the queued tokens, choose the next one and queue it; returns it."""
+        if self._done:
+            raise InvalidInputError("the generator is done (end of sequence or max_length); start a new one")
+        if not self._pending:
+            raise InvalidInputError("append_tokens first: there is nothing to run")
+        self._run_pending()
+        assert self._logits is not None
+        token = _choose(self._logits, self.options, self._rng)
+        self._sequence.append(token)
+        self._pending = [token]
+        self._done = token in self.model.layout.eos_token_ids or len(self._sequence) >= self.max_length
+        return token
+
+    def is_done(self) -> bool:
+        return self._done
+
+    def get_next_tokens(self) -> list[int]:
+        """The token chosen by the last step (a list: one per batch entry)."""
+        return self._sequence[-1:]
+
+    def get_sequence(self) -> list[int]:
+        """The prompt and every generated token."""
+        return list(self._sequence)
+
+    def get_logits(self) -> np.ndarray:
+        """The last position's logits the last step chose from."""
+        if self._logits is None:
+            raise InvalidInputError("no step has run yet")
+        return self._logits.copy()
+
+
+def generate(model: Model, prompt: Sequence[int] | np.ndarray, **options: Any) -> list[int]:
+    """The tokens generated after ``prompt`` (``options``: :class:`SearchOptions` fields)."""
+    generator = Generator(model, SearchOptions(**options))
+    generator.append_tokens(prompt)
+    start = len(generator.get_sequence())
+    while not generator.is_done():
+        generator.generate_next_token()
+    return generator.get_sequence()[start:]
