@@ -340,3 +340,10 @@ def test_shape_ops_return_views_of_their_input(op, opset, extra, attributes):
     inputs = ["x"] + [f"i{k}" for k in range(len(extra))]
     outputs = run_kernel(node(op, inputs, ["y"], **attributes), opset, x, *extra)
     assert all(np.shares_memory(y, x) for y in outputs)
+
+
+def test_top_k_of_an_empty_axis_returns_empty_values_and_indices():
+    x = np.zeros((2, 0, 3), np.float32)
+    values, indices = run_kernel("TopK", 11, x, np.array([0], np.int64), axis=1, num_outputs=2)
+    assert values.shape == indices.shape == (2, 0, 3)
+    assert values.dtype == np.float32 and indices.dtype == np.int64

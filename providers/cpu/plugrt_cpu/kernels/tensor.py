@@ -931,7 +931,7 @@ def _top_k(x: np.ndarray, k: int, axis: int, largest: int) -> tuple[np.ndarray, 
     if not 0 <= k <= n:
         raise ValueError(f"TopK k={k} is out of range for an axis of size {n}")
     moved = np.moveaxis(x, axis, -1)
-    rows = moved.reshape(-1, n)
+    rows = moved.reshape(math.prod(moved.shape[:-1]), n)  # -1 is ambiguous for an empty axis
     # Partitioning beats a full sort for small k; NaN defeats its comparisons, so inputs
     # holding NaN take the full sort (which orders NaN above every number, as onnx.reference).
     if 0 < k and 2 * k <= n and rows.size and not (x.dtype.kind == "f" and np.isnan(rows).any()):
