@@ -46,7 +46,8 @@ from .provider import (
     SupportContext,
 )
 from .registry import ProviderRegistry, default_registry
-from .session import ModelMetadata, Session, SessionBuilder, TensorInfo, load
+from .builder import SessionBuilder
+from .session import ModelMetadata, Session, TensorInfo, load
 
 __version__ = "0.1.0"
 

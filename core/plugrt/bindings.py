@@ -8,11 +8,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, UnknownInputError
 from .provider import MemoryCapability
 from .transfers import MemorySpaces
 
-__all__ = ["TransferStats", "DeviceBinding", "deliver", "deliver_outputs", "bound_feeds"]
+__all__ = [
+    "TransferStats",
+    "DeviceBinding",
+    "allocate_binding",
+    "bind_host_array",
+    "binding_info",
+    "bound_feeds",
+    "deliver",
+    "deliver_outputs",
+]
 
 
 @dataclasses.dataclass
@@ -201,3 +210,52 @@ def deliver_outputs(
         else:
             result[name] = deliver(value, args, spaces)
     return result
+
+
+def allocate_binding(
+    info: Any,
+    input: str | None,
+    output: str | None,
+    spaces: MemorySpaces,
+    host_device: Any,
+    *,
+    dtype: Any = None,
+    shape: Sequence[int] | None = None,
+    capacity: Sequence[int] | None = None,
+) -> DeviceBinding:
+    """A binding whose buffer comes from the first provider with its own memory (host
+    memory when none has); ``info`` (a TensorInfo) gives the declared dtype and shape."""
+    dtype = np.dtype(dtype if dtype is not None else info.dtype)
+    if shape is None:
+        if info.shape is None or not all(isinstance(d, int) for d in info.shape):
+            raise InvalidInputError(f"binding {info.name!r} has symbolic dims {info.shape}; pass shape=", input_name=input)
+        shape = [int(d) for d in info.shape]
+    capacity = tuple(capacity) if capacity is not None else tuple(shape)
+    memory = spaces.memories[0] if spaces else None
+    device = memory.default_device if memory is not None else host_device
+    buffer = memory.allocate(capacity, dtype, device) if memory is not None else np.zeros(capacity, dtype)
+    return DeviceBinding(input=input, output=output, buffer=buffer, shape=shape, device=device, memory=memory, spaces=spaces)
+
+
+def bind_host_array(
+    array: Any, input: str | None, output: str | None, spaces: MemorySpaces, host_device: Any
+) -> DeviceBinding:
+    """A binding over caller-owned host memory (a numpy array)."""
+    if not isinstance(array, np.ndarray):
+        raise InvalidInputError("bind_array needs a numpy array", input_name=input)
+    return DeviceBinding(
+        input=input, output=output, buffer=array, shape=array.shape, device=host_device, spaces=spaces, caller_owned=True
+    )
+
+
+def binding_info(inputs: Sequence[Any], outputs: Sequence[Any], input: str | None, output: str | None) -> Any:
+    """The TensorInfo a binding of ``input`` and/or ``output`` follows (the input's when both)."""
+    if input is None and output is None:
+        raise InvalidInputError("name an input, an output, or both")
+    input_names = [i.name for i in inputs]
+    by_output = {o.name: o for o in outputs}
+    if input is not None and input not in input_names:
+        raise UnknownInputError(input, input_names)
+    if output is not None and output not in by_output:
+        raise InvalidInputError(f"unknown output {output!r}; the model's outputs are {list(by_output)}")
+    return inputs[input_names.index(input)] if input is not None else by_output[output]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import onnx_ir as ir
 
+from ._guard import check_compiled, guard_step
 from .errors import PlugrtError, ProviderNameMismatchError, ProviderUnavailableError
 from .ir_utils import tensor_array
 from .placement import Fallback, PartitionInfo, PlacementReport, Transfer, assign, make_partitions, node_label
@@ -24,12 +25,26 @@ from .provider import (
 from .transfers import MemorySpaces
 
 if TYPE_CHECKING:
+    from .intent import Selection
     from .registry import ProviderRegistry
 
-__all__ = ["BuiltGraph", "Stage", "build_graph", "HOST"]
+__all__ = ["BuiltGraph", "BuiltModel", "Stage", "build_graph", "HOST"]
 
 HOST = HOST_MEMORY
 _RESTORED = "\0restored:"
+
+
+class BuiltModel(Protocol):
+    """What a built session shows to code that saves it (EPContext export): the model
+    after passes, the providers chosen, and the compiled partitions in order."""
+
+    selection: "Selection"
+
+    @property
+    def model(self) -> ir.Model: ...
+
+    @property
+    def compiled_partitions(self) -> list[CompiledPartition]: ...
 
 
 @dataclasses.dataclass
@@ -88,6 +103,7 @@ def _compile_all(
             )
             try:
                 result = provider.compile(partition)
+                check_compiled(result, partition, provider_name)  # garbage falls back like a raise
                 if result.provider and result.provider != provider_name:
                     raise ProviderNameMismatchError(provider_name, result.provider)
             except Exception as exc:
@@ -156,6 +172,7 @@ def build_graph(
             nodes, providers, graph, opset_imports, registry, strict, pinned, devices or {}, restored or {}
         )
     by_name = {p.name: p for p in providers}
+    declared_outputs = frozenset(graph.outputs)
     inputs = list(graph.inputs) + [v for v in extra_inputs if v not in graph.inputs]
     plan_inputs = set(inputs)
 
@@ -214,6 +231,7 @@ def build_graph(
             stages.append(Stage(part.provider, moves, None, target))
         part_steps = []
         for step in part.steps:
+            step = guard_step(step, part.provider, declared_outputs)
             if remap:
                 step = dataclasses.replace(step, inputs=[remap.get(v, v) if v is not None else None for v in step.inputs])
             part_steps.append(step)

@@ -452,6 +452,28 @@ class CaptureSlots:
         self.lock = threading.RLock()
         self.stats = CaptureStats()
 
+    def capture(self, slot: str, record: Callable[[], CapturedPlan]) -> "Captured | NotCapturable":
+        """Record a capture into ``slot`` (replacing only that slot's)."""
+        with self.lock:
+            self.slots.pop(slot, None)
+            captured = record()
+            if not captured.report.segments:
+                return NotCapturable(captured.report.seams)
+            self.slots[slot] = captured
+            return Captured(captured.report)
+
+    def reset(self, slot: str | None) -> None:
+        """Drop the capture in ``slot``, or every capture when None."""
+        with self.lock:
+            if slot is None:
+                self.slots.clear()
+            else:
+                self.slots.pop(slot, None)
+
+    def report(self, slot: str) -> CaptureReport | None:
+        captured = self.slots.get(slot)
+        return captured.report if captured is not None else None
+
     def get(self, slot: str) -> CapturedPlan:
         captured = self.slots.get(slot)
         if captured is None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from .session import TensorInfo
+    from .signature import TensorInfo
 
 __all__ = ["DEFAULT_DIM", "example_inputs"]
 

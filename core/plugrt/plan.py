@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -18,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from .errors import KernelError, PlugrtError, UnsupportedOpError
+from .errors import KernelError, OptionError, PlugrtError, UnsupportedOpError
 from .provider import Step
 
 __all__ = ["Plan", "StepInfo"]
@@ -211,6 +212,26 @@ class Plan:
         exec(code, namespace)
         fn = namespace["_plan"]
         return fn, line_to_step, source
+
+    def chrome_trace(self) -> list[dict]:
+        """Chrome-trace events of the runs so far (the plan must be built with ``profile``)."""
+        records = self.profile_records
+        if records is None:
+            raise OptionError("profiling is off; build the session with profiling=True", key="profiling")
+        infos = self.infos
+        return [
+            {
+                "name": infos[i].name,
+                "cat": infos[i].op_type,
+                "ph": "X",
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+                "pid": os.getpid(),
+                "tid": 0,
+                "args": {"provider": infos[i].provider, "op_type": infos[i].op_type},
+            }
+            for i, start, end in records
+        ]
 
     # -- running -----------------------------------------------------------------------
 

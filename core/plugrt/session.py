@@ -2,38 +2,36 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
-from . import passes
 from ._guard import protect_inputs, tensor_limit, typed_load_errors, typed_run_errors
-from .bindings import DeviceBinding, bound_feeds, deliver, deliver_outputs
+from .bindings import DeviceBinding, allocate_binding, bind_host_array, binding_info, bound_feeds, deliver, deliver_outputs
 from .build import BuiltGraph, build_graph
 from .capture import DEFAULT_SLOT, Captured, CapturedPlan, CaptureReport, CaptureSlots, CaptureStats, ReplayResult
-from .epcontext import export_context_model, required_providers, restore_context_nodes
-from .errors import InvalidInputError, InvalidOptionValueError, OptionError, UnknownInputError
+from .epcontext import export_context_model
+from .errors import InvalidInputError
 from .intent import Selection, resolve_device
-from .ir_utils import tensor_array
-from .loader import LoadLimits, ModelSource, load_model
+from .loader import ModelSource, load_model
 from .options import SessionOptions, parse_options
 from .placement import PlacementReport
-from .provider import Device, DeviceKind, NotCapturable, memory_of
+from .prepare import context_export_path, load_limits, prepare_model
+from .provider import Device, NotCapturable, memory_of
 from .registry import ProviderRegistry, default_registry
-from .signature import InputSignature, InputSpec, ModelMetadata, TensorInfo, model_metadata, tensor_info
+from .signature import InputSignature, ModelMetadata, TensorInfo, input_specs, model_metadata, tensor_info
 from .threads import begin_run
 from .transfers import MemorySpaces, TransferCounter
 
-__all__ = ["TensorInfo", "ModelMetadata", "Session", "SessionBuilder", "load"]
+__all__ = ["TensorInfo", "ModelMetadata", "Session", "load"]
 
 
 class Session:
     """A model built for a device; ``run`` it many times.
 
-    Use :func:`plugrt.load` or :class:`SessionBuilder` rather than this constructor.
+    Use :func:`plugrt.load` or :class:`plugrt.SessionBuilder` rather than this constructor.
     """
 
     @typed_load_errors
@@ -52,13 +50,7 @@ class Session:
         if registry is None:
             registry = default_registry() if not disabled else ProviderRegistry(disabled=disabled)
         self.registry = registry
-        limits = LoadLimits(
-            model_bytes=self.options["limits.model_bytes"],
-            tensor_bytes=self.options["limits.tensor_bytes"],
-            nodes=self.options["limits.nodes"],
-            subgraph_depth=self.options["limits.subgraph_depth"],
-            context_bytes=self.options["limits.context_bytes"],
-        )
+        limits = load_limits(self.options)
         # this session's limit, set on the running thread at each run (0: every free core)
         self._intra_op_threads = self.options["intra_op_num_threads"]
         loaded = load_model(model, limits)
@@ -72,64 +64,17 @@ class Session:
         self.outputs: list[TensorInfo] = [tensor_info(v) for v in ir_model.graph.outputs]
         self.metadata: ModelMetadata = model_metadata(ir_model)
 
-        opsets = {("" if d == "ai.onnx" else d): v for d, v in ir_model.opset_imports.items()}
-        context_path = self.options["ep.context_file_path"]
-        # a model given as bytes has no folder: blobs are read only from one named explicitly
-        context_dir = loaded.base_dir or (os.path.dirname(os.path.abspath(context_path)) if context_path else "")
-        restored = restore_context_nodes(
-            ir_model.graph, registry, context_dir, opsets, max_blob_bytes=limits.context_bytes
-        )
-        if restored:
-            needed = [p for p in required_providers(ir_model.graph, registry) if p not in self.selection.providers]
-            # a context node runs only on the provider that made it: add it ahead of the fallback
-            self.selection.providers[-1:-1] = needed
-            for provider in needed:
-                self.selection.devices.setdefault(provider.name, registry.devices(provider.name)[0])
-
+        prepared = prepare_model(ir_model, self.selection, registry, self.options, loaded.base_dir)
+        self.optimization_stats = prepared.optimization_stats
         chosen = self.selection.providers
-        passes.inline_functions(ir_model, chosen)
-        passes.expand_unsupported_functions(ir_model, chosen)
-        if len(chosen) > 1 or self.options["optimization"] == "all":
-            # providers decide on dtypes, and the plan writes large elementwise results
-            # in place: both need value types and shapes
-            passes.infer_types(ir_model)
-        # constants fold on the host fallback wherever the list puts it: an accelerator
-        # listed last would evaluate few ops and leave every later pass nothing to fuse
-        host = [p for p in chosen if self.selection.devices[p.name].kind == DeviceKind.CPU]
-        fold_provider = host[-1] if host else (chosen[-1] if chosen else None)
-        self.optimization_stats = passes.optimize(
-            ir_model,
-            self.options["optimization"],
-            fold_provider,
-            chosen,
-            # a folded constant is no bigger than what every run would compute anyway
-            max_fold_bytes=self.options["limits.tensor_bytes"],
-        )
-        # Unique node names: placement reports, errors and EPContext export refer to them.
-        passes.name_nodes(ir_model)
-        opsets = {("" if d == "ai.onnx" else d): v for d, v in ir_model.opset_imports.items()}
         self._spaces = MemorySpaces([m for m in map(memory_of, chosen) if m is not None])
+        self._opsets = prepared.opsets
         with tensor_limit(self.options["limits.tensor_bytes"]):  # kernel outputs above it are refused
-            self._built: BuiltGraph = build_graph(
-                ir_model.graph,
-                chosen,
-                opsets,
-                registry=registry,
-                strict=self.options["strict"],
-                pinned=self.selection.pinned,
-                profile=self.options["profiling"],
-                devices=self.selection.devices,
-                restored=restored,
-                spaces=self._spaces,
+            self._built: BuiltGraph = self._build_plan(
+                strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
             )
         self._plan = self._built.plan
-        specs = []
-        for info, value in zip(self.inputs, ir_model.graph.inputs):
-            default = tensor_array(value.const_value) if value.const_value is not None else None
-            home = self._built.input_homes.get(value)
-            if default is not None and home is not None:  # an initializer input read on one device: moved once
-                default = home.to_device(default, home.default_device)
-            specs.append(InputSpec(info, default))
+        specs = input_specs(self.inputs, ir_model.graph.inputs, self._built.input_homes)
         self._signature = InputSignature(specs, self._spaces)
         self._output_names = [info.name for info in self.outputs]
         self._output_index = {name: i for i, name in enumerate(self._output_names)}
@@ -139,15 +84,20 @@ class Session:
             self.context_model_path = self._export_context(model)
         self.build_seconds = time.perf_counter() - started
 
+    def _build_plan(self, **how: Any) -> BuiltGraph:
+        return build_graph(
+            self._model.graph,
+            self.selection.providers,
+            self._opsets,
+            registry=self.registry,
+            profile=self.options["profiling"],
+            devices=self.selection.devices,
+            spaces=self._spaces,
+            **how,
+        )
+
     def _export_context(self, source: ModelSource) -> str:
-        path = self.options["ep.context_file_path"]
-        if path is None:
-            if self.model_path is None:
-                raise InvalidOptionValueError(
-                    "ep.context_file_path", None, "a file path when the model is given as bytes"
-                )
-            stem, _ = os.path.splitext(self.model_path)
-            path = f"{stem}_ctx.onnx"
+        path = context_export_path(self.options, self.model_path)
         written, _ = export_context_model(self, path, self.options["ep.context_embed_mode"], source=self.model_path)
         return written
 
@@ -203,17 +153,7 @@ class Session:
         compiled = [replacements.get(cp.partition.name, cp) for cp in self._built.compiled]
         clone = object.__new__(Session)
         clone.__dict__.update(self.__dict__)
-        opsets = {("" if d == "ai.onnx" else d): v for d, v in self._model.opset_imports.items()}
-        clone._built = build_graph(
-            self._model.graph,
-            self.selection.providers,
-            opsets,
-            registry=self.registry,
-            precompiled=compiled,
-            profile=self.options["profiling"],
-            devices=self.selection.devices,
-            spaces=self._spaces,
-        )
+        clone._built = self._build_plan(precompiled=compiled)
         clone._plan = clone._built.plan
         clone._signature = InputSignature(self._signature.specs, self._spaces)
         clone._captures = CaptureSlots()
@@ -226,23 +166,7 @@ class Session:
 
     def profile(self) -> list[dict]:
         """Chrome-trace events of the runs so far (needs ``profiling=True``)."""
-        records = self._plan.profile_records
-        if records is None:
-            raise OptionError("profiling is off; build the session with profiling=True", key="profiling")
-        infos = self._plan.infos
-        return [
-            {
-                "name": infos[i].name,
-                "cat": infos[i].op_type,
-                "ph": "X",
-                "ts": start * 1e6,
-                "dur": (end - start) * 1e6,
-                "pid": os.getpid(),
-                "tid": 0,
-                "args": {"provider": infos[i].provider, "op_type": infos[i].op_type},
-            }
-            for i, start, end in records
-        ]
+        return self._plan.chrome_trace()
 
     # -- running ---------------------------------------------------------------------------
 
@@ -270,6 +194,7 @@ class Session:
             return {name: deliver(v, args, self._spaces) for name, v in zip(self._output_names, values)}
         return {name: deliver(values[self._output_index_of(name)], args, self._spaces) for name in output_names}
 
+    @typed_run_errors
     def run_list(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list:
         begin_run(self._intra_op_threads)
         args = self._signature.arguments(feeds)
@@ -300,43 +225,20 @@ class Session:
         none has). ``capacity`` (default ``shape``) may exceed the logical ``shape``; both
         default to the declared ones."""
         info = self._info_for(input, output)
-        dtype = np.dtype(dtype if dtype is not None else info.dtype)
-        if shape is None:
-            if info.shape is None or not all(isinstance(d, int) for d in info.shape):
-                raise InvalidInputError(f"binding {info.name!r} has symbolic dims {info.shape}; pass shape=", input_name=input)
-            shape = [int(d) for d in info.shape]  # type: ignore[arg-type]
-        capacity = tuple(capacity) if capacity is not None else tuple(shape)
-        memory = self._spaces.memories[0] if self._spaces else None
-        device = memory.default_device if memory is not None else self.devices.get(self.providers[-1])
-        buffer = memory.allocate(capacity, dtype, device) if memory is not None else np.zeros(capacity, dtype)
-        return DeviceBinding(
-            input=input, output=output, buffer=buffer, shape=shape, device=device, memory=memory, spaces=self._spaces
-        )
+        fallback = self.devices.get(self.providers[-1])
+        return allocate_binding(info, input, output, self._spaces, fallback, dtype=dtype, shape=shape, capacity=capacity)
 
     def bind_array(self, array: np.ndarray, *, input: str | None = None, output: str | None = None) -> DeviceBinding:
         """Bind caller-owned host memory (a numpy array) to an input and/or output."""
         self._info_for(input, output)
-        if not isinstance(array, np.ndarray):
-            raise InvalidInputError("bind_array needs a numpy array", input_name=input)
-        device = self.devices.get(self.providers[-1])
-        return DeviceBinding(
-            input=input, output=output, buffer=array, shape=array.shape, device=device, spaces=self._spaces,
-            caller_owned=True,
-        )
+        return bind_host_array(array, input, output, self._spaces, self.devices.get(self.providers[-1]))
 
     def _info_for(self, input: str | None, output: str | None) -> TensorInfo:
-        if input is None and output is None:
-            raise InvalidInputError("name an input, an output, or both")
-        if input is not None and input not in self._signature.names:
-            raise UnknownInputError(input, self._signature.names)
-        if output is not None and output not in self._output_index:
-            raise InvalidInputError(f"unknown output {output!r}; the model's outputs are {self._output_names}")
-        if input is not None:
-            return self.inputs[self._signature.names.index(input)]
-        return self.outputs[self._output_index[output]]  # type: ignore[index]
+        return binding_info(self.inputs, self.outputs, input, output)
 
     # -- capture and replay --------------------------------------------------------------
 
+    @typed_run_errors
     def try_capture(
         self,
         feeds: Mapping[str, Any] | None = None,
@@ -348,16 +250,14 @@ class Session:
         can re-run it without checks or allocation; other slots are kept. Returns Captured
         (with a report of captured segments, eager seams and staged transfers) or
         NotCapturable (every node declined, with reasons)."""
-        with self._captures.lock:
-            self._captures.slots.pop(slot, None)
-            captured = CapturedPlan(
+        return self._captures.capture(
+            slot,
+            lambda: CapturedPlan(
                 self._built, self._signature, self._output_names, self.selection.providers, dict(feeds or {}), bindings
-            )
-            if not captured.report.segments:
-                return NotCapturable(captured.report.seams)
-            self._captures.slots[slot] = captured
-            return Captured(captured.report)
+            ),
+        )
 
+    @typed_run_errors
     def replay(
         self,
         feeds: Mapping[str, Any] | None = None,
@@ -376,80 +276,12 @@ class Session:
     def reset(self, slot: str | None = None) -> None:
         """Drop the capture in ``slot``, or every capture (required before shapes change
         or bindings are freed)."""
-        with self._captures.lock:
-            if slot is None:
-                self._captures.slots.clear()
-            else:
-                self._captures.slots.pop(slot, None)
+        self._captures.reset(slot)
 
     @property
     def capture_report(self) -> "CaptureReport | None":
-        captured = self._captures.slots.get(DEFAULT_SLOT)
-        return captured.report if captured is not None else None
-
-
-class SessionBuilder:
-    """Fluent construction: ``SessionBuilder().model(p).device("gpu").option(k, v).build()``."""
-
-    def __init__(self) -> None:
-        self._model: ModelSource | None = None
-        self._device: str | None = "auto"
-        self._providers: list[str] | None = None
-        self._options: dict[str, Any] = {}
-        self._warmup: int = 0
-        self._registry: ProviderRegistry | None = None
-
-    def model(self, path: str | os.PathLike) -> "SessionBuilder":
-        self._model = path
-        return self
-
-    def model_bytes(self, data: bytes) -> "SessionBuilder":
-        self._model = bytes(data)
-        return self
-
-    def device(self, device: str) -> "SessionBuilder":
-        self._device = device
-        return self
-
-    def provider(self, name: str) -> "SessionBuilder":
-        """Add an explicit provider (in priority order); the CPU fallback is added last."""
-        self._providers = (self._providers or []) + [name]
-        return self
-
-    def option(self, key: str, value: Any) -> "SessionBuilder":
-        self._options[key] = value
-        return self
-
-    def options(self, **options: Any) -> "SessionBuilder":
-        self._options.update(options)
-        return self
-
-    def registry(self, registry: ProviderRegistry) -> "SessionBuilder":
-        self._registry = registry
-        return self
-
-    def warmup(self, runs: int = 1) -> "SessionBuilder":
-        """Run the model ``runs`` times on inputs of the declared shapes after building."""
-        self._warmup = runs
-        return self
-
-    def build(self) -> Session:
-        if self._model is None:
-            raise OptionError("SessionBuilder needs a model: call .model(path) or .model_bytes(data)", key="model")
-        session = Session(
-            self._model,
-            device=self._device,
-            providers=self._providers,
-            options=self._options,
-            registry=self._registry,
-        )
-        if self._warmup:
-            from .inputs import example_inputs
-
-            feeds = example_inputs(session.inputs)
-            for _ in range(self._warmup):
-                session.run(feeds)
-        return session
+        """The report of the capture in the default slot (None when there is none)."""
+        return self._captures.report(DEFAULT_SLOT)
 
 
 def load(model: ModelSource, device: str | None = "auto", **options: Any) -> Session:

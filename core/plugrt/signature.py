@@ -9,6 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ._dtypes import numpy_dtype
+from .ir_utils import tensor_array
 from .errors import (
     InputDtypeError,
     InputRankError,
@@ -20,7 +21,7 @@ from .errors import (
 )
 from .transfers import MemorySpaces
 
-__all__ = ["TensorInfo", "ModelMetadata", "InputSpec", "InputSignature", "tensor_info", "model_metadata"]
+__all__ = ["TensorInfo", "ModelMetadata", "InputSpec", "InputSignature", "input_specs", "tensor_info", "model_metadata"]
 
 _SIGNATURE_CACHE_SIZE = 256
 
@@ -104,6 +105,19 @@ class InputSpec:
         self.dims = info.shape
         self.default = default  # an initializer's array when the input may be omitted
         self.is_tensor = info.kind == "tensor"
+
+
+def input_specs(infos: Sequence[TensorInfo], values: Sequence[ir.Value], homes: Mapping[ir.Value, Any]) -> list[InputSpec]:
+    """One spec per input; an initializer input's default is moved once to the device
+    memory in ``homes`` when only that memory reads it."""
+    specs = []
+    for info, value in zip(infos, values):
+        default = tensor_array(value.const_value) if value.const_value is not None else None
+        home = homes.get(value)
+        if default is not None and home is not None:
+            default = home.to_device(default, home.default_device)
+        specs.append(InputSpec(info, default))
+    return specs
 
 
 class InputSignature:
