@@ -32,8 +32,8 @@ from .loader import DEFAULT_CONTEXT_BYTES, contained_path, read_regular_file
 from .provider import CompiledPartition, ExecutionProvider, Partition
 
 if TYPE_CHECKING:
+    from .build import BuiltModel
     from .registry import ProviderRegistry
-    from .session import Session
 
 __all__ = ["EP_CONTEXT_DOMAIN", "EP_CONTEXT_OP", "export_context_model", "restore_context_nodes", "context_nodes"]
 
@@ -69,7 +69,7 @@ def _refuse_overwrite(path: str, source: str | None) -> None:
 
 
 def export_context_model(
-    session: "Session", path: str, embed_mode: int, *, source: str | None = None
+    session: "BuiltModel", path: str, embed_mode: int, *, source: str | None = None
 ) -> tuple[str, list[str]]:
     """Write the session's model with each exportable partition replaced by an EPContext
     node. Returns the model path and the blob files written (embed_mode 0).
