@@ -42,6 +42,8 @@ def _capture_parts(capture: Any) -> tuple[int, list[tuple[str, str]]] | None:
 def explain_data(session: "Session", capture: Any = None) -> dict[str, Any]:
     """What the page draws, from the session's public ``model`` and ``placement``, and
     optionally what ``session.try_capture`` returned (for the seams)."""
+    from .provider import node_label
+
     report = session.placement
     captured = _capture_parts(capture)
     partition_of: dict[str, tuple[str, str]] = {}
@@ -50,8 +52,8 @@ def explain_data(session: "Session", capture: Any = None) -> dict[str, Any]:
             partition_of[name] = (part.name, part.provider)
     graph = session.model.graph
     nodes = []
-    for index, node in enumerate(graph):
-        name = node.name or f"node_{index}"
+    for node in graph:
+        name = node_label(node)  # the name the placement report uses
         partition, provider = partition_of.get(name, ("?", "?"))
         nodes.append(
             {

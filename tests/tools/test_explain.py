@@ -7,6 +7,7 @@ import re
 import subprocess
 import tempfile
 
+import numpy as np
 import onnx
 import pytest
 
@@ -54,7 +55,7 @@ def test_fallback_reason_is_attached_to_its_node(mixed_session) -> None:
 
 
 def test_seams_of_a_provider_without_capture_are_kept_by_partition(mixed_session) -> None:
-    result = mixed_session.try_capture({"x": __import__("numpy").ones((2, 4), "float32")})
+    result = mixed_session.try_capture({"x": np.ones((2, 4), np.float32)})
     mixed_session.reset()
     data = explain_data(mixed_session, result)
     seams = set(data["partition_seams"]) | {n["partition"] for n in data["nodes"] if n["name"] in data["seams"]}
@@ -131,6 +132,38 @@ def test_browser_fallback_node_has_its_reason_on_hover(densenet_page) -> None:
     fallback = report.fallbacks[0]
     node = re.search(rf'<g class="item node fallback[^"]*"[^>]*data-node="{re.escape(fallback.node)}"[^>]*><title>([^<]*)', dom)
     assert node is not None and fallback.reason in node.group(1).replace("&amp;", "&")
+
+
+@needs_chromium
+def test_browser_marks_a_transfer_edge_with_its_value(tmp_path) -> None:
+    import types
+
+    import onnx_ir as ir
+
+    from plugrt.placement import PartitionInfo, PlacementReport, Transfer
+
+    model = ir.from_onnx_text(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2] x) => (float[2] y) { r = Relu(x) y = Neg(r) }
+        """
+    )
+    for node, name in zip(model.graph, ("relu", "neg")):
+        node.name = name
+    # a device provider's partition feeding a host one: the report lists the transfer
+    report = PlacementReport(
+        ["device", "cpu"],
+        {"device": 1, "cpu": 1},
+        [PartitionInfo("device_0", "device", 1, ("relu",)), PartitionInfo("cpu_1", "cpu", 1, ("neg",))],
+        [],
+        [Transfer("r", "device", "cpu")],
+    )
+    page = tmp_path / "transfer.html"
+    page.write_text(explain_html(types.SimpleNamespace(placement=report, model=model)), encoding="utf-8")
+    dom = _chromium("--dump-dom", page.as_uri())
+    transfers = re.findall(r'<path class="edge transfer"[^>]*><title>([^<]*)', dom)
+    assert transfers == ["r\ntransfer r: device → cpu"]
+    assert len(re.findall(r'<path class="edge"', dom)) == 2  # x into relu, neg into the output
 
 
 @needs_chromium
