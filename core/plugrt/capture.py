@@ -22,12 +22,13 @@ from .build import BuiltGraph
 from .errors import InvalidInputError, KernelError, MissingInputError, NoCaptureError, PlugrtError, StaleCaptureError
 from .provider import (
     CaptureCapability,
-    CaptureContext,
     CaptureMiss,
     ExecutionProvider,
     MemoryCapability,
     NotCapturable,
     Step,
+    eager_replay,
+    outputs_of,
 )
 from .signature import InputSignature
 from .transfers import MemorySpaces
@@ -181,57 +182,6 @@ class CaptureBuffers:
             return False
         root = _root(array)
         return any(_root(b) is root for b in self._arrays.values() if b is not None)
-
-
-def outputs_of(step: Step, result: Any) -> list:
-    """A step's result as a list with one entry per step output."""
-    if step.multi_output:
-        return list(result[: len(step.outputs)])
-    return [result]
-
-
-def _persistent_copy(value: Any, ctx: CaptureContext) -> Any:
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    if isinstance(value, np.generic):
-        return np.array(value)
-    if isinstance(value, list):
-        return list(value)
-    owner = ctx.owner(value) if isinstance(ctx, CaptureBuffers) else None
-    if owner is not None:  # a device array: a buffer of its memory, filled by its provider
-        buffer = ctx.buffer_like(value)
-        owner.copy_into(value, buffer)
-        return buffer
-    return value
-
-
-def eager_replay(step: Step, inputs: list, recorded: list, ctx: CaptureContext) -> Callable[[], None]:
-    """Register copies of ``recorded`` as the step's buffers; the returned callable runs
-    the step eagerly and copies its result into them (CaptureMiss when it no longer fits)."""
-    buffers = [_persistent_copy(r, ctx) for r in recorded]
-    owners = [ctx.owner(b) if isinstance(ctx, CaptureBuffers) else None for b in buffers]
-    for value, buffer in zip(step.outputs, buffers):
-        ctx.set(value, buffer)
-    fn = step.fn
-
-    def run() -> None:
-        results = outputs_of(step, fn(*inputs))
-        for buffer, owner, new in zip(buffers, owners, results):
-            if owner is not None:
-                if not owner.owns(new) or tuple(new.shape) != tuple(buffer.shape) or new.dtype != buffer.dtype:
-                    raise CaptureMiss(f"{step.name}: output became {new.dtype}{list(new.shape)}")
-                owner.copy_into(new, buffer)
-            elif isinstance(buffer, np.ndarray):
-                new = np.asarray(new)
-                if new.shape != buffer.shape or new.dtype != buffer.dtype:
-                    raise CaptureMiss(f"{step.name}: output became {new.dtype}{list(new.shape)}")
-                np.copyto(buffer, new)
-            elif isinstance(buffer, list) and isinstance(new, list):
-                buffer[:] = new
-            elif buffer is not new and not (buffer is None and new is None):
-                raise CaptureMiss(f"{step.name}: output changed kind")
-
-    return run
 
 
 def _eager_partition(steps: Sequence[Step], ctx: CaptureBuffers, reason: str):

@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from plugrt.capture import eager_replay, outputs_of
-from plugrt.provider import CaptureContext, CapturedPartition, CompiledPartition, Step
+from plugrt.provider import CaptureContext, CapturedPartition, CompiledPartition, Step, eager_replay, outputs_of
 
 __all__ = ["capture_partition"]
 
