@@ -252,8 +252,15 @@ class OnnxPredictor:
                     )
                 pieces[index].append(value[: stop - start])
         if rows == 0:
-            return [np.zeros((0,), np.float32) for _ in self._outputs]
+            return [self._empty_output(name) for name in self._outputs]
         return [np.concatenate(parts) if len(parts) > 1 else parts[0] for parts in pieces]
+
+    def _empty_output(self, name: str) -> np.ndarray:
+        """An output column of no rows, shaped as declared where the model says."""
+        info = next(i for i in self.session.outputs if i.name == name)
+        dims = info.shape[1:] if info.shape else ()
+        shape = [d if isinstance(d, int) and d >= 0 else 0 for d in dims]
+        return np.zeros((0, *shape), dtype=info.dtype if info.dtype is not None else np.float32)
 
     def _locate_failure(
         self,

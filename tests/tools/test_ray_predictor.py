@@ -73,6 +73,11 @@ def test_light_squeezenet_fixed_batch_of_one_matches_onnxruntime() -> None:
     np.testing.assert_allclose(out["softmaxout_1"], expected, rtol=1e-4, atol=1e-6)
 
 
+def test_empty_batch_gives_empty_columns_of_the_declared_shape() -> None:
+    out = OnnxPredictor(EXAMPLE_MODEL, device="cpu")({"image": np.zeros((0, 3, 32, 32), np.float32)})
+    assert out["probabilities"].shape == (0, 10) and out["probabilities"].dtype == np.float32
+
+
 def test_output_columns_rename_and_keep_columns_false_drops_inputs() -> None:
     predictor = OnnxPredictor(
         EXAMPLE_MODEL, device="cpu", output_columns={"probabilities": "scores"}, keep_columns=False
