@@ -123,10 +123,10 @@ def _compile_all(
             compiled.append(result)
         if failed is None:
             return compiled, compile_fallbacks + fallbacks
-        name, exc, failed_nodes = failed
-        if registry is not None and not isinstance(exc, PlugrtError):
-            registry.record_failure(name, "compile", exc)
-        reason = f"compile raised {type(exc).__name__}: {exc}"
+        name, error, failed_nodes = failed
+        if registry is not None and not isinstance(error, PlugrtError):
+            registry.record_failure(name, "compile", error)
+        reason = f"compile raised {type(error).__name__}: {error}"
         compile_fallbacks.extend(
             Fallback(node_label(n), n.op_type, name, reason, "?") for n in failed_nodes
         )
@@ -166,7 +166,7 @@ def build_graph(
     if spaces is None:
         spaces = MemorySpaces([m for m in map(memory_of, providers) if m is not None])
     if precompiled is not None:
-        compiled, fallbacks = list(precompiled), []
+        compiled, fallbacks = list(precompiled), list[Fallback]()
     else:
         compiled, fallbacks = _compile_all(
             nodes, providers, graph, opset_imports, registry, strict, pinned, devices or {}, restored or {}
@@ -224,7 +224,7 @@ def build_graph(
                     Step(spaces.mover(target), [value], [moved], name=f"transfer:{value.name}", op_type="Transfer")
                 )
                 infos.append(StepInfo(f"transfer:{value.name}", "Transfer", part.provider))
-                transfers.append(Transfer(value.name, producer_of.get(value, "input"), part.provider))
+                transfers.append(Transfer(value.name or "", producer_of.get(value, "input"), part.provider))
             remap[value] = moved
         if moves:
             steps.extend(moves)

@@ -198,7 +198,7 @@ def _eager_partition(steps: Sequence[Step], ctx: CaptureBuffers, reason: str):
 def _staged_transfers(steps: Sequence[Step], ctx: CaptureBuffers, spaces: MemorySpaces) -> list[Callable[[], None]]:
     """Transfers between memory spaces, outside any captured segment (GPU graph APIs
     cannot capture host<->device copies): a copy between two persistent buffers."""
-    runs = []
+    runs: list[Callable[[], None]] = []
     for step in steps:
         source = ctx.array(step.inputs[0])
         moved = step.fn(source)
@@ -250,8 +250,9 @@ class CapturedPlan:
                 arrays[value] = self.bound_inputs[spec.name].view()
             elif spec.name in feeds:
                 feed = feeds[spec.name]
-                if spec.is_tensor and spaces.owner(feed) is not None:
-                    buffer = spaces.owner(feed).allocate(tuple(feed.shape), feed.dtype, None)
+                owner = spaces.owner(feed) if spec.is_tensor else None
+                if owner is not None:
+                    buffer = owner.allocate(tuple(feed.shape), feed.dtype, owner.default_device)
                     spaces.copy_into(feed, buffer)
                 elif spec.is_tensor:
                     buffer = np.array(feed, copy=True).view(np.ndarray)

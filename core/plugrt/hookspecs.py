@@ -24,3 +24,4 @@ def plugrt_providers() -> "list[ExecutionProvider]":
     Called once per registry. Creating a provider must be cheap: probe devices lazily in
     ``devices()``, never at import.
     """
+    raise NotImplementedError

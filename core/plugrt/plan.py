@@ -146,9 +146,9 @@ class Plan:
         # Last use of each value, so it can be released right after.
         last_use: dict[ir.Value, int] = {}
         for index, step in enumerate(self.steps):
-            for value in step.inputs:
-                if value is not None:
-                    last_use[value] = index
+            for read in step.inputs:
+                if read is not None:
+                    last_use[read] = index
         keep = set(self.outputs)
         is_constant = set(self._constants)
         releases: dict[int, list[str]] = {}
@@ -156,9 +156,9 @@ class Plan:
             if value not in keep and value not in is_constant:
                 releases.setdefault(index, []).append(local(value))
         for index, step in enumerate(self.steps):
-            for value in step.outputs:
-                if value is not None and value not in last_use and value not in keep:
-                    releases.setdefault(index, []).append(local(value))
+            for output in step.outputs:
+                if output is not None and output not in last_use and output not in keep:
+                    releases.setdefault(index, []).append(local(output))
 
         lines = [f"def _plan({', '.join(params)}):"]
         line_to_step: dict[int, int] = {}

@@ -90,7 +90,7 @@ def tensor_info(value: ir.Value) -> TensorInfo:
             else:
                 dims.append(dim.value if getattr(dim, "value", None) is not None else None)
         shape = tuple(dims)
-    return TensorInfo(value.name, dtype, shape, kind, type_string)
+    return TensorInfo(value.name or "", dtype, shape, kind, type_string)
 
 
 class InputSpec:

@@ -76,9 +76,9 @@ class SubgraphRunner:
     def __init__(self, graph: ir.Graph, build_subgraph: Any):
         free = graph_free_values(graph)
         self.graph = graph
-        self.input_names = [v.name for v in graph.inputs]
-        self.output_names = [v.name for v in graph.outputs]
-        self.outer_names = [v.name for v in free]
+        self.input_names = [v.name or "" for v in graph.inputs]
+        self.output_names = [v.name or "" for v in graph.outputs]
+        self.outer_names = [v.name or "" for v in free]
         self._plan = build_subgraph(graph, free)
 
     def run(self, inputs: list, outer: dict[str, Any]) -> list:
@@ -145,7 +145,7 @@ class CPUProvider:
                 domain, node.op_type, opset, node=label, providers_consulted=[self.name],
                 reasons={self.name: "no kernel"},
             )
-        inputs = list(node.inputs)
+        inputs: list[ir.Value | None] = list(node.inputs)
         while inputs and inputs[-1] is None:
             inputs.pop()
         implicit = implicit_inputs(node) if any(
@@ -166,7 +166,7 @@ class CPUProvider:
                 compile_subgraph=(
                     functools.partial(SubgraphRunner, build_subgraph=build_subgraph) if build_subgraph else None
                 ),
-                implicit_inputs=tuple(v.name for v in implicit),
+                implicit_inputs=tuple(v.name or "" for v in implicit),
             )
             try:
                 fn = spec.fn(ctx)
@@ -179,12 +179,12 @@ class CPUProvider:
             if spec.attribute_names is not None:
                 attributes = {k: v for k, v in attributes.items() if k in spec.attribute_names}
             fn = functools.partial(spec.fn, **attributes) if attributes else spec.fn
-        outputs = list(node.outputs)
+        outputs: list[ir.Value | None] = list(node.outputs)
         while len(outputs) > 1 and outputs[-1] is None:
             outputs.pop()
         step = Step(
             fn,
-            inputs + implicit,
+            [*inputs, *implicit],
             outputs,
             multi_output=spec.multi_output,
             name=label,
