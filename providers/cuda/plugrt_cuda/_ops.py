@@ -113,11 +113,26 @@ _unary("Gelu", lambda xp, x, a: _xp.gelu(xp, x, approximate=a.get("approximate",
 _unary("Identity", lambda xp, x, a: x, math=False)
 
 
-@_op("Dropout", math=False)
+def _check_dropout(info: OpInfo) -> str | None:
+    if info.num_inputs > 2:
+        training = info.constants[2] if len(info.constants) > 2 else None
+        if training is None:
+            return "Dropout's training_mode input is computed at run time; the CUDA provider runs inference only"
+        if bool(np.asarray(training).reshape(-1)[0]):
+            return "Dropout in training mode (random masks) is not implemented on CUDA"
+    return None
+
+
+@_op("Dropout", math=False, check=_check_dropout)
 def _dropout(info: OpInfo) -> Callable[..., Any]:
     xp = info.backend.xp
     if info.num_outputs > 1:
-        return lambda x, *rest: (x, xp.ones(x.shape, dtype=bool))
+
+        def with_mask(x: Any, *rest: Any) -> tuple:
+            return (x, xp.ones(x.shape, dtype=bool))
+
+        with_mask.multi_output = True  # type: ignore[attr-defined]
+        return with_mask
     return lambda x, *rest: x
 
 
