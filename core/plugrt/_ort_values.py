@@ -333,12 +333,13 @@ class IOBinding:
         binding = None
         if device != "cpu":
             memory = _device_memory(device_type, self._session)  # refused now if the session has no such memory
-            shape = outputs[name].shape
-            if shape is not None and all(isinstance(d, int) for d in shape) and outputs[name].dtype is not None:
+            declared = outputs[name].shape
+            dims = [d for d in declared or () if isinstance(d, int)]
+            if declared is not None and len(dims) == len(declared) and outputs[name].dtype is not None:
                 # a static output gets a buffer in that memory: the run stores into it there
+                buffer = memory.allocate(tuple(dims), outputs[name].dtype, _device(memory, device_id))
                 binding = DeviceBinding(
-                    input=None, output=name, buffer=memory.allocate(tuple(shape), outputs[name].dtype, _device(memory, device_id)),
-                    shape=shape, device=memory.default_device, memory=memory,
+                    input=None, output=name, buffer=buffer, shape=dims, device=memory.default_device, memory=memory
                 )
         self._outputs[name] = (device, binding)
 
@@ -399,7 +400,7 @@ class IOBinding:
             raise NotSupportedError(
                 f"gpu_graph_id {slot}", "this plugrt session keeps one capture: use gpu_graph_id 0 or -1"
             )
-        extra = {"slot": _slot_name(slot)} if slotted else {}
+        extra: dict[str, Any] = {"slot": _slot_name(slot)} if slotted else {}
         if slot not in self._captured_slots:
             captured = session.try_capture(bindings=bindings, **extra)
             if not isinstance(captured, Captured):
@@ -432,7 +433,7 @@ def _host_array(element_type: Any, shape: Sequence[int], buffer_ptr: int) -> np.
     shape = tuple(int(d) for d in shape)
     count = int(np.prod(shape, dtype=np.int64))
     raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(int(buffer_ptr))
-    return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=dtype, count=count).reshape(shape)
 
 
 def _synchronize(bindings: Any) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import ConformanceInputError
 
@@ -76,7 +76,7 @@ def shipped_expectations(provider: Any) -> tuple[list[Expectation], list[Expecta
     return found[0], found[1]
 
 
-def match(name: str, expectations: list[Expectation]) -> Expectation | None:
+def match(name: str, expectations: Sequence[Expectation]) -> Expectation | None:
     for entry in expectations:
         if fnmatch.fnmatchcase(name, entry.pattern):
             return entry

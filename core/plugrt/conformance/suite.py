@@ -187,12 +187,13 @@ def run_conformance(
     outcomes: list[CaseOutcome] = []
     reasonless: list[str] = []
     nondeterministic: list[str] = []
-    roundtrip = {"checked": 0, "failed": []}
+    roundtrip: dict[str, Any] = {"checked": 0, "failed": []}
     for case in all_cases:
         op = _primary_op(case)
         bar.step(case.name)
-        if match(case.name, skips):
-            outcomes.append(CaseOutcome(case.name, op, "skipped", match(case.name, skips).reason))
+        skipped = match(case.name, skips)
+        if skipped is not None:
+            outcomes.append(CaseOutcome(case.name, op, "skipped", skipped.reason))
             continue
         opsets = {o.domain or "": o.version for o in case.model.opset_import}
         ctx = SupportContext(opsets)

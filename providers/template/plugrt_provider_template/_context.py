@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,8 @@ def dumps(program: Program) -> bytes:
     }
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     arrays = io.BytesIO()
-    np.savez(arrays, **{f"c{r}": np.ascontiguousarray(a) for r, a in program.constants.items()})
+    constants: dict[str, Any] = {f"c{r}": np.ascontiguousarray(a) for r, a in program.constants.items()}
+    np.savez(arrays, **constants)
     return FORMAT + len(text).to_bytes(_LENGTH_BYTES, "little") + text + arrays.getvalue()
 
 

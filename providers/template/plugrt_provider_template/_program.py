@@ -11,9 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import onnx_ir as ir
 
-from plugrt.ir_utils import constant_array
-from plugrt.placement import node_label
-from plugrt.provider import Partition
+from plugrt.provider import Partition, constant_array, node_label
 
 from ._kernels import CLAIMED_OPS, ELEMENT_TYPE, KERNELS
 
@@ -93,8 +91,8 @@ def lower(partition: Partition) -> Program:
 
     used = {r for instruction in instructions for r in instruction.inputs}
     return Program(
-        input_names=[v.name for v in inputs],
-        output_names=[v.name for v in partition.outputs],
+        input_names=[v.name or "" for v in inputs],
+        output_names=[v.name or "" for v in partition.outputs],
         output_registers=[registers[v] for v in partition.outputs],
         constants={r: a for r, a in constants.items() if r in used},
         instructions=instructions,

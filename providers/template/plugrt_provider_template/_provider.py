@@ -106,7 +106,7 @@ class TemplateProvider:
 
 
 def _values_by_name(partition: Partition) -> dict[str, ir.Value]:
-    return {v.name: v for v in list(partition.inputs) + list(partition.outputs)}
+    return {v.name or "": v for v in list(partition.inputs) + list(partition.outputs)}
 
 
 def _compiled(partition: Partition, program: Program, *, restored: bool) -> CompiledPartition:
