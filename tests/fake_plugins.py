@@ -128,3 +128,25 @@ class with_function:
     @hookimpl
     def plugrt_providers():
         return [FunctionProvider()]
+
+
+class VersionedContextProvider(ContextProvider):
+    """Neg with EPContext export/restore that restores only contexts of its own SDK version."""
+
+    name = "ctxversioned"
+    context_source_keys = ("ctxversioned",)
+    sdk_version = "2.0"
+
+    def check_context(self, meta):
+        if meta["ep_sdk_version"] != self.sdk_version:
+            return Support.no(
+                f"saved by SDK {meta['ep_sdk_version'] or '?'}, this is {self.sdk_version}: export the model again"
+            )
+        return Support.yes()
+
+
+class with_versioned_context:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [VersionedContextProvider()]

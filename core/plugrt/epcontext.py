@@ -29,7 +29,13 @@ from .errors import (
 )
 from .ir_utils import is_constant
 from .loader import DEFAULT_CONTEXT_BYTES, contained_path, read_regular_file
-from .provider import CompiledPartition, ExecutionProvider, Partition
+from .provider import (
+    CompiledPartition,
+    ContextCapability,
+    ContextCompatibilityCapability,
+    ExecutionProvider,
+    Partition,
+)
 
 if TYPE_CHECKING:
     from .build import BuiltModel
@@ -51,7 +57,7 @@ def context_nodes(graph: ir.Graph) -> list[ir.Node]:
 
 
 def _source_keys(provider: ExecutionProvider) -> tuple[str, ...]:
-    return tuple(getattr(provider, "context_source_keys", ()) or ())
+    return tuple(provider.context_source_keys or ()) if isinstance(provider, ContextCapability) else ()
 
 
 # -- export ---------------------------------------------------------------------------------
@@ -90,7 +96,7 @@ def export_context_model(
     for compiled in session.compiled_partitions:
         provider = providers.get(compiled.provider)
         keys = _source_keys(provider) if provider is not None else ()
-        if compiled.restored or not keys or not hasattr(provider, "save_context"):
+        if compiled.restored or not keys or not isinstance(provider, ContextCapability):
             continue
         blob = provider.save_context(compiled)
         if not isinstance(blob, (bytes, bytearray)):
@@ -273,6 +279,14 @@ def restore_context_nodes(
             "ep_sdk_version": str(_as_text(_attr(node, "ep_sdk_version", ""))),
             "notes": str(_as_text(_attr(node, "notes", ""))),
         }
+        if isinstance(provider, ContextCompatibilityCapability):
+            verdict = provider.check_context(meta)
+            if not verdict:
+                raise EpContextError(
+                    f"EPContext node {label!r} cannot be restored by {provider.name!r}: {verdict.reason}",
+                    node=label,
+                    source=source,
+                )
         compiled = provider.load_context(blob, meta)
         if compiled.provider and compiled.provider != provider.name:
             raise ProviderNameMismatchError(provider.name, compiled.provider)

@@ -144,3 +144,20 @@ def test_model_local_function_claimed_by_a_provider_is_not_inlined(monkeypatch):
     np.testing.assert_array_equal(session.run({"x": np.array([1, 2], np.float32)})["y"], [2, 4])
     inlined = plugrt.load(data, device="cpu", registry=registry)
     assert inlined.placement.nodes_per_provider == {"cpu": 1}
+
+
+def test_a_saved_context_the_provider_finds_incompatible_is_refused_with_its_reason(monkeypatch, tmp_path):
+    from fake_plugins import VersionedContextProvider
+
+    from plugrt.errors import EpContextError
+
+    fake_entry_points(monkeypatch, ("ctxversioned", "fake_plugins:with_versioned_context"))
+    source = tmp_path / "m.onnx"
+    source.write_bytes(NEG_ADD)
+    options = {"ep.context_enable": 1, "ep.context_embed_mode": 1}
+    exported = plugrt.load(source, device="ctxversioned", registry=ProviderRegistry(), **options).context_model_path
+    restored = plugrt.load(exported, registry=ProviderRegistry())  # same SDK: restored
+    assert [p.restored for p in restored.placement.partitions] == [True, False]
+    monkeypatch.setattr(VersionedContextProvider, "sdk_version", "3.0")
+    with pytest.raises(EpContextError, match="saved by SDK 2.0, this is 3.0: export the model again"):
+        plugrt.load(exported, registry=ProviderRegistry())
