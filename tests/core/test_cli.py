@@ -89,3 +89,28 @@ def test_runtime_warnings_name_the_node(tmp_path, capsys):
     assert main(["run", str(tmp_path / "exp.onnx"), "--input", f"x={tmp_path / 'x.npy'}"]) == 0
     err = capsys.readouterr().err
     assert "plugrt: warning: node" in err and "(Exp, provider cpu)" in err and "overflow" in err
+
+
+def test_a_terminal_sees_a_status_line_while_the_model_builds():
+    import os
+    import pty
+
+    controller, terminal = pty.openpty()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "plugrt", "run"], stdout=subprocess.PIPE, stderr=terminal, timeout=120
+        )
+        os.close(terminal)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # the terminal is closed and drained
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(controller)
+    assert done.returncode == 0
+    assert b"plugrt: building tiny_cnn.onnx ..." in seen and b"\r\x1b[K" in seen
