@@ -1,8 +1,12 @@
-"""Build tiny random-weight Llama-style decoders with onnxruntime-genai's model builder (fp32 and int4, CPU).
+"""Build tiny random-weight transformer test models: Llama decoders by onnxruntime-genai's builder, and more.
 
-Nothing is downloaded: transformers builds the model from a config alone (seeded random
+Nothing is downloaded: transformers builds each model from a config alone (seeded random
 weights) and a word-level tokenizer is made on the spot, then the builder exports each
-precision to ``<output>/<precision>/model.onnx`` with its ``genai_config.json``.
+precision to ``<output>/<precision>/model.onnx`` with its ``genai_config.json``. With
+``--fused``, a BERT encoder and a GPT-2 decoder are also exported the torch way
+(``torch.onnx.export``) and fused by onnxruntime's transformer optimizer into
+``<output>/fused/{bert,gpt2}.onnx`` (EmbedLayerNormalization, Attention,
+SkipLayerNormalization, BiasGelu, FastGelu).
 
 Needs ``torch`` (a CPU build), ``transformers`` and ``onnxruntime-genai``::
 
@@ -16,6 +20,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 PRECISIONS = ("fp32", "int4")
 VOCAB_SIZE = 256
@@ -92,15 +97,80 @@ def make_decoder_models(output: Path, precisions: tuple[str, ...] = PRECISIONS, 
     return folders
 
 
+def _keyword_module(model: Any, names: tuple[str, ...], outputs: tuple[str, ...]) -> Any:
+    """``model`` as a module torch.onnx.export can trace: positional inputs passed on by
+    name, the named fields of its output returned as a tuple."""
+    import torch
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args: Any) -> Any:
+            result = self.model(**dict(zip(names, args)))
+            return tuple(getattr(result, name) for name in outputs)
+
+    return Wrapped().eval()
+
+
+def export_fused(output: Path, seed: int = 0) -> dict[str, Path]:
+    """BERT and GPT-2 exported by torch.onnx.export, then fused by onnxruntime's optimizer."""
+    import torch
+    from onnxruntime.transformers.optimizer import optimize_model
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+
+    folder = output / "fused"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    bert_config = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, type_vocab_size=2,
+    )
+    gpt2_config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=64)
+    specs = {
+        "bert": (BertModel, bert_config, ("input_ids", "attention_mask", "token_type_ids"),
+                 ("last_hidden_state", "pooler_output")),
+        "gpt2": (GPT2Model, gpt2_config, ("input_ids", "attention_mask"), ("last_hidden_state",)),
+    }
+    paths = {}
+    for name, (model_class, config, inputs, outputs) in specs.items():
+        config._attn_implementation = "eager"  # the attention pattern the optimizer fuses
+        model = _keyword_module(model_class(config).eval(), inputs, outputs)
+        samples = {
+            "input_ids": torch.randint(0, 64, (2, 7)),
+            "attention_mask": torch.ones(2, 7, dtype=torch.int64),
+            "token_type_ids": torch.randint(0, 2, (2, 7)),
+        }
+        example = tuple(samples[n] for n in inputs)
+        raw = folder / f"{name}_unfused.onnx"
+        axes = {n: {0: "batch", 1: "sequence"} for n in inputs}
+        torch.onnx.export(
+            model, example, str(raw), input_names=list(inputs), output_names=list(outputs),
+            dynamic_axes=axes, opset_version=17, dynamo=False,
+        )
+        fused = optimize_model(str(raw), model_type=name, num_heads=4, hidden_size=32)
+        paths[name] = folder / f"{name}.onnx"
+        fused.save_model_to_file(str(paths[name]))
+        raw.unlink()
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=Path("build/decoder_models"))
     parser.add_argument("--precision", choices=PRECISIONS, action="append", help="default: all")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fused", action="store_true", help="also export the fused BERT and GPT-2 models")
+    parser.add_argument("--fused-only", action="store_true", help="export only the fused BERT and GPT-2 models")
     args = parser.parse_args(argv)
-    folders = make_decoder_models(args.output, tuple(args.precision or PRECISIONS), args.seed)
-    for precision, folder in folders.items():
-        print(f"{precision}: {folder / 'model.onnx'}")
+    if not args.fused_only:
+        folders = make_decoder_models(args.output, tuple(args.precision or PRECISIONS), args.seed)
+        for precision, folder in folders.items():
+            print(f"{precision}: {folder / 'model.onnx'}")
+    if args.fused or args.fused_only:
+        for name, path in export_fused(args.output, args.seed).items():
+            print(f"{name}: {path}")
     return 0
 
 
