@@ -25,7 +25,7 @@ import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 from ._ort_values import IOBinding, OrtValue, RunOptions, guarded_run, host_value
-from .errors import NotSupportedError, OptionError, ProviderUnavailableError, UnknownOptionError
+from .errors import KernelError, NotSupportedError, OptionError, ProviderUnavailableError, UnknownOptionError
 from .options import OPTIONS
 from .session import Session, TensorInfo
 
@@ -371,7 +371,21 @@ class InferenceSession:
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: RunOptions | None = None) -> list:
         feeds = {name: host_value(value) for name, value in input_feed.items()}
-        return guarded_run(run_options, lambda: self._session.run_list(output_names, feeds))
+        try:
+            return guarded_run(run_options, lambda: self._session.run_list(output_names, feeds))
+        except KernelError as exc:
+            if not self._enable_fallback or exc.provider == self._session.providers[-1]:
+                raise
+            # onnxruntime's fallback: a provider failed at run time, so rebuild on the
+            # host provider alone and retry, once
+            warnings.warn(
+                f"EP Error: {exc} using {self.get_providers()}; falling back to "
+                f"{_PLUGRT_TO_ORT.get(self._session.providers[-1], self._session.providers[-1])} and retrying",
+                stacklevel=2,
+            )
+            self._build([self._session.providers[-1]], None)
+            self._enable_fallback = False
+            return guarded_run(run_options, lambda: self._session.run_list(output_names, feeds))
 
     def run_with_ort_values(
         self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, OrtValue], run_options: RunOptions | None = None

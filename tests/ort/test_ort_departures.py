@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import warnings
 
+import fake_plugins
 import numpy as np
 import onnx
 import onnx.parser
 import pytest
 
 import plugrt as ort
+from plugrt.hookspecs import hookimpl
+from plugrt.provider import CompiledPartition, Step
 from plugrt._ort_values import guarded_run
 from plugrt.errors import (
     NotSupportedError,
@@ -163,3 +166,54 @@ def test_each_gpu_graph_id_keeps_its_own_capture(model_bytes):
 def test_repr_shows_model_providers_and_placement(model_bytes):
     text = repr(ort.InferenceSession(model_bytes).session)
     assert "providers=['cpu'" in text and "cpu: 1" in text and "given as bytes" in text
+
+
+class _BreaksAtRun(fake_plugins.NegProvider):
+    """Claims Neg, and its kernel fails when run (a driver error, say)."""
+
+    name = "breaksatrun"
+
+    def compile(self, partition):
+        def broken(x):
+            raise RuntimeError("device lost")
+
+        steps = [Step(broken, list(n.inputs), list(n.outputs), name=n.name, op_type=n.op_type) for n in partition.nodes]
+        return CompiledPartition(partition, steps)
+
+
+class _breaks_at_run:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [_BreaksAtRun()]
+
+
+NEG = onnx.parser.parse_model(
+    '<ir_version: 8, opset_import: ["" : 17]> g (float[3, 2] X) => (float[3, 2] Y) { Y = Neg(X) }'
+).SerializeToString()
+
+
+@pytest.fixture
+def breaking_registry(monkeypatch):
+    import plugrt_cpu.plugin
+
+    import plugrt.registry
+
+    registry = plugrt.ProviderRegistry(entry_points=(), plugins=[plugrt_cpu.plugin, _breaks_at_run], disabled=())
+    monkeypatch.setattr(plugrt.registry, "_default", registry)
+    return registry
+
+
+def test_a_provider_failing_at_run_falls_back_to_the_cpu_once(breaking_registry):
+    session = ort.InferenceSession(NEG, providers=["breaksatrun", "CPUExecutionProvider"])
+    with pytest.warns(UserWarning, match="device lost"):
+        (y,) = session.run(None, {"X": X})
+    np.testing.assert_array_equal(y, -X)
+    assert session.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_with_fallback_disabled_a_provider_failing_at_run_raises(breaking_registry):
+    session = ort.InferenceSession(NEG, providers=["breaksatrun", "CPUExecutionProvider"])
+    session.disable_fallback()
+    with pytest.raises(ort.KernelError, match="device lost"):
+        session.run(None, {"X": X})
