@@ -4,58 +4,46 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import types
 
 import pytest
 
 import plugrt
 from plugrt.errors import ProviderUnavailableError
-from plugrt.hookspecs import hookimpl
 from plugrt.intent import resolve_device
 from plugrt.provider import AvailabilityCapability, DeviceKind, MemoryCapability
 
+from cuda_helpers import FakeRuntimeError, fake_cupy, missing_cupy, registry_of
 from plugrt_cuda._probe import probe
 from plugrt_cuda._provider import CUDAProvider
 
 
-def _missing_cupy():
-    raise ImportError("No module named 'cupy'")
-
-
-def _registry(provider: CUDAProvider) -> plugrt.ProviderRegistry:
-    from plugrt_cpu._provider import CPUProvider
-
-    plugin = types.SimpleNamespace(plugrt_providers=hookimpl(lambda: [provider, CPUProvider()]))
-    return plugrt.ProviderRegistry(entry_points=[], plugins=[plugin], disabled=())
-
-
 def test_without_cupy_there_is_no_device_and_the_reason_says_cupy_is_missing():
-    provider = CUDAProvider(importer=_missing_cupy)
+    provider = CUDAProvider(importer=missing_cupy)
     assert provider.devices() == []
     assert "cupy is not installed" in provider.unavailable_reason
     assert "plugrt[cuda]" in provider.unavailable_reason
 
 
-def test_without_a_driver_the_reason_says_no_driver(fake_cupy):
+def test_without_a_driver_the_reason_says_no_driver():
     found = probe(lambda: fake_cupy(driver=0))
     assert found.devices == ()
     assert found.reason.startswith("no CUDA driver")
 
 
-def test_a_driver_older_than_the_runtime_is_named(fake_cupy, runtime_error):
-    error = runtime_error(35, "cudaErrorInsufficientDriver")
+def test_a_driver_older_than_the_runtime_is_named():
+    error = FakeRuntimeError(35, "cudaErrorInsufficientDriver")
     found = probe(lambda: fake_cupy(driver=11040, runtime=12090, count=error))
     assert found.devices == ()
     assert "older than cupy's CUDA runtime" in found.reason and "CUDA 11.4" in found.reason
 
 
-def test_a_driver_without_a_gpu_says_no_device(fake_cupy, runtime_error):
-    found = probe(lambda: fake_cupy(count=runtime_error(100, "cudaErrorNoDevice")))
+def test_a_driver_without_a_gpu_says_no_device():
+    found = probe(lambda: fake_cupy(count=FakeRuntimeError(100, "cudaErrorNoDevice")))
     assert found.devices == ()
     assert found.reason.startswith("no CUDA device")
 
 
-def test_a_device_count_of_zero_says_no_device(fake_cupy):
+def test_a_device_count_of_zero_says_no_device():
     found = probe(lambda: fake_cupy(count=0))
     assert found.devices == () and found.reason.startswith("no CUDA device")
 
@@ -68,14 +56,14 @@ def test_a_broken_cupy_import_is_a_reason_not_a_crash():
     assert found.devices == () and "cupy failed to import" in found.reason and "libcudart" in found.reason
 
 
-def test_a_machine_with_a_gpu_lists_it_with_its_architecture(fake_cupy):
+def test_a_machine_with_a_gpu_lists_it_with_its_architecture():
     found = probe(lambda: fake_cupy(count=2, arch=(8, 0)))
     assert [d.kind for d in found.devices] == [DeviceKind.GPU, DeviceKind.GPU]
     assert found.devices[1].index == 1 and found.devices[0].name == "NVIDIA H200"
     assert found.architectures == ("sm_80", "sm_80") and found.reason is None
 
 
-def test_the_probe_runs_once_and_only_when_asked(fake_cupy):
+def test_the_probe_runs_once_and_only_when_asked():
     calls = []
 
     def importer():
@@ -103,8 +91,8 @@ def test_importing_plugrt_and_the_cuda_plugin_does_not_import_cupy():
     assert done.stdout.strip() == "clean"
 
 
-def test_registry_reports_the_provider_unavailable_with_its_reason(fake_cupy):
-    registry = _registry(CUDAProvider(importer=lambda: fake_cupy(driver=0)))
+def test_registry_reports_the_provider_unavailable_with_its_reason():
+    registry = registry_of(CUDAProvider(importer=lambda: fake_cupy(driver=0)))
     assert "cuda" in registry.providers()
     assert registry.unavailable_reason("cuda").startswith("no CUDA driver")
     assert [p.name for p in registry.available()] == ["cpu"]
@@ -112,54 +100,54 @@ def test_registry_reports_the_provider_unavailable_with_its_reason(fake_cupy):
 
 @pytest.mark.parametrize("intent", ["cuda", "cuda:0"])
 def test_asking_for_cuda_by_name_raises_with_the_reason(intent):
-    registry = _registry(CUDAProvider(importer=_missing_cupy))
+    registry = registry_of(CUDAProvider(importer=missing_cupy))
     with pytest.raises(ProviderUnavailableError) as caught:
         resolve_device(intent, None, registry)
     assert caught.value.provider == "cuda"
     assert "cupy is not installed" in caught.value.cause
 
 
-def test_asking_for_a_gpu_names_the_cuda_provider_and_why_it_has_none(fake_cupy, runtime_error):
-    registry = _registry(CUDAProvider(importer=lambda: fake_cupy(count=runtime_error(100, "no device"))))
+def test_asking_for_a_gpu_names_the_cuda_provider_and_why_it_has_none():
+    registry = registry_of(CUDAProvider(importer=lambda: fake_cupy(count=FakeRuntimeError(100, "no device"))))
     with pytest.raises(ProviderUnavailableError) as caught:
         resolve_device("gpu", None, registry)
     assert "cuda: no CUDA device" in caught.value.cause
 
 
-def test_auto_falls_back_to_the_cpu_provider(fake_cupy):
-    registry = _registry(CUDAProvider(importer=lambda: fake_cupy(driver=0)))
+def test_auto_falls_back_to_the_cpu_provider():
+    registry = registry_of(CUDAProvider(importer=lambda: fake_cupy(driver=0)))
     selection = resolve_device("auto", None, registry)
     assert [p.name for p in selection.providers] == ["cpu"]
 
 
-def test_auto_picks_cuda_first_when_a_device_is_found(fake_cupy):
-    registry = _registry(CUDAProvider(importer=lambda: fake_cupy(count=1)))
+def test_auto_picks_cuda_first_when_a_device_is_found():
+    registry = registry_of(CUDAProvider(importer=lambda: fake_cupy(count=1)))
     selection = resolve_device("auto", None, registry)
     assert [p.name for p in selection.providers] == ["cuda", "cpu"]
     assert selection.devices["cuda"].kind == DeviceKind.GPU
 
 
-def test_a_session_with_device_auto_runs_on_the_cpu(add_relu_model, fake_cupy):
+def test_a_session_with_device_auto_runs_on_the_cpu(add_relu_model):
     import numpy as np
 
-    registry = _registry(CUDAProvider(importer=lambda: fake_cupy(driver=0)))
+    registry = registry_of(CUDAProvider(importer=lambda: fake_cupy(driver=0)))
     session = plugrt.load(add_relu_model, device="auto", registry=registry)
     x = np.array([[-1, 2, -3, 4]], np.float32)
     assert session.providers == ["cpu"]
     np.testing.assert_array_equal(session.run({"x": x, "y": x})["z"], np.maximum(2 * x, 0))
 
 
-def test_plugrt_providers_lists_cuda_as_unavailable_with_its_reason(monkeypatch, capsys, fake_cupy):
+def test_plugrt_providers_lists_cuda_as_unavailable_with_its_reason(monkeypatch, capsys):
     from plugrt import registry as registry_module
     from plugrt.cli import main
 
-    monkeypatch.setattr(registry_module, "_default", _registry(CUDAProvider(importer=lambda: fake_cupy(driver=0))))
+    monkeypatch.setattr(registry_module, "_default", registry_of(CUDAProvider(importer=lambda: fake_cupy(driver=0))))
     assert main(["providers"]) == 0
     line = next(text for text in capsys.readouterr().out.splitlines() if text.strip().startswith("cuda"))
     assert "unavailable" in line and "no CUDA driver" in line
 
 
-def test_the_provider_declares_the_memory_and_availability_capabilities(fake_cupy):
+def test_the_provider_declares_the_memory_and_availability_capabilities():
     provider = CUDAProvider(importer=lambda: fake_cupy(driver=0))
     assert isinstance(provider, AvailabilityCapability)
     assert isinstance(provider, MemoryCapability) and provider.memory == "cuda"

@@ -3,34 +3,12 @@ suite, with the provider's kernels bound to numpy (the cupy binding runs the sam
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
-import plugrt
 from plugrt.conformance.suite import run_conformance
-from plugrt.hookspecs import hookimpl
-from plugrt.provider import Device, DeviceKind
 
-from plugrt_cuda._backend import NumpyBackend
+from cuda_helpers import NumpyCUDA, registry_of
 from plugrt_cuda._ops import OPS
-from plugrt_cuda._provider import CUDAProvider
-
-
-def _no_cupy():
-    raise ImportError("No module named 'cupy'")
-
-
-class _NumpyCUDA(CUDAProvider):
-    """The CUDA provider with numpy standing in for the device (host memory, one fake GPU)."""
-
-    memory = "host"
-
-    def __init__(self) -> None:
-        super().__init__(importer=_no_cupy, backend=NumpyBackend())
-
-    def devices(self) -> list[Device]:
-        return [Device(DeviceKind.GPU, 0, "numpy stand-in")]
 
 
 _KERNEL_OPS = (
@@ -43,10 +21,7 @@ _KERNEL_OPS = (
 
 @pytest.mark.slow
 def test_every_claimed_node_case_passes():
-    from plugrt_cpu._provider import CPUProvider
-
-    plugin = types.SimpleNamespace(plugrt_providers=hookimpl(lambda: [_NumpyCUDA(), CPUProvider()]))
-    registry = plugrt.ProviderRegistry(entry_points=[], plugins=[plugin], disabled=())
+    registry = registry_of(NumpyCUDA())
     # the claimed ops with their own kernel math (plain elementwise ops are one xp call each)
     ops = [op for op in _KERNEL_OPS if ("", op) in OPS]
     report = run_conformance("cuda", ops=ops, registry=registry, progress=False)

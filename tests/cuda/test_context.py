@@ -7,6 +7,7 @@ import pytest
 from plugrt.errors import EpContextError
 from plugrt.provider import Partition
 
+from cuda_helpers import missing_cupy
 from plugrt_cuda import _context
 from plugrt_cuda._provider import CUDAProvider
 
@@ -62,10 +63,7 @@ def test_a_difference_that_stops_a_restore_is_named(here, expected):
 
 
 def _provider() -> CUDAProvider:
-    def no_cupy():
-        raise ImportError("No module named 'cupy'")
-
-    return CUDAProvider(importer=no_cupy)
+    return CUDAProvider(importer=missing_cupy)
 
 
 def test_load_context_turns_a_malformed_blob_into_an_ep_context_error():

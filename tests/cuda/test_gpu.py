@@ -3,8 +3,6 @@ provider, device bindings, DLPack, CUDA-graph capture and EPContext. Skipped wit
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import onnx
 import pytest
@@ -12,8 +10,8 @@ import pytest
 import plugrt
 from plugrt.conformance.light_models import light_models
 from plugrt.errors import StaleCaptureError
-from plugrt.hookspecs import hookimpl
 
+from cuda_helpers import registry_of
 from plugrt_cuda import _xp
 
 pytestmark = pytest.mark.gpu
@@ -24,13 +22,6 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-2}
 
 def _random(*shape, dtype="float32"):
     return RNG.standard_normal(shape).astype(dtype)
-
-
-def _registry(provider) -> plugrt.ProviderRegistry:
-    from plugrt_cpu._provider import CPUProvider
-
-    plugin = types.SimpleNamespace(plugrt_providers=hookimpl(lambda: [provider, CPUProvider()]))
-    return plugrt.ProviderRegistry(entry_points=[], plugins=[plugin], disabled=())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -99,7 +90,7 @@ def test_own_layernorm_kernel_matches_the_numpy_binding(gpu_provider, dtype):
 
 @pytest.mark.parametrize("light", light_models(), ids=lambda m: m.name)
 def test_light_model_on_cuda_matches_the_cpu_provider(gpu_provider, light):
-    session = plugrt.load(light.path, device="cuda", registry=_registry(gpu_provider))
+    session = plugrt.load(light.path, device="cuda", registry=registry_of(gpu_provider))
     cpu = plugrt.load(light.path, device="cpu")
     assert session.placement.fallbacks == [], session.placement.summary()
     got, expected = session.run(light.inputs), cpu.run(light.inputs)
@@ -126,7 +117,7 @@ def _mlp() -> bytes:
 
 
 def test_bound_outputs_stay_in_device_memory_and_transfers_are_counted(gpu_provider):
-    session = plugrt.load(_mlp(), device="cuda", registry=_registry(gpu_provider))
+    session = plugrt.load(_mlp(), device="cuda", registry=registry_of(gpu_provider))
     x = session.allocate_binding(input="x")
     y = session.allocate_binding(output="y")
     x.write(_random(8, 64))
@@ -140,7 +131,7 @@ def test_a_cupy_array_is_taken_without_a_copy_and_a_bound_output_exports_dlpack(
     cp = gpu_provider.backend().xp
     source = cp.asarray(_random(8, 64))
     assert gpu_provider.to_device(source, None) is source
-    session = plugrt.load(_mlp(), device="cuda", registry=_registry(gpu_provider))
+    session = plugrt.load(_mlp(), device="cuda", registry=registry_of(gpu_provider))
     y = session.allocate_binding(output="y")
     x = session.allocate_binding(input="x")
     x.write(source.get())
@@ -154,7 +145,7 @@ def test_capture_replays_bitwise_equal_to_an_eager_run(gpu_provider, monkeypatch
 
     monkeypatch.setenv(_backend.GEMM_ENV, "own")  # the same GEMM eager and captured
     provider = type(gpu_provider)()
-    session = plugrt.load(_mlp(), device="cuda", registry=_registry(provider))
+    session = plugrt.load(_mlp(), device="cuda", registry=registry_of(provider))
     x, y = session.allocate_binding(input="x"), session.allocate_binding(output="y")
     data = _random(8, 64)
     x.write(data)
@@ -174,7 +165,7 @@ def test_cublas_gemms_become_eager_seams_between_graphs(gpu_provider, monkeypatc
 
     monkeypatch.setenv(_backend.GEMM_ENV, "cublas")
     provider = type(gpu_provider)()
-    session = plugrt.load(_mlp(), device="cuda", registry=_registry(provider), optimization="none")
+    session = plugrt.load(_mlp(), device="cuda", registry=registry_of(provider), optimization="none")
     x, y = session.allocate_binding(input="x"), session.allocate_binding(output="y")
     data = _random(8, 64)
     x.write(data)
@@ -186,7 +177,7 @@ def test_cublas_gemms_become_eager_seams_between_graphs(gpu_provider, monkeypatc
 
 
 def test_a_replay_after_a_binding_changed_shape_is_refused(gpu_provider):
-    session = plugrt.load(_mlp(), device="cuda", registry=_registry(gpu_provider))
+    session = plugrt.load(_mlp(), device="cuda", registry=registry_of(gpu_provider))
     x = session.allocate_binding(input="x", shape=(8, 64), capacity=(16, 64))
     y = session.allocate_binding(output="y", shape=(8, 16), capacity=(16, 16))
     x.write(_random(8, 64))
@@ -199,7 +190,7 @@ def test_a_replay_after_a_binding_changed_shape_is_refused(gpu_provider):
 def test_a_saved_context_restores_its_cubins_on_the_same_gpu(gpu_provider):
     from plugrt.provider import Partition
 
-    session = plugrt.load(_mlp(), device="cuda", registry=_registry(gpu_provider))
+    session = plugrt.load(_mlp(), device="cuda", registry=registry_of(gpu_provider))
     session.run({"x": _random(8, 64)})
     compiled = next(c for c in session._built.compiled if c.provider == "cuda")
     blob = gpu_provider.save_context(compiled)
@@ -211,7 +202,7 @@ def test_a_saved_context_restores_its_cubins_on_the_same_gpu(gpu_provider):
 def test_a_context_from_another_architecture_is_recompiled_with_the_reason(gpu_provider):
     from plugrt_cuda import _context
 
-    session = plugrt.load(_mlp(), device="cuda", registry=_registry(gpu_provider))
+    session = plugrt.load(_mlp(), device="cuda", registry=registry_of(gpu_provider))
     compiled = next(c for c in session._built.compiled if c.provider == "cuda")
     saved = _context.loads(gpu_provider.save_context(compiled))
     saved.arch = "sm_1"

@@ -4,44 +4,18 @@ against their expected outputs and onnxruntime. The same builders bind cupy on a
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import onnx
 import pytest
 
 import plugrt
 from plugrt.conformance.light_models import light_models
-from plugrt.hookspecs import hookimpl
-from plugrt.provider import Device, DeviceKind
 
-from plugrt_cuda._backend import NumpyBackend
-from plugrt_cuda._provider import CUDAProvider
-
-
-def _no_cupy():
-    raise ImportError("No module named 'cupy'")
-
-
-class _NumpyCUDA(CUDAProvider):
-    """The CUDA provider with numpy standing in for the device: host memory, one fake GPU.
-    Everything but the memory space and the cupy-only kernels is the real provider."""
-
-    memory = "host"
-
-    def __init__(self) -> None:
-        super().__init__(importer=_no_cupy, backend=NumpyBackend())
-
-    def devices(self) -> list[Device]:
-        return [Device(DeviceKind.GPU, 0, "numpy stand-in")]
+from cuda_helpers import NumpyCUDA, registry_of
 
 
 def _session(model) -> plugrt.Session:
-    from plugrt_cpu._provider import CPUProvider
-
-    plugin = types.SimpleNamespace(plugrt_providers=hookimpl(lambda: [_NumpyCUDA(), CPUProvider()]))
-    registry = plugrt.ProviderRegistry(entry_points=[], plugins=[plugin], disabled=())
-    return plugrt.load(model, device="cuda", registry=registry)
+    return plugrt.load(model, device="cuda", registry=registry_of(NumpyCUDA()))
 
 
 def _run(model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

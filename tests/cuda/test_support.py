@@ -8,12 +8,9 @@ import pytest
 
 from plugrt.provider import SupportContext
 
+from cuda_helpers import missing_cupy
 from plugrt_cuda._ops import OPS
 from plugrt_cuda._provider import CUDAProvider
-
-
-def _no_cupy():
-    raise ImportError("No module named 'cupy'")
 
 
 def _decide(text: str, op_type: str | None = None):
@@ -21,7 +18,7 @@ def _decide(text: str, op_type: str | None = None):
     model = ir.from_proto(onnx.parser.parse_model(text))
     node = next(n for n in model.graph if op_type is None or n.op_type == op_type)
     ctx = SupportContext(dict(model.opset_imports), model.graph)
-    return CUDAProvider(importer=_no_cupy).supports_op(node, ctx)
+    return CUDAProvider(importer=missing_cupy).supports_op(node, ctx)
 
 
 _HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
@@ -71,7 +68,7 @@ def test_layer_normalization_before_opset_17_is_declined_with_the_fix():
     text = '<ir_version: 8, opset_import: ["" : 16]> m (float[2,4] x) => (float[2,4] y) { y = Relu(x) }'
     model = ir.from_proto(onnx.parser.parse_model(text))
     node = ir.Node("", "LayerNormalization", [model.graph.inputs[0], model.graph.inputs[0]])
-    decision = CUDAProvider(importer=_no_cupy).supports_op(node, SupportContext({"": 16}))
+    decision = CUDAProvider(importer=missing_cupy).supports_op(node, SupportContext({"": 16}))
     assert not decision.supported and "from opset 17" in decision.reason and "convert_version" in decision.reason
 
 

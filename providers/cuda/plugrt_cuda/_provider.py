@@ -311,17 +311,14 @@ def _dtype_problem(value: ir.Value, spec: OpSpec) -> str | None:
 
 
 def _attribute_value(attr: ir.Attr) -> Any:
+    """An attribute as a builder receives it (Python numbers, strings, lists, numpy arrays)."""
     kind, value = attr.type, attr.value
-    if kind == ir.AttributeType.FLOAT:
-        return float(value)
-    if kind == ir.AttributeType.INT:
-        return int(value)
+    if kind in (ir.AttributeType.FLOAT, ir.AttributeType.INT):
+        return float(value) if kind == ir.AttributeType.FLOAT else int(value)
     if kind == ir.AttributeType.STRING:
         return value.decode("utf-8") if isinstance(value, bytes) else value
-    if kind == ir.AttributeType.FLOATS:
-        return [float(v) for v in value]
-    if kind == ir.AttributeType.INTS:
-        return [int(v) for v in value]
+    if kind in (ir.AttributeType.FLOATS, ir.AttributeType.INTS):
+        return [float(v) if kind == ir.AttributeType.FLOATS else int(v) for v in value]
     if kind == ir.AttributeType.TENSOR:
         return value.numpy()
     return value

@@ -183,25 +183,25 @@ def lrn(xp: Any, x: Any, *, size: int, alpha: float = 1e-4, beta: float = 0.75, 
     return (x / (bias + (alpha / size) * window) ** beta).astype(x.dtype)
 
 
+def _along(x: Any, axis: int, coerce_2d: bool) -> tuple[Any, int]:
+    """``x`` and the axis to normalise over: opset < 13 flattens the axes from ``axis`` on."""
+    if not coerce_2d:
+        return x, axis
+    axis = axis % x.ndim
+    return x.reshape(math.prod(x.shape[:axis]), -1), 1
+
+
 def softmax(xp: Any, x: Any, *, axis: int = -1, coerce_2d: bool = False) -> Any:
     """Softmax over ``axis`` (opset 13), or over the flattened axes from ``axis`` on (opset < 13)."""
-    shape = x.shape
-    if coerce_2d:
-        axis = axis % x.ndim
-        x = x.reshape(math.prod(shape[:axis]), -1)
-        axis = 1
-    e = xp.exp(x - x.max(axis=axis, keepdims=True))
-    return (e / e.sum(axis=axis, keepdims=True)).reshape(shape)
+    rows, axis = _along(x, axis, coerce_2d)
+    e = xp.exp(rows - rows.max(axis=axis, keepdims=True))
+    return (e / e.sum(axis=axis, keepdims=True)).reshape(x.shape)
 
 
 def log_softmax(xp: Any, x: Any, *, axis: int = -1, coerce_2d: bool = False) -> Any:
-    shape = x.shape
-    if coerce_2d:
-        axis = axis % x.ndim
-        x = x.reshape(math.prod(shape[:axis]), -1)
-        axis = 1
-    shifted = x - x.max(axis=axis, keepdims=True)
-    return (shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))).reshape(shape)
+    rows, axis = _along(x, axis, coerce_2d)
+    shifted = rows - rows.max(axis=axis, keepdims=True)
+    return (shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))).reshape(x.shape)
 
 
 def layer_normalization(xp: Any, x: Any, scale: Any, bias: Any = None, *, axis: int = -1, epsilon: float = 1e-5) -> tuple:
