@@ -675,3 +675,30 @@ def test_blocked_quantize_linear_int4_round_trip_matches_onnxruntime():
     feeds = dict(x=_randn(rng, 4, 64) * 4, s=(rng.random((4, 2)) + 0.5).astype(np.float32))
     got, expected = _run_both(model, feeds)
     _assert_close(got, expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+@pytest.mark.parametrize(
+    "op,inputs",
+    [
+        ("FastGelu", {"X": (2, 3, 16)}),
+        ("FastGelu", {"X": (2, 3, 16), "bias": (16,)}),
+        ("QuickGelu", {"X": (2, 3, 16)}),
+        ("BiasAdd", {"X": (2, 3, 16), "bias": (16,), "skip": (2, 3, 16)}),
+    ],
+)
+def test_elementwise_contrib_ops_capture_and_replay_bitwise(op, inputs):
+    from plugrt.capture import Captured
+
+    def feeds(seed):
+        rng = _rng(seed)
+        return {name: _randn(rng, *shape) * 3 for name, shape in inputs.items()}
+
+    session = plugrt.load(_model(op, feeds(0), ["y"]).SerializeToString(), optimization="none")
+    result = session.try_capture(feeds(1))
+    assert isinstance(result, Captured) and result.report.seams == []
+    for seed in (2, 3):
+        eager, replayed = session.run(feeds(seed)), session.replay(feeds(seed))
+        assert eager["y"].tobytes() == np.asarray(replayed["y"]).tobytes()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._registry import kernel
-from .elementwise import erf, sigmoid
+from .elementwise import _sigmoid_into, erf, scratch, sigmoid
 
 _MS = "com.microsoft"
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -95,6 +95,27 @@ def fast_gelu(x, bias=None):
     return y.astype(x.dtype, copy=False)
 
 
+def _fast_gelu_into(out, x, bias=None):
+    """fast_gelu written into ``out``: the same operations in the same order."""
+    if x.dtype not in (np.float32, np.float64) or out.shape != x.shape:
+        np.copyto(out, fast_gelu(x, bias))
+        return
+    work = x if bias is None else np.add(x, bias, out=scratch(out, "sum", x.shape, x.dtype))
+    term = scratch(out, "term", x.shape, x.dtype)
+    np.multiply(work, work, out=term)
+    np.multiply(term, work, out=term)
+    np.multiply(x.dtype.type(0.044715), term, out=term)
+    np.add(work, term, out=term)
+    np.multiply(x.dtype.type(_SQRT_2_OVER_PI), term, out=term)
+    np.tanh(term, out=term)
+    term += 1
+    np.multiply(work, term, out=out)
+    out *= x.dtype.type(0.5)
+
+
+fast_gelu.into = _fast_gelu_into
+
+
 @kernel("BiasGelu", 1, domain=_MS)
 def bias_gelu(a, b):
     work = _work(a + b)
@@ -108,6 +129,18 @@ def quick_gelu(x, *, alpha=1.702):
     return (work * sigmoid(work * work.dtype.type(alpha))).astype(x.dtype, copy=False)
 
 
+def _quick_gelu_into(out, x, *, alpha=1.702):
+    if x.dtype not in (np.float32, np.float64):
+        np.copyto(out, quick_gelu(x, alpha=alpha))
+        return
+    np.multiply(x, x.dtype.type(alpha), out=out)
+    _sigmoid_into(out, out)
+    np.multiply(x, out, out=out)
+
+
+quick_gelu.into = _quick_gelu_into
+
+
 @kernel("BiasAdd", 1, domain=_MS)
 def bias_add(x, bias, skip):
     if x.ndim != 3 or bias.shape != (x.shape[2],) or skip.shape != x.shape:
@@ -115,6 +148,14 @@ def bias_add(x, bias, skip):
             f"BiasAdd needs X (N, S, C), bias (C,) and skip (N, S, C); got {x.shape}, {bias.shape}, {skip.shape}"
         )
     return x + bias + skip
+
+
+def _bias_add_into(out, x, bias, skip):
+    np.add(x, bias, out=out)
+    out += skip
+
+
+bias_add.into = _bias_add_into
 
 
 def _lookup(table: np.ndarray, ids: np.ndarray, name: str) -> np.ndarray:
