@@ -8,6 +8,7 @@ from plugrt.errors import (
     InputDtypeError,
     InputRankError,
     InputShapeError,
+    InvalidInputError,
     InvalidOptionValueError,
     KernelError,
     MissingInputError,
@@ -227,3 +228,50 @@ class TestInPlace:
         session = plugrt.load(self.MODEL, optimization="all")
         wrapped = [k for k, v in session._plan._fn.__globals__.items() if getattr(v, "__qualname__", "").startswith("_in_place")]
         assert wrapped  # Relu over Neg's result, Add over Relu's
+
+
+IDENTITY_AND_VIEW = model_bytes(
+    """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[2, 3] x) => (float[2, 3] same, float[6] flat) <int64[1] minus_one = {-1}> {
+        same = Identity(x)
+        flat = Reshape(x, minus_one)
+    }
+    """
+)
+
+
+def test_outputs_never_alias_the_callers_input():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    outputs = plugrt.load(IDENTITY_AND_VIEW).run({"x": x})
+    for output in outputs.values():
+        assert type(output) is np.ndarray and output.flags.writeable
+        assert not np.shares_memory(output, x)
+    outputs["same"][0, 0] = 100
+    outputs["flat"][1] = 100
+    np.testing.assert_array_equal(x, np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_matrix_input_reaches_the_kernels_as_a_plain_array():
+    data = model_bytes(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 2] x) => (float[2, 2] y) { y = Mul(x, x) }
+        """
+    )
+    session = plugrt.load(data)
+    with pytest.warns(PendingDeprecationWarning):
+        x = np.matrix([[1, 2], [3, 4]], dtype=np.float32)
+    for _ in range(2):  # the second run goes through the signature cache
+        y = session.run({"x": x})["y"]
+        assert type(y) is np.ndarray
+        np.testing.assert_array_equal(y, np.array([[1, 4], [9, 16]], np.float32))  # elementwise, not x @ x
+
+
+def test_an_array_of_no_known_memory_is_refused(add_relu_model):
+    class Foreign:
+        dtype = np.dtype(np.float32)
+        shape = (2, 4)
+
+    with pytest.raises(InvalidInputError, match="must be a numpy array"):
+        plugrt.load(add_relu_model).run({"x": Foreign(), "y": np.ones((2, 4), np.float32)})
