@@ -9,7 +9,7 @@ import sys
 import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
+sys.path.append(_HERE)
 try:
     import plugrt_cuda  # noqa: F401
 except ImportError:  # not installed: test the source tree's copy

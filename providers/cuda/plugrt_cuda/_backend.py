@@ -107,29 +107,34 @@ class CupyBackend(Backend):
         return self.gemm(a, b)
 
     def gemm(self, a: Any, b: Any, bias: Any = None, alpha: float = 1.0) -> Any:
-        """alpha * a @ b (+ bias over the last axis) with the own kernel; numpy's matmul
-        broadcasting over leading axes."""
+        """alpha * a @ b (+ bias over the last axis) with the own kernel, numpy's matmul
+        broadcasting over leading axes. A 2-D operand is shared by every batch (stride 0)
+        and a transposed 2-D view is read in place (a Gemm's transB weight is never copied)."""
         cp = self.xp
         dtype = cp.result_type(a, b)
         if dtype.name not in _sources.DTYPES or a.ndim < 2 or b.ndim < 2:
             return cp.matmul(a, b)  # vectors and other dtypes: cupy's own (never captured as GEMM)
-        batch = cp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        batch = tuple(cp.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
         m, k = a.shape[-2:]
         n = b.shape[-1]
-        a = cp.ascontiguousarray(cp.broadcast_to(a, batch + (m, k)) if a.shape[:-2] != batch else a, dtype=dtype)
-        b = cp.ascontiguousarray(cp.broadcast_to(b, batch + (k, n)) if b.shape[:-2] != batch else b, dtype=dtype)
+        a_data, a_trans, lda, a_stride = _operand(cp, a, batch, dtype)
+        b_data, b_trans, ldb, b_stride = _operand(cp, b, batch, dtype)
         count = 1
         for d in batch:
             count *= d
         out = cp.empty(batch + (m, n), dtype)
         if count == 0 or m == 0 or n == 0:
             return out
+        if k == 0:
+            out.fill(0)
+            return out if bias is None else out + bias
         fn = self.kernel("gemm", dtype, "gemm")
         grid = ((n + 63) // 64, (m + 63) // 64, count)
         bias_arg = cp.ascontiguousarray(bias, dtype=dtype) if bias is not None else out
-        fn(grid, (256,), (a, b, out, bias_arg, cp.int32(m), cp.int32(n), cp.int32(k), cp.int32(k), cp.int32(n),
-                          cp.int32(n), cp.int32(0), cp.int32(0), cp.int64(m * k), cp.int64(k * n), cp.int64(m * n),
-                          cp.float32(alpha), cp.int32(bias is not None)))
+        args = (a_data, b_data, out, bias_arg, cp.int32(m), cp.int32(n), cp.int32(k), cp.int32(lda), cp.int32(ldb),
+                cp.int32(n), cp.int32(a_trans), cp.int32(b_trans), cp.int64(a_stride), cp.int64(b_stride),
+                cp.int64(m * n), cp.float32(alpha), cp.int32(bias is not None))
+        fn(grid, (256,), args)
         return out
 
     def conv(self, x: Any, w: Any, b: Any, relu: bool, attributes: dict) -> Any:
@@ -157,8 +162,11 @@ class CupyBackend(Backend):
         cols = cp.empty((n, c * kh * kw, oh * ow), x.dtype)
         fn = self.kernel("im2col", x.dtype, "im2col2d")
         fn(_grid(cols.size), (256,), (x, cols, cp.int32(n), cp.int32(c), *[cp.int32(v) for v in geometry]))
-        cols = cols.reshape(n, group, (c // group) * kh * kw, oh * ow)
-        y = self.matmul(w.reshape(group, m // group, cg * kh * kw), cols).reshape(n, m, oh, ow)
+        if group == 1:  # one weight matrix for every image: the GEMM reads it with batch stride 0
+            y = self.matmul(w.reshape(m, cg * kh * kw), cols).reshape(n, m, oh, ow)
+        else:
+            cols = cols.reshape(n, group, (c // group) * kh * kw, oh * ow)
+            y = self.matmul(w.reshape(group, m // group, cg * kh * kw), cols).reshape(n, m, oh, ow)
         if b is not None:
             y += b.reshape(1, m, 1, 1)
         return cp.maximum(y, 0, out=y) if relu else y
@@ -216,6 +224,21 @@ class CupyBackend(Backend):
             (x, scale, bias_arg, y, mean, inv_std, cp.int32(cols), cp.float32(epsilon), cp.int32(bias is not None)),
         )
         return y, mean, inv_std
+
+
+def _operand(cp: Any, x: Any, batch: tuple, dtype: Any) -> tuple[Any, int, int, int]:
+    """(data, transposed, leading dimension, batch stride) of a GEMM operand for the kernel."""
+    rows, cols = x.shape[-2:]
+    if x.ndim == 2 and x.dtype == dtype:
+        if x.flags.c_contiguous:
+            return x, 0, cols, 0
+        if x.T.flags.c_contiguous:  # a transposed view: read the stored (cols, rows) matrix
+            return x.T, 1, rows, 0
+    if x.ndim == 2:
+        return cp.ascontiguousarray(x, dtype=dtype), 0, cols, 0
+    if tuple(x.shape[:-2]) != batch:
+        x = cp.broadcast_to(x, batch + (rows, cols))
+    return cp.ascontiguousarray(x, dtype=dtype), 0, cols, rows * cols
 
 
 def _grid(total: int) -> tuple[int]:
