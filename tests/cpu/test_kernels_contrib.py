@@ -702,3 +702,23 @@ def test_elementwise_contrib_ops_capture_and_replay_bitwise(op, inputs):
     for seed in (2, 3):
         eager, replayed = session.run(feeds(seed)), session.replay(feeds(seed))
         assert eager["y"].tobytes() == np.asarray(replayed["y"]).tobytes()
+
+
+def test_group_query_attention_inconsistent_seqlens_is_a_typed_error():
+    inputs = _gqa_inputs(_rng(), 1, 1, 4, 4, 2, 16)
+    inputs["seqlens_k"] = np.array([9], np.int32)  # 10 tokens, but the past holds 4 and one is new
+    model = _model("GroupQueryAttention", inputs, ["output", "present_key", "present_value"],
+                   num_heads=4, kv_num_heads=2)
+    session = plugrt.InferenceSession(model.SerializeToString())
+    with pytest.raises(KernelError, match="seqlens_k"):
+        session.run(None, {k: v for k, v in inputs.items() if v is not None})
+
+
+def test_multi_head_attention_mismatched_past_is_a_typed_error():
+    rng = _rng()
+    inputs = dict(query=_randn(rng, 1, 2, HIDDEN), key=_randn(rng, 1, 2, HIDDEN), value=_randn(rng, 1, 2, HIDDEN),
+                  bias=None, key_padding_mask=None, attention_bias=None, past_key=_randn(rng, 1, HEADS, 3, HEAD_SIZE))
+    model = _model("MultiHeadAttention", inputs, ["output"], num_heads=HEADS)
+    session = plugrt.InferenceSession(model.SerializeToString())
+    with pytest.raises(KernelError, match="past_key and past_value"):
+        session.run(None, {k: v for k, v in inputs.items() if v is not None})
