@@ -35,19 +35,30 @@ from .ort import (
     get_available_providers,
     get_device,
 )
+from .bindings import DeviceBinding
+from .builder import SessionBuilder
+from .capture import Captured, CaptureReport, CaptureStats, ReplayResult
 from .provider import (
+    AvailabilityCapability,
+    CaptureCapability,
     CompiledPartition,
+    ContextCapability,
+    ContextCompatibilityCapability,
     Device,
     DeviceKind,
     ExecutionProvider,
+    FunctionCapability,
+    MemoryCapability,
+    NotCapturable,
     Partition,
+    PassesCapability,
     Step,
     Support,
     SupportContext,
 )
 from .registry import ProviderRegistry, default_registry
-from .builder import SessionBuilder
 from .session import ModelMetadata, Session, TensorInfo, load
+from .transfers import TransferCounter
 
 __version__ = "0.1.0"
 
@@ -58,6 +69,13 @@ __all__ = [
     "SessionBuilder",
     "TensorInfo",
     "ModelMetadata",
+    "DeviceBinding",
+    "TransferCounter",
+    "Captured",
+    "NotCapturable",
+    "CaptureReport",
+    "CaptureStats",
+    "ReplayResult",
     "InferenceSession",
     "SessionOptions",
     "get_available_providers",
@@ -77,6 +95,13 @@ __all__ = [
     "Partition",
     "Step",
     "CompiledPartition",
+    "MemoryCapability",
+    "CaptureCapability",
+    "ContextCapability",
+    "ContextCompatibilityCapability",
+    "PassesCapability",
+    "FunctionCapability",
+    "AvailabilityCapability",
     "ProviderRegistry",
     "default_registry",
     # errors
