@@ -93,13 +93,18 @@ def _int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
     (scale = max |a| / 127 over the block), the activations of an int8 matmul."""
     k = a.shape[-1]
     blocks = -(-k // block_size)
-    padded = np.zeros(a.shape[:-1] + (blocks * block_size,), a.dtype)
-    padded[..., :k] = a
+    if k == blocks * block_size:
+        padded = a
+    else:  # a partial last block: zeros change neither its peak nor the products
+        padded = np.zeros(a.shape[:-1] + (blocks * block_size,), a.dtype)
+        padded[..., :k] = a
     grouped = padded.reshape(a.shape[:-1] + (blocks, block_size))
     peak = np.max(np.abs(grouped), axis=-1, keepdims=True)
     scale = peak / a.dtype.type(127)
     inverse = np.divide(a.dtype.type(127), peak, out=np.zeros_like(peak), where=peak != 0)
-    quantized = np.clip(np.rint(grouped * inverse), -128, 127)
+    quantized = np.multiply(grouped, inverse)
+    np.rint(quantized, out=quantized)
+    np.clip(quantized, -128, 127, out=quantized)
     quantized *= scale
     return quantized.reshape(padded.shape)[..., :k]
 
