@@ -353,8 +353,8 @@ _SCRIPT = r"""
     document.getElementById('shown').textContent = list.filter(it => it.kind !== 'io').length + ' boxes shown';
   }
 
-  document.getElementById('expand-all').addEventListener('click', () => { D.partitions.forEach(p => expanded.add(p.name)); draw(); });
-  document.getElementById('collapse-all').addEventListener('click', () => { D.partitions.forEach(p => { if (p.nodes.length > 1) expanded.delete(p.name); }); draw(); });
+  document.getElementById('button-expand').addEventListener('click', () => { D.partitions.forEach(p => expanded.add(p.name)); draw(); });
+  document.getElementById('button-collapse').addEventListener('click', () => { D.partitions.forEach(p => { if (p.nodes.length > 1) expanded.delete(p.name); }); draw(); });
   draw();
 })();
 """
@@ -381,7 +381,7 @@ def explain_html(session: "Session", *, capture: Any = None, title: str | None =
 <body>
 {_summary_html(data, title)}
 <div class="legend">{legend}</div>
-<div class="controls"><button id="expand-all">expand all</button><button id="collapse-all">collapse all</button>
+<div class="controls"><button id="button-expand">expand all</button><button id="button-collapse">collapse all</button>
 <span id="shown"></span> &middot; click a box to expand its partition, a frame's title to collapse it; hover for details</div>
 <div id="graph"><noscript>the graph needs JavaScript; the summary above does not</noscript></div>
 <script type="application/json" id="explain-data">{payload}</script>
