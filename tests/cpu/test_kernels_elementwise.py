@@ -371,3 +371,14 @@ def test_isinf_detects_the_requested_signs(negative, positive, expected):
     got = run_kernel("IsInf", 20, x, detect_negative=negative, detect_positive=positive)[0]
     np.testing.assert_array_equal(got, expected)
     assert got.dtype == np.bool_
+
+
+@pytest.mark.parametrize("base_type", [np.int32, np.int64])
+@pytest.mark.parametrize("exponent_type", [np.float32, np.float64])
+def test_pow_of_an_integer_base_by_a_float_exponent_truncates_the_real_power(base_type, exponent_type):
+    base = np.array([2, 3, 7, 10, 0, 5, 9], base_type)
+    exponent = np.array([0.5, 1.5, 0.49, 2.9, 2.5, -1.0, 0.5], exponent_type)
+    (got,) = run_node("Pow", {"x": base, "y": exponent}, 15)
+    assert got.dtype == base_type
+    expected = np.trunc(np.power(base.astype(np.float64), exponent.astype(np.float64))).astype(base_type)
+    np.testing.assert_array_equal(got, expected)  # [1, 5, 2, 794, 0, 0, 3]

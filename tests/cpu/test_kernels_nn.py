@@ -431,3 +431,61 @@ def test_conv_built_with_a_fused_relu_clamps_its_output(name):
     model = graph_model([helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)], {"x": x}, ["y"], 11, {"w": w, "b": b})
     (expected,) = reference_model(model, {"x": x})
     np.testing.assert_allclose(got, np.maximum(expected, 0), rtol=1e-4, atol=1e-4)
+
+
+def _same_pads(spatial, kernel, strides, dilations, auto_pad):
+    """SAME padding as the spec words it: output ceil(n / stride), the total padding of the
+    dilated span split evenly, the odd one at the end (SAME_UPPER) or beginning (SAME_LOWER)."""
+    out = [-(-n // s) for n, s in zip(spatial, strides)]
+    total = [max((o - 1) * s + (k - 1) * d + 1 - n, 0) for o, s, k, d, n in zip(out, strides, kernel, dilations, spatial)]
+    begin = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in total]
+    return out, begin
+
+
+def _direct_conv(x, w, strides, dilations, begin, out):
+    """Conv (one group, no bias) summed tap by tap over a zero-padded input."""
+    kernel = w.shape[2:]
+    padded = np.zeros(x.shape[:2] + tuple(n + 2 * (k - 1) * d + s * o for n, k, d, s, o in
+                                         zip(x.shape[2:], kernel, dilations, strides, out)), np.float64)
+    padded[(slice(None), slice(None)) + tuple(slice(b, b + n) for b, n in zip(begin, x.shape[2:]))] = x
+    y = np.zeros((x.shape[0], w.shape[0], *out))
+    for taps in itertools.product(*(range(k) for k in kernel)):
+        window = padded[(slice(None), slice(None)) + tuple(
+            slice(t * d, t * d + s * o, s) for t, d, s, o in zip(taps, dilations, strides, out))]
+        y += np.einsum("nc...,oc->no...", window, w[(slice(None), slice(None)) + taps])
+    return y
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+@pytest.mark.parametrize(("kernel", "strides", "dilations"), [([2, 3], [1, 1], [2, 3]), ([3, 2], [2, 1], [3, 2])])
+def test_conv_same_padding_with_dilations_lands_on_the_side_the_spec_says(auto_pad, kernel, strides, dilations):
+    # odd total paddings, so SAME_UPPER and SAME_LOWER differ
+    x, w = _random(2, 3, 7, 8), _random(4, 3, *kernel, seed=1)
+    model = graph_model([helper.make_node("Conv", ["x", "w"], ["y"], auto_pad=auto_pad, strides=strides,
+                                          dilations=dilations)], {"x": x, "w": w}, ["y"], 11)
+    (got,) = run_model(model, {"x": x, "w": w})
+    out, begin = _same_pads(x.shape[2:], kernel, strides, dilations, auto_pad)
+    np.testing.assert_allclose(got, _direct_conv(x, w, strides, dilations, begin, out), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+def test_average_pool_19_with_dilations_averages_the_dilated_taps(auto_pad, count_include_pad):
+    # onnx.reference sizes these pads and outputs without the dilation: the oracle is direct
+    x = _random(1, 2, 7, 6)
+    kernel, strides, dilations = [2, 3], [1, 2], [3, 2]
+    model = graph_model([helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=kernel, strides=strides,
+                                          dilations=dilations, auto_pad=auto_pad,
+                                          count_include_pad=count_include_pad)], {"x": x}, ["y"], 19)
+    (got,) = run_model(model, {"x": x})
+    if auto_pad == "VALID":
+        begin = [0, 0]
+        out = [(n - ((k - 1) * d + 1)) // s + 1 for n, k, d, s in zip(x.shape[2:], kernel, dilations, strides)]
+    else:
+        out, begin = _same_pads(x.shape[2:], kernel, strides, dilations, auto_pad)
+    sums = _direct_conv(x.reshape(2, 1, 7, 6), np.ones((1, 1, *kernel)), strides, dilations, begin, out)
+    ones = np.ones((1, 1, 7, 6))
+    counts = _direct_conv(ones, np.ones((1, 1, *kernel)), strides, dilations, begin, out)
+    expected = sums / (np.prod(kernel) if count_include_pad else counts)
+    assert got.shape == (1, 2, *out)
+    np.testing.assert_allclose(got, expected.reshape(1, 2, *out), rtol=1e-5, atol=1e-6)

@@ -167,3 +167,21 @@ def test_arg_min_at_opset_1_defaults_to_axis_0_keepdims():
     model = text_model('<ir_version: 8, opset_import: ["" : 1]> g (int32[2,3] x) => (y) { y = ArgMin(x) }', check=False)
     (got,) = run_model(model, {"x": np.array([[4, 1, 6], [2, 5, 0]], np.int32)})
     np.testing.assert_array_equal(got, [[1, 0, 1]])
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.int64])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_integer_l2_and_sum_square_keep_the_type_and_truncate_the_root(dtype, keepdims):
+    x = np.array([[1, 1, 2], [3, 0, 1]], dtype)
+    model = text_model(f"""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g ({np.dtype(dtype).name}[2, 3] x, int64[1] axes) => (l2, sq) {{
+            l2 = ReduceL2 <keepdims: int = {keepdims}> (x, axes)
+            sq = ReduceSumSquare <keepdims: int = {keepdims}> (x, axes)
+        }}
+    """, check=False)
+    l2, sq = run_model(model, {"x": x, "axes": np.array([1], np.int64)})
+    squares = np.sum(x.astype(np.int64) ** 2, axis=1, keepdims=bool(keepdims))  # [6, 10]
+    assert l2.dtype == sq.dtype == dtype
+    np.testing.assert_array_equal(sq, squares.astype(dtype))
+    np.testing.assert_array_equal(l2, np.trunc(np.sqrt(squares)).astype(dtype))  # [2, 3]

@@ -10,6 +10,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from helpers import run_model, text_model
+from plugrt.errors import PlugrtError
 
 
 def _assert_same(actual, expected):
@@ -89,7 +90,7 @@ def test_sequence_erase_default_removes_last():
 def test_sequence_at_out_of_range_raises():
     model = text_model(SEQ_OPS.format(outs="float[2, 3] r", body="r = SequenceAt (s, p)"))
     a, b, c, t = _items()
-    with pytest.raises(Exception):
+    with pytest.raises(PlugrtError):
         run_model(model, {"a": a, "b": b, "c": c, "t": t, "p": np.array(3, dtype=np.int64)})
 
 
