@@ -10,7 +10,14 @@ import pytest
 import plugrt
 from plugrt.errors import ProviderUnavailableError
 from plugrt.intent import resolve_device
-from plugrt.provider import AvailabilityCapability, DeviceKind, MemoryCapability
+from plugrt.provider import (
+    AvailabilityCapability,
+    CaptureCapability,
+    ContextCapability,
+    ContextCompatibilityCapability,
+    DeviceKind,
+    MemoryCapability,
+)
 
 from cuda_helpers import FakeRuntimeError, fake_cupy, missing_cupy, registry_of
 from plugrt_cuda._probe import probe
@@ -147,7 +154,10 @@ def test_plugrt_providers_lists_cuda_as_unavailable_with_its_reason(monkeypatch,
     assert "unavailable" in line and "no CUDA driver" in line
 
 
-def test_the_provider_declares_the_memory_and_availability_capabilities():
+def test_the_provider_declares_its_capabilities():
     provider = CUDAProvider(importer=lambda: fake_cupy(driver=0))
     assert isinstance(provider, AvailabilityCapability)
     assert isinstance(provider, MemoryCapability) and provider.memory == "cuda"
+    assert isinstance(provider, CaptureCapability)
+    assert isinstance(provider, ContextCapability) and provider.context_source_keys == ("cuda",)
+    assert isinstance(provider, ContextCompatibilityCapability)
