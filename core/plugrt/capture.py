@@ -283,12 +283,13 @@ class CapturedPlan:
         ctx = CaptureBuffers(arrays, last_use, spaces.memories)
         by_name = {p.name: p for p in providers}
         runs: list[Callable[[], None]] = []
-        nodes: list[tuple[str, bool, str]] = []
+        nodes: list[tuple[str, bool | None, str]] = []
         staged: list[str] = []
         for stage in built.stages:
             if stage.compiled is None:
                 runs.extend(_staged_transfers(stage.steps, ctx, spaces))
                 staged.extend(step.name for step in stage.steps)
+                nodes.append(("", None, ""))  # a staged copy ends the captured segment before it
                 continue
             compiled = dataclasses.replace(stage.compiled, steps=stage.steps)
             provider = by_name.get(compiled.provider)
@@ -320,9 +321,9 @@ class CapturedPlan:
                 if not previous_captured:
                     segments.append([])
                 segments[-1].append(name)
-            else:
+            elif captured is False:
                 seams.append((name, reason))
-            previous_captured = captured
+            previous_captured = bool(captured)
         self.report = CaptureReport(segments, seams, staged)
         self.arguments = [arrays[v] for v in plan.inputs]
 

@@ -189,7 +189,8 @@ def test_capture_over_a_mixed_placement_replays_bitwise_equal_to_eager(name):
     session = plugrt.load(model.path, providers=["fakedevice", "cpu"], registry=device_registry("plugin"))
     eager = session.run(model.inputs)
     result = session.try_capture(model.inputs)
-    assert isinstance(result, Captured) and result.report.segments and result.report.staged
+    assert isinstance(result, Captured) and result.report.staged
+    assert len(result.report.segments) > 1  # each staged transfer ends a captured segment
     device_bytes = session.registry.providers()["fakedevice"].allocated_bytes()
     for _ in range(2):
         replayed = session.replay(model.inputs)
