@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
+import importlib.util
+
 import pytest
 
 from plugrt.conformance.expectations import match, shipped_expectations
@@ -13,12 +16,19 @@ XFAILS, SKIPS = shipped_expectations(default_registry().get("cpu"))
 CASES = list(iter_node_cases())
 
 
+# JPEG, JPEG 2000 and WebP decode through Pillow, an optional dependency (the image extra)
+_NEEDS_PILLOW = ("test_image_decoder_decode_jpeg*", "test_image_decoder_decode_webp*")
+_HAS_PILLOW = importlib.util.find_spec("PIL") is not None
+
+
 def _param(case):
     expected = match(case.name, XFAILS)
     skipped = match(case.name, SKIPS)
     marks = [pytest.mark.xfail(reason=expected.reason, strict=True)] if expected else []
     if skipped:
         marks.append(pytest.mark.skip(reason=skipped.reason))
+    if not _HAS_PILLOW and any(fnmatch.fnmatch(case.name, p) for p in _NEEDS_PILLOW):
+        marks.append(pytest.mark.skip(reason="needs Pillow: pip install 'plugrt[image]'"))
     return pytest.param(case, id=case.name, marks=marks)
 
 

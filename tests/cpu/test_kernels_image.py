@@ -3,13 +3,16 @@ ImageDecoder), checked against onnx.reference and independently written numpy.""
 
 from __future__ import annotations
 
+import io
 import struct
+import sys
 import zlib
 
 import numpy as np
 import pytest
 
 from helpers import reference_node, run_node
+from plugrt.errors import PlugrtError
 
 
 def _random(*shape, dtype=np.float32, seed=0) -> np.ndarray:
@@ -302,6 +305,43 @@ def test_image_decoder_reads_binary_pgm_as_gray_rgb():
     np.testing.assert_array_equal(_decode(data), np.repeat(gray[:, :, None], 3, axis=2))
 
 
-def test_image_decoder_refuses_jpeg_with_a_clear_message():
-    with pytest.raises(Exception, match="JPEG"):
+def _encoded_with_pillow(image: np.ndarray, format_name: str, **options) -> bytes:
+    pil = pytest.importorskip("PIL.Image")
+    buffer = io.BytesIO()
+    pil.fromarray(image).save(buffer, format=format_name, **options)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("format_name", "options"), [("JPEG", {"quality": 90}), ("WEBP", {"lossless": True}),
+                                                      ("JPEG2000", {})])
+@pytest.mark.parametrize("pixel_format", ["RGB", "BGR", "Grayscale"])
+def test_image_decoder_decodes_codec_formats_through_pillow_like_the_reference(format_name, options, pixel_format):
+    image = np.random.default_rng(3).integers(0, 256, (9, 11, 3), dtype=np.uint8)
+    encoded = np.frombuffer(_encoded_with_pillow(image, format_name, **options), np.uint8)
+    got = run_node("ImageDecoder", {"encoded": encoded}, 20, pixel_format=pixel_format)[0]
+    expected = reference_node("ImageDecoder", {"encoded": encoded}, 20, pixel_format=pixel_format)[0]
+    assert got.dtype == np.uint8 and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_lossless_webp_decodes_to_the_original_pixels():
+    image = np.random.default_rng(4).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(_decode(_encoded_with_pillow(image, "WEBP", lossless=True)), image)
+
+
+def test_image_decoder_without_pillow_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "PIL", None)  # makes `import PIL` fail
+    with pytest.raises(PlugrtError, match=r"plugrt\[image\]") as error:
+        _decode(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + bytes(20))
+    assert isinstance(error.value.__cause__, NotImplementedError)
+
+
+def test_image_decoder_rejects_a_stream_of_no_known_format():
+    with pytest.raises(PlugrtError, match="not a PNG, BMP, TIFF, PNM, JPEG, JPEG 2000 or WebP"):
+        _decode(b"GIF89a" + bytes(20))
+
+
+def test_image_decoder_reports_a_corrupt_jpeg_as_such():
+    pytest.importorskip("PIL")
+    with pytest.raises(PlugrtError, match="corrupt JPEG"):
         _decode(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + bytes(20))

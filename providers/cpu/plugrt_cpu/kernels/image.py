@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import struct
 import zlib
@@ -884,6 +885,38 @@ _DECODERS = (
 )
 
 
+def _codec_format(data: bytes) -> str | None:
+    """The name of a format only a codec library decodes (JPEG, JPEG 2000, WebP), or None."""
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data.startswith((b"\x00\x00\x00\x0cjP  \r\n\x87\n", b"\xff\x4f\xff\x51")):
+        return "JPEG 2000"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    return None
+
+
+def _decode_with_pillow(data: bytes, format_name: str, pixel_format: str) -> np.ndarray:
+    """Decode through Pillow (the ``image`` extra), as onnx.reference does; Grayscale is
+    Pillow's own conversion of the decoded image."""
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise NotImplementedError(
+            f"ImageDecoder: {format_name} images decode through Pillow, which is not installed; "
+            "install it with: pip install 'plugrt[image]' (or pip install Pillow)"
+        ) from exc
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            converted = image.convert("L" if pixel_format == "Grayscale" else "RGB")
+            pixels = np.asarray(converted, dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError) as exc:  # Pillow's errors for corrupt streams
+        raise ValueError(f"ImageDecoder: corrupt {format_name} stream: {exc}") from exc
+    if pixel_format == "Grayscale":
+        return np.ascontiguousarray(pixels[..., None])
+    return np.ascontiguousarray(pixels[:, :, ::-1]) if pixel_format == "BGR" else np.ascontiguousarray(pixels)
+
+
 @kernel("ImageDecoder", 20)
 def image_decoder(encoded_stream: np.ndarray, *, pixel_format: str = "RGB") -> np.ndarray:
     if pixel_format not in ("RGB", "BGR", "Grayscale"):
@@ -894,9 +927,12 @@ def image_decoder(encoded_stream: np.ndarray, *, pixel_format: str = "RGB") -> n
             rgb = decode(data)
             break
     else:
-        raise NotImplementedError(
-            "ImageDecoder: plugrt decodes PNG, BMP, uncompressed TIFF and binary PNM images only; "
-            "JPEG, JPEG 2000 and WebP need an image codec library, which plugrt does not depend on"
+        format_name = _codec_format(data)
+        if format_name is not None:
+            return _decode_with_pillow(data, format_name, pixel_format)
+        raise ValueError(
+            "ImageDecoder: the stream is not a PNG, BMP, TIFF, PNM, JPEG, JPEG 2000 or WebP image "
+            f"(it starts with {data[:12]!r})"
         )
     if pixel_format == "Grayscale":
         return _to_grayscale(rgb)
