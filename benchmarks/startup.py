@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="fresh processes per checkout (5)")
     parser.add_argument("--against", metavar="CHECKOUT", help="another checkout to time alternately")
+    parser.add_argument("--this", metavar="CHECKOUT", help="time this checkout instead of the installed plugrt")
     args = parser.parse_args(argv)
-    labels = {"this checkout": None}
+    labels = {"this checkout": os.path.abspath(args.this) if args.this else None}
     if args.against:
         labels["--against"] = os.path.abspath(args.against)
     for checkout in labels.values():
