@@ -129,6 +129,7 @@ def _source_coordinates(
     if transform == "tf_half_pixel_for_nn":
         return (y + 0.5) / scale
     if transform == "tf_crop_and_resize":
+        assert roi is not None  # resize() refuses tf_crop_and_resize without an roi
         start, end = roi
         if out_width == 1:
             return np.full(out_len, (start + end) / 2 * (in_len - 1))

@@ -56,13 +56,13 @@ def _extreme_identity(dtype: np.dtype, largest: bool) -> Any:
 
 
 def _max(data: np.ndarray, axes: Any, keepdims: bool) -> Any:
-    initial = _extreme_identity(data.dtype, largest=False)
-    return np.maximum.reduce(data, axis=axes, keepdims=keepdims, initial=initial)
+    initial: Any = _extreme_identity(data.dtype, largest=False)
+    return np.max(data, axis=axes, keepdims=keepdims, initial=initial)  # maximum.reduce
 
 
 def _min(data: np.ndarray, axes: Any, keepdims: bool) -> Any:
-    initial = _extreme_identity(data.dtype, largest=True)
-    return np.minimum.reduce(data, axis=axes, keepdims=keepdims, initial=initial)
+    initial: Any = _extreme_identity(data.dtype, largest=True)
+    return np.min(data, axis=axes, keepdims=keepdims, initial=initial)  # minimum.reduce
 
 
 def _l1(data: np.ndarray, axes: Any, keepdims: bool) -> Any:
@@ -157,12 +157,12 @@ _prod_into = _accumulate_into(np.prod)
 
 
 def _max_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
-    initial = _extreme_identity(data.dtype, largest=False)
+    initial: Any = _extreme_identity(data.dtype, largest=False)
     np.maximum.reduce(data, axis=axes, keepdims=keepdims, initial=initial, out=out)
 
 
 def _min_into(out: np.ndarray, data: np.ndarray, axes: Any, keepdims: bool) -> None:
-    initial = _extreme_identity(data.dtype, largest=True)
+    initial: Any = _extreme_identity(data.dtype, largest=True)
     np.minimum.reduce(data, axis=axes, keepdims=keepdims, initial=initial, out=out)
 
 
