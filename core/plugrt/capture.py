@@ -19,7 +19,15 @@ import numpy as np
 
 from .bindings import DeviceBinding, deliver_outputs
 from .build import BuiltGraph
-from .errors import InvalidInputError, KernelError, MissingInputError, NoCaptureError, PlugrtError, StaleCaptureError
+from .errors import (
+    CaptureThreadError,
+    InvalidInputError,
+    KernelError,
+    MissingInputError,
+    NoCaptureError,
+    PlugrtError,
+    StaleCaptureError,
+)
 from .provider import (
     CaptureCapability,
     CaptureMiss,
@@ -325,7 +333,9 @@ class CapturedPlan:
                 seams.append((name, reason))
             previous_captured = bool(captured)
         self.report = CaptureReport(segments, seams, staged)
-        self.arguments = [arrays[v] for v in plan.inputs]
+        self.thread = threading.current_thread()  # replays elsewhere would share the output buffers
+        bound = {b.output for b in self.bindings if b.output}
+        self.has_host_outputs = any(name not in bound for name in self.output_names)
 
     def check(self, bindings: Sequence[DeviceBinding] | None) -> None:
         if bindings is not None and [id(b) for b in bindings] != [id(b) for b in self.bindings]:
@@ -388,7 +398,9 @@ class CaptureStats:
 
 class ReplayResult(dict):
     """``replay``'s outputs by name, saying whether the capture was replayed (``replayed``)
-    or the run went the plain way, and why (``reason``)."""
+    or the run went the plain way, and why (``reason``). Unless replayed with
+    ``copy_outputs=True``, host outputs are the capture's buffers: the next replay of the
+    slot overwrites them."""
 
     replayed: bool = True
     reason: str = ""
@@ -397,7 +409,8 @@ class ReplayResult(dict):
 
 class CaptureSlots:
     """A session's captures by slot name, and the lock that serialises them: a capture's
-    buffers are shared, so two threads replaying one capture take turns."""
+    buffers are shared, so two threads replaying one capture take turns, and a thread
+    other than the capturing one must ask for copies of the outputs."""
 
     def __init__(self) -> None:
         self.slots: dict[str, CapturedPlan] = {}
@@ -411,6 +424,7 @@ class CaptureSlots:
             captured = record()
             if not captured.report.segments:
                 return NotCapturable(captured.report.seams)
+            captured.thread = threading.current_thread()
             self.slots[slot] = captured
             return Captured(captured.report)
 
@@ -440,9 +454,13 @@ class CaptureSlots:
         feeds: dict[str, Any],
         bindings: Sequence[DeviceBinding] | None,
         run_eagerly: Callable[[dict[str, Any], Sequence[DeviceBinding]], dict[str, Any]],
+        copy_outputs: bool = False,
     ) -> ReplayResult:
         with self.lock:
             captured = self.get(slot)
+            here = threading.current_thread()
+            if not copy_outputs and captured.thread is not here and captured.has_host_outputs:
+                raise CaptureThreadError(slot, captured.thread.name, here.name)
             captured.check(bindings)
             if feeds:
                 captured.load_feeds(feeds)
@@ -456,11 +474,11 @@ class CaptureSlots:
                 self.stats.fallback_reasons[reason] = self.stats.fallback_reasons.get(reason, 0) + 1
                 result = ReplayResult(run_eagerly(captured.current_feeds(), captured.bindings))
                 result.replayed, result.reason = False, reason
-            else:
+            else:  # the capture's inputs are its own copies: outputs need no un-aliasing from them
                 self.stats.replays += 1
                 result = ReplayResult(
                     deliver_outputs(
-                        captured.output_names, values, captured.bindings, captured.arguments, spaces, persistent=True
+                        captured.output_names, values, captured.bindings, (), spaces, persistent=copy_outputs
                     )
                 )
             result.slot = slot

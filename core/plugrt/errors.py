@@ -25,6 +25,7 @@ __all__ = [
     "KernelError",
     "CaptureError",
     "NoCaptureError",
+    "CaptureThreadError",
     "StaleCaptureError",
     "EpContextError",
     "EpContextSourceError",
@@ -284,6 +285,21 @@ class NoCaptureError(CaptureError):
         super().__init__(
             "there is no capture to replay (never captured, or reset()); call try_capture() first",
             reason="no capture",
+        )
+
+
+class CaptureThreadError(CaptureError):
+    """A capture's output buffers would be shared between threads."""
+
+    def __init__(self, slot: str, captured_on: str, replayed_on: str):
+        self.slot = slot
+        self.captured_on = captured_on
+        self.replayed_on = replayed_on
+        super().__init__(
+            f"capture slot {slot!r} was made on thread {captured_on!r} and is replayed on "
+            f"{replayed_on!r}: its outputs are buffers the next replay overwrites; use one session "
+            "per thread, or replay(..., copy_outputs=True) to get outputs of your own",
+            reason="replayed on another thread",
         )
 
 

@@ -264,18 +264,20 @@ class Session:
         *,
         bindings: Sequence[DeviceBinding] | None = None,
         slot: str = DEFAULT_SLOT,
+        copy_outputs: bool = False,
     ) -> ReplayResult:
         """Re-run the capture in ``slot``. ``feeds`` refill the captured input buffers (same
         shapes, else StaleCaptureError); bound inputs are read from their buffers as they
-        are now. The result says whether it replayed or ran eagerly, and why."""
+        are now. The result says whether it replayed or ran eagerly, and why; its host
+        outputs are the capture's buffers unless ``copy_outputs`` (required on a thread
+        other than the capturing one, else CaptureThreadError)."""
         begin_run(self._intra_op_threads)
         return self._captures.replay(
-            slot, dict(feeds or {}), bindings, lambda feeds, bound: self.run(feeds, bindings=bound)
+            slot, dict(feeds or {}), bindings, lambda feeds, bound: self.run(feeds, bindings=bound), copy_outputs
         )
 
     def reset(self, slot: str | None = None) -> None:
-        """Drop the capture in ``slot``, or every capture (required before shapes change
-        or bindings are freed)."""
+        """Drop the capture in ``slot``, or every capture (before shapes change or bindings are freed)."""
         self._captures.reset(slot)
 
     @property

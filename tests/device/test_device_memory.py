@@ -12,7 +12,7 @@ import pytest
 import plugrt
 from plugrt.capture import Captured
 from plugrt.conformance.light_models import light_models
-from plugrt.errors import ProviderUnavailableError, StaleCaptureError
+from plugrt.errors import CaptureThreadError, ProviderUnavailableError, StaleCaptureError
 from plugrt.provider import CaptureCapability, MemoryCapability, memory_of
 from plugrt.registry import ProviderRegistry
 
@@ -252,7 +252,7 @@ def test_two_threads_replaying_one_capture_each_get_their_own_result(device):
         rng = np.random.default_rng(seed)
         for _ in range(50):
             x = rng.standard_normal((16, 4), np.float32)
-            y = session.replay({"x": x})["y"]
+            y = session.replay({"x": x}, copy_outputs=True)["y"]
             if not np.allclose(y, _mlp_expected(x), rtol=1e-5):
                 failures.append(f"thread {seed} got another input's result")
                 return
@@ -269,6 +269,24 @@ def test_two_threads_replaying_one_capture_each_get_their_own_result(device):
         sys.setswitchinterval(interval)
     assert failures == []
     assert session.capture_stats.replays == 100
+
+
+def test_replay_on_another_thread_without_copies_is_refused():
+    session = plugrt.load(MLP)
+    session.try_capture({"x": np.zeros((2, 4), np.float32)})
+    errors: list[BaseException] = []
+
+    def replay() -> None:
+        try:
+            session.replay({"x": np.ones((2, 4), np.float32)})
+        except CaptureThreadError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=replay, name="worker")
+    thread.start()
+    thread.join()
+    (error,) = errors
+    assert error.replayed_on == "worker" and "one session per thread" in str(error)
 
 
 # -- protocol versions ------------------------------------------------------------------------
