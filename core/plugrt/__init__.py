@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .errors import (
+    CaptureError,
+    CaptureThreadError,
     EpContextError,
     InputDtypeError,
     InputRankError,
@@ -13,10 +15,12 @@ from .errors import (
     MissingInputError,
     ModelLimitError,
     ModelLoadError,
+    NoCaptureError,
     OptionError,
     PlacementError,
     PlugrtError,
     ProviderUnavailableError,
+    StaleCaptureError,
     SymbolConflictError,
     UnknownInputError,
     UnknownOptionError,
@@ -123,5 +127,9 @@ __all__ = [
     "ProviderUnavailableError",
     "PlacementError",
     "KernelError",
+    "CaptureError",
+    "NoCaptureError",
+    "StaleCaptureError",
+    "CaptureThreadError",
     "EpContextError",
 ]
