@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -29,6 +29,9 @@ from plugrt.passes import CLAIMED_BY
 from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder
 from .kernels import conv as convolution
 from .kernels import elementwise, normalization
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = [
     "DOMAIN",
@@ -67,7 +70,7 @@ def _sole_reader(value: ir.Value | None) -> ir.Node | None:
     graph output, and the node is ours to rewrite."""
     if value is None or value.is_graph_output():
         return None
-    uses = value.uses()
+    uses = list(value.uses())
     if len(uses) != 1 or not _ours(uses[0].node):
         return None
     return uses[0].node
@@ -79,7 +82,7 @@ def _read_only_by(value: ir.Value, nodes: Iterable[ir.Node]) -> bool:
     return not value.is_graph_output() and all(id(use.node) in allowed for use in value.uses())
 
 
-def _is(node: ir.Node | None, op_type: str) -> bool:
+def _is(node: ir.Node | None, op_type: str) -> TypeIs[ir.Node]:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
@@ -156,8 +159,9 @@ class _NodePass(InPlacePass):
 def _batch_norm_constants(node: ir.Node, opset: int) -> list[np.ndarray] | None:
     """[scale, bias, mean, var] of a BatchNormalization that normalises with its stored,
     constant statistics (as its kernel decides) and whose first output alone is read."""
-    arrays = [constant_array(v) if v is not None else None for v in node.inputs[1:5]]
-    if len(arrays) != 4 or any(a is None or a.ndim != 1 or a.shape != arrays[0].shape for a in arrays):
+    found = [constant_array(v) if v is not None else None for v in node.inputs[1:5]]
+    arrays = [a for a in found if a is not None]
+    if len(arrays) != 4 or any(a.ndim != 1 or a.shape != arrays[0].shape for a in arrays):
         return None
     attributes = node.attributes
     if opset < 7:
@@ -248,7 +252,7 @@ def _rank(value: ir.Value | None) -> int | None:
         node = value.producer()
         if node is None:
             return None
-        if node.op_type in ("Conv", "FusedConv") and len(node.inputs) > 1:
+        if node.op_type in ("Conv", "FusedConv") and len(node.inputs) > 1 and node.inputs[1] is not None:
             weight = constant_array(node.inputs[1])
             return None if weight is None else weight.ndim
         if node.op_type not in _SAME_RANK or node.domain not in ("", "ai.onnx"):
@@ -270,7 +274,8 @@ class FoldChannelAffinePass(_NodePass):
         return False
 
     def _into_conv(self, model: ir.Model, node: ir.Node) -> bool:
-        weight = constant_array(node.inputs[1]) if len(node.inputs) > 1 else None
+        w_value = node.inputs[1] if len(node.inputs) > 1 else None
+        weight = constant_array(w_value) if w_value is not None else None
         if weight is None or weight.dtype not in _FLOATS or weight.ndim < 3:
             return False
         bias_value = node.inputs[2] if len(node.inputs) > 2 else None
@@ -346,7 +351,7 @@ class FuseMatMulBiasPass(_NodePass):
     shape (N,) reads: ``plugrt.cpu::FusedMatMul(A, W, bias)``."""
 
     def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
-        if not _is(node, "MatMul") or len(node.inputs) != 2:
+        if not _is(node, "MatMul") or len(node.inputs) != 2 or node.inputs[1] is None:
             return False
         weight = constant_array(node.inputs[1])
         if weight is None or weight.ndim != 2 or weight.dtype not in _FLOATS:
@@ -376,8 +381,8 @@ def _reduce_axes(node: ir.Node, opset: int) -> tuple[int, ...] | None:
     if opset >= 18:
         if len(node.inputs) < 2 or node.inputs[1] is None:
             return None
-        axes = constant_array(node.inputs[1])
-        return None if axes is None else tuple(int(a) for a in axes.reshape(-1))
+        array = constant_array(node.inputs[1])
+        return None if array is None else tuple(int(a) for a in array.reshape(-1))
     axes = node.attributes.get_ints("axes")
     return None if axes is None else tuple(axes)
 
@@ -430,7 +435,7 @@ class FuseLayerNormPass(_NodePass):
             return False
         mul = _sole_reader(div.outputs[0])
         scale = _other_input(mul, div.outputs[0]) if _is(mul, "Mul") else None
-        if scale is None or not _normalized_shape_constant(scale, axis):
+        if scale is None or mul is None or not _normalized_shape_constant(scale, axis):
             return False
         pattern = [node, sub, square, mean_of_squares, add_eps, sqrt, div, mul]
         if not all(map(_ours, pattern)):
@@ -438,7 +443,7 @@ class FuseLayerNormPass(_NodePass):
         inputs = [x, scale]
         add = _sole_reader(mul.outputs[0])
         bias = _other_input(add, mul.outputs[0]) if _is(add, "Add") else None
-        if bias is not None and _normalized_shape_constant(bias, axis):
+        if bias is not None and add is not None and _normalized_shape_constant(bias, axis):
             pattern.append(add)
             inputs.append(bias)
         attributes = [ir.AttrInt64("axis", axis), ir.AttrFloat32("epsilon", epsilon)]
@@ -510,19 +515,21 @@ def _tanh_argument(tanh: ir.Node) -> tuple[ir.Value, list[ir.Node]] | None:
         return None
     inner = next((v for v in times_c.inputs if v is not None and constant_array(v) is None), None)
     add = inner.producer() if inner is not None else None
-    if not _is(add, "Add") or _sole_reader(inner) is not times_c:
+    if inner is None or not _is(add, "Add") or _sole_reader(inner) is not times_c:
         return None
     if not _scaled_by(times_c, inner, _SQRT_2_OVER_PI):
         return None
     for x in add.inputs:
+        if x is None:
+            continue
         cubic = _other_input(add, x)
         times_k = cubic.producer() if cubic is not None else None
-        if not _is(times_k, "Mul") or _sole_reader(cubic) is not add:
+        if cubic is None or not _is(times_k, "Mul") or _sole_reader(cubic) is not add:
             continue
         cube = next((v for v in times_k.inputs if v is not None and constant_array(v) is None), None)
         power = cube.producer() if cube is not None else None
         if (
-            _is(power, "Pow") and power.inputs[0] is x and _close(_scalar(power.inputs[1]), 3.0)
+            cube is not None and _is(power, "Pow") and power.inputs[0] is x and _close(_scalar(power.inputs[1]), 3.0)
             and _sole_reader(cube) is times_k and _scaled_by(times_k, cube, 0.044715)
         ):
             return x, [power, times_k, add, times_c]
@@ -581,7 +588,7 @@ def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
             conv_into(out, x, w, b)
             np.maximum(out, 0, out=out)
 
-        run.into = run_into
+        run.into = run_into  # type: ignore[attr-defined]
     return run
 
 
@@ -604,7 +611,7 @@ def _fused_matmul_into(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.n
     out += bias
 
 
-fused_matmul.into = _fused_matmul_into
+fused_matmul.into = _fused_matmul_into  # type: ignore[attr-defined]
 
 
 def _as_rows(x: np.ndarray) -> np.ndarray:

@@ -280,7 +280,7 @@ class _Convolution:
                     acc = self._grid_taps_sum(planes[next(iter(planes))], wj, plan, length, rows, acc_out)
                 else:
                     acc = elementwise(
-                        self._taps_sum, planes, plan, lambda p, off: p[off : off + length], lambda i: wj[i],
+                        self._taps_sum, planes, plan, lambda p, off: p[off : off + length], lambda i, wj=wj: wj[i],
                         length, rows, False, allocate,
                     )
                 if biases is not None:
@@ -289,7 +289,7 @@ class _Convolution:
                 wj = weights[:, j]  # (rows, K)
                 acc = elementwise(
                     self._taps_sum,
-                    planes, plan, lambda p, off: p[:, off : off + length], lambda i: wj[:, i, None], rows, length, True,
+                    planes, plan, lambda p, off: p[:, off : off + length], lambda i, wj=wj: wj[:, i, None], rows, length, True,
                     allocate,
                 )
                 if biases is not None:
@@ -310,6 +310,7 @@ class _Convolution:
         channels-last plane, against weights (K, rows)."""
         rank = len(plan.kernel)
         item = plane.itemsize
+        assert plan.tap_grid_steps is not None  # called only for unit strides, where they are set
         windows = np.lib.stride_tricks.as_strided(
             plane,
             shape=(length, *plan.kernel, rows),
@@ -419,7 +420,7 @@ def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarr
         if y is not out:
             np.copyto(out, y, casting="unsafe")
 
-    run.into = run_into
+    run.into = run_into  # type: ignore[attr-defined]
     return run
 
 

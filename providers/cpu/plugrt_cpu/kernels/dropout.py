@@ -22,7 +22,7 @@ def dropout_legacy(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.nda
         mask = np.ones(x.shape, dtype=mask_dtype or x.dtype) if want_mask else None
         return x, mask
 
-    run.into = _dropout_identity_into
+    run.into = _dropout_identity_into  # type: ignore[attr-defined]
     return run
 
 
@@ -50,7 +50,11 @@ def dropout(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | 
         if not 0 <= drop < 1:
             raise ValueError(f"Dropout: ratio {drop} must lie in [0, 1)")
         # A given seed reproduces numpy's legacy stream, as onnx's test data does.
-        uniform = np.random.RandomState(int(seed)).uniform(0, 1, x.shape) if seed is not None else rng.random(x.shape)
+        if seed is not None:
+            uniform = np.random.RandomState(int(seed)).uniform(0, 1, x.shape)
+        else:
+            assert rng is not None  # made above whenever there is no seed
+            uniform = rng.random(x.shape)
         mask = uniform >= drop
         y = (mask * x * (1.0 / (1.0 - drop))).astype(x.dtype, copy=False)
         return y, (mask if want_mask else None)
@@ -68,7 +72,8 @@ def dropout(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | 
         # Training draws a new mask: eager, then copied (unseeded, capture finds it differs
         # from the first draw and leaves the node eager).
         for buffer, result in zip(out, run(x, ratio, training_mode)):
-            np.copyto(buffer, result)
+            if result is not None:
+                np.copyto(buffer, result)
 
-    run.into = run_into
+    run.into = run_into  # type: ignore[attr-defined]
     return run

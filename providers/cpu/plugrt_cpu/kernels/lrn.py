@@ -24,30 +24,29 @@ def _lrn_into(
     with_small_buffers(_lrn, x, alpha, beta, bias, size, out)  # elementwise steps on strided blocks
 
 
-lrn.into = _lrn_into
+lrn.into = _lrn_into  # type: ignore[attr-defined]
 
 
 def _lrn(x: np.ndarray, alpha: float, beta: float, bias: float, size: int, out: np.ndarray | None = None) -> np.ndarray:
     """LRN; into ``out`` when given (the ``into`` variant, with its work arrays kept)."""
     dtype = _compute_dtype(x.dtype)
     n, channels = x.shape[:2]
-    into = out is not None
-    work = _cast_into_scratch(out, "x", x, dtype) if into else x.astype(dtype, copy=False)
+    work = _cast_into_scratch(out, "x", x, dtype) if out is not None else x.astype(dtype, copy=False)
     flat = work.reshape(n, channels, -1)
-    if into and out.dtype == dtype and out.flags.c_contiguous:
+    if out is not None and out.dtype == dtype and out.flags.c_contiguous:
         y = out.reshape(flat.shape)
     else:
-        y = np.empty(flat.shape, dtype=dtype) if not into else scratch(out, "y", flat.shape, dtype)
+        y = np.empty(flat.shape, dtype=dtype) if out is None else scratch(out, "y", flat.shape, dtype)
     before = (size - 1) // 2
     after = size - 1 - before  # ceil((size - 1) / 2)
     span = flat.shape[2]
     block = max(1, (256 << 10) // max(1, n * channels * dtype.itemsize))
     for start in range(0, span, block):
         xs = flat[:, :, start : start + block]
-        if into:
-            work = (n, channels, min(block, span))
-            square = np.multiply(xs, xs, out=scratch(out, "square", work, dtype)[:, :, : xs.shape[2]])
-            total = scratch(out, "total", work, dtype)[:, :, : xs.shape[2]]
+        if out is not None:
+            block_shape = (n, channels, min(block, span))
+            square = np.multiply(xs, xs, out=scratch(out, "square", block_shape, dtype)[:, :, : xs.shape[2]])
+            total = scratch(out, "total", block_shape, dtype)[:, :, : xs.shape[2]]
             np.copyto(total, square)
         else:
             square = xs * xs
@@ -68,7 +67,7 @@ def _lrn(x: np.ndarray, alpha: float, beta: float, bias: float, size: int, out: 
         elif beta != 1:
             np.power(total, dtype.type(beta), out=total)
         np.divide(xs, total, out=y[:, :, start : start + block])
-    if not into:
+    if out is None:
         return y.reshape(x.shape).astype(x.dtype, copy=False)
     if not np.may_share_memory(y, out):
         np.copyto(out, y.reshape(x.shape), casting="unsafe")

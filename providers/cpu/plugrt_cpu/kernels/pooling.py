@@ -216,7 +216,8 @@ class _Pooling:
     def max_into(self, out: tuple[np.ndarray, ...], x: np.ndarray) -> None:
         if self.want_indices:  # the indices path builds masks per tap: eager, then copied
             for buffer, result in zip(out, self.max(x)):
-                np.copyto(buffer, result)
+                if result is not None:
+                    np.copyto(buffer, result)
             return
         plan: _PoolPlan = self._plans(x.shape)
         lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
@@ -260,7 +261,7 @@ class _Pooling:
     def _window_sums(self, xs: np.ndarray, plan: _PoolPlan, allocate: Callable[..., np.ndarray]) -> np.ndarray:
         """The sums over the window (averages for AveragePool)."""
         y = _separable_pool(xs, plan, np.add, 0, allocate)
-        if self.mode == "avg":
+        if self.mode == "avg" and plan.counts is not None:  # counts exist in avg mode
             counts = allocate("counts", plan.counts.shape, y.dtype)
             np.copyto(counts, plan.counts, casting="unsafe")
             y /= counts
@@ -281,7 +282,7 @@ def _bound_into(method: Callable[..., Any], into: Callable[..., Any]) -> Callabl
     def run(*inputs: Any) -> Any:
         return method(*inputs)
 
-    run.into = into
+    run.into = into  # type: ignore[attr-defined]
     return run
 
 
@@ -342,7 +343,7 @@ def global_average_pool(x: np.ndarray) -> np.ndarray:
     return _spatial_mean(x)
 
 
-global_average_pool.into = lambda out, x: _spatial_mean(x, out)
+global_average_pool.into = lambda out, x: _spatial_mean(x, out)  # type: ignore[attr-defined]
 
 
 @kernel("GlobalMaxPool", 1)
@@ -354,7 +355,7 @@ def _global_max_pool_into(out: np.ndarray, x: np.ndarray) -> None:
     x.max(axis=tuple(range(2, x.ndim)), keepdims=True, out=out)
 
 
-global_max_pool.into = _global_max_pool_into
+global_max_pool.into = _global_max_pool_into  # type: ignore[attr-defined]
 
 
 @kernel("GlobalLpPool", 1)
@@ -384,7 +385,7 @@ def _global_lp_pool_into(out: np.ndarray, x: np.ndarray, *, p: float = 2) -> Non
         np.copyto(out, total, casting="unsafe")
 
 
-global_lp_pool.into = _global_lp_pool_into
+global_lp_pool.into = _global_lp_pool_into  # type: ignore[attr-defined]
 
 
 @kernel("MaxUnpool", 9)

@@ -128,6 +128,6 @@ def _axis_into(fn: Callable[..., np.ndarray]) -> Callable[..., None]:
     return into
 
 
-softmax_2d.into, softmax.into = _2d_into(_softmax_axis), _axis_into(_softmax_axis)
-log_softmax_2d.into, log_softmax.into = _2d_into(_log_softmax_axis), _axis_into(_log_softmax_axis)
-hardmax_2d.into, hardmax.into = _2d_into(_hardmax_axis), _axis_into(_hardmax_axis)
+softmax_2d.into, softmax.into = _2d_into(_softmax_axis), _axis_into(_softmax_axis)  # type: ignore[attr-defined]
+log_softmax_2d.into, log_softmax.into = _2d_into(_log_softmax_axis), _axis_into(_log_softmax_axis)  # type: ignore[attr-defined]
+hardmax_2d.into, hardmax.into = _2d_into(_hardmax_axis), _axis_into(_hardmax_axis)  # type: ignore[attr-defined]
