@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._registry import kernel
+from .._registry import declare_into, kernel
 from .elementwise import _sigmoid_into, erf, scratch, sigmoid
 
 _MS = "com.microsoft"
@@ -113,7 +113,7 @@ def _fast_gelu_into(out, x, bias=None):
     out *= x.dtype.type(0.5)
 
 
-fast_gelu.into = _fast_gelu_into  # type: ignore[attr-defined]
+declare_into(_fast_gelu_into, fast_gelu)
 
 
 @kernel("BiasGelu", 1, domain=_MS)
@@ -138,7 +138,7 @@ def _quick_gelu_into(out, x, *, alpha=1.702):
     np.multiply(x, out, out=out)
 
 
-quick_gelu.into = _quick_gelu_into  # type: ignore[attr-defined]
+declare_into(_quick_gelu_into, quick_gelu)
 
 
 @kernel("BiasAdd", 1, domain=_MS)
@@ -155,7 +155,7 @@ def _bias_add_into(out, x, bias, skip):
     out += skip
 
 
-bias_add.into = _bias_add_into  # type: ignore[attr-defined]
+declare_into(_bias_add_into, bias_add)
 
 
 def _lookup(table: np.ndarray, ids: np.ndarray, name: str) -> np.ndarray:
