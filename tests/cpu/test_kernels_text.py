@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from helpers import reference_node, run_node
+from plugrt.errors import PlugrtError
 
 
 def _strings(values) -> np.ndarray:
@@ -42,7 +43,7 @@ def test_regex_full_match_keeps_the_input_shape():
 
 
 def test_regex_full_match_rejects_an_invalid_pattern():
-    with pytest.raises(Exception, match="invalid pattern"):
+    with pytest.raises(PlugrtError, match=r"pattern '\(' is not valid RE2 syntax"):
         run_node("RegexFullMatch", {"x": _strings(["a"])}, 20, pattern="(")
 
 
