@@ -18,6 +18,7 @@ from .provider import CompiledPartition, Partition, Step
 
 __all__ = [
     "tensor_limit",
+    "planned_output_bytes",
     "check_compiled",
     "guard_step",
     "protect_inputs",
@@ -114,7 +115,7 @@ def _contradiction(array: Any, dtype: np.dtype | None, shape: tuple[int | None, 
     return None
 
 
-def _size_check(limit: int) -> Callable[[Any], None]:
+def _size_check(limit: int) -> Callable[[Any, str, str], None]:
     def check(array: Any, name: str, op_type: str) -> None:
         size = getattr(array, "size", None)
         itemsize = getattr(getattr(array, "dtype", None), "itemsize", None)
@@ -126,8 +127,9 @@ def _size_check(limit: int) -> Callable[[Any], None]:
     return check
 
 
-def _prechecked_size(op_type: str, args: Sequence[Any], itemsize: int) -> int | None:
-    """The output size in bytes of a size-amplifying op, from its inputs, before it runs."""
+def planned_output_bytes(op_type: str, args: Sequence[Any], itemsize: int) -> int | None:
+    """The output size in bytes of a size-amplifying op, from its inputs, before it runs
+    (None when the op is not one whose size follows from its inputs alone)."""
     try:
         if op_type == "ConstantOfShape" and args and args[0] is not None:
             return math.prod(int(d) for d in np.asarray(args[0]).reshape(-1)) * itemsize
@@ -154,9 +156,10 @@ def guard_step(step: Step, provider: str, declared: frozenset[ir.Value] = frozen
     - size-amplifying ops: the output size is computed from the inputs first where the op
       allows (ConstantOfShape, Expand, Tile, Range), and measured after the call for the
       others; above ``limits.tensor_bytes`` the run raises ModelLimitError;
-    - a third-party provider's steps, and any step producing a value in ``declared`` (the
-      graph's outputs): an output whose dtype or shape contradicts the declared type is
-      an error, which the plan reports as KernelError naming the node and provider.
+    - a third-party provider's steps: an output whose dtype or shape contradicts the
+      declared (or inferred) type is an error, which the plan reports as KernelError
+      naming the node and provider; the built-in provider's steps producing a value in
+      ``declared`` (the graph's outputs) have their dtype checked.
     """
     limit = _TENSOR_LIMIT.get()
     amplifying = step.op_type in _AMPLIFYING
@@ -165,6 +168,10 @@ def guard_step(step: Step, provider: str, declared: frozenset[ir.Value] = frozen
         return step
     fn, name, op_type, multi, count = step.fn, step.name, step.op_type, step.multi_output, len(step.outputs)
     expectations = [_expected(v) if typed else (None, None) for v in step.outputs]
+    if provider == _BUILT_IN:
+        # a graph output's declared shape may be wrong in a model that onnxruntime runs
+        # (with a warning); its dtype may not
+        expectations = [(dtype, None) for dtype, _ in expectations]
     itemsize = next((d.itemsize for d, _ in expectations if d is not None), 1)
     if amplifying and step.outputs and step.outputs[0] is not None:
         declared_dtype, _ = _expected(step.outputs[0])
@@ -175,7 +182,7 @@ def guard_step(step: Step, provider: str, declared: frozenset[ir.Value] = frozen
     @functools.wraps(fn)
     def checked(*args: Any) -> Any:
         if amplifying:
-            planned = _prechecked_size(op_type, args, itemsize)
+            planned = planned_output_bytes(op_type, args, itemsize)
             if planned is not None and planned > limit:
                 raise ModelLimitError("tensor_bytes", planned, limit, source=f"node {name!r} ({op_type})")
         result = fn(*args)

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import stat
-from typing import Iterable, Iterator, Union
+from typing import Callable, Iterable, Iterator, Union
 
 import onnx
 import onnx_ir as ir
@@ -58,7 +58,7 @@ class LoadedModel:
 
 
 def read_regular_file(
-    path: str | os.PathLike, max_bytes: int, limit: str, label: str, error: type[PlugrtError]
+    path: str | os.PathLike, max_bytes: int, limit: str, label: str, error: Callable[..., PlugrtError]
 ) -> bytes:
     """Read a whole regular file of at most ``max_bytes``.
 
@@ -359,6 +359,43 @@ def _expanded_node_count(proto: onnx.ModelProto, limits: LoadLimits, label: str)
     return total
 
 
+_AXIS_ATTRIBUTES = frozenset({"axis", "axes", "batch_axis", "time_axis", "perm"})
+
+
+def _all_nodes(proto: onnx.ModelProto, limits: LoadLimits, label: str) -> Iterator[onnx.NodeProto]:
+    for graph in _walk_protos(proto.graph, 0, limits, label):
+        yield from graph.node
+    for function in proto.functions:
+        yield from function.node
+        for graph in _function_graphs(function, limits, label):
+            yield from graph.node
+
+
+def _check_attributes(node: onnx.NodeProto, label: str) -> None:
+    """Attributes that make onnx's C++ shape inference read out of bounds (a crash of the
+    whole process, not an exception): axes beyond 32 bits, which it truncates, and a
+    Split whose ``num_outputs`` disagrees with its outputs."""
+    if node.op_type == "Split" and node.domain in ("", "ai.onnx"):
+        for attr in node.attribute:
+            if attr.name == "num_outputs" and attr.i != len(node.output):
+                raise ModelLoadError(
+                    f"node {node.name or 'Split'!r} has num_outputs={attr.i} but {len(node.output)} outputs",
+                    source=label,
+                    reason="Split num_outputs mismatch",
+                )
+    for attr in node.attribute:
+        if attr.name not in _AXIS_ATTRIBUTES:
+            continue
+        values = [attr.i] if attr.type == onnx.AttributeProto.INT else list(attr.ints)
+        if any(not -(2**31) <= v < 2**31 for v in values):
+            raise ModelLoadError(
+                f"node {node.name or node.op_type!r} has attribute {attr.name!r} = {values[:8]}, "
+                "outside any tensor's rank",
+                source=label,
+                reason="axis out of range",
+            )
+
+
 def _validate_proto(proto: onnx.ModelProto, limits: LoadLimits, label: str, base_dir: str) -> None:
     _check_opsets(proto, label)
     imports = {op.domain or "" for op in proto.opset_import}
@@ -366,6 +403,8 @@ def _validate_proto(proto: onnx.ModelProto, limits: LoadLimits, label: str, base
     _expanded_node_count(proto, limits, label)
     for tensor in all_tensors(proto, limits, label):
         _check_tensor(tensor, limits, label, base_dir)
+    for node in _all_nodes(proto, limits, label):
+        _check_attributes(node, label)
     for graph in _walk_protos(proto.graph, 0, limits, label):
         for node in graph.node:
             domain = "" if node.domain == "ai.onnx" else node.domain
@@ -449,7 +488,8 @@ def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedM
     except ModelLoadError:
         raise
     except Exception as exc:
-        raise ModelLoadError(f"the model is malformed: {type(exc).__name__}: {exc}", source=label) from exc
+        detail = str(exc).split("\n", 1)[0][:300]  # onnx_ir's message can quote the whole graph
+        raise ModelLoadError(f"the model is malformed: {type(exc).__name__}: {detail}", source=label) from exc
     finally:
         ir_logger.setLevel(previous)
     if base_dir:

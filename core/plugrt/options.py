@@ -118,6 +118,6 @@ def parse_options(given: Mapping[str, Any]) -> SessionOptions:
     for key, value in given.items():
         opt = OPTIONS.get(key)
         if opt is None:
-            raise UnknownOptionError(key, OPTIONS)
+            raise UnknownOptionError(key, list(OPTIONS))
         values[key] = opt.parse(key, value)
     return SessionOptions(values)

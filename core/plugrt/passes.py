@@ -10,8 +10,10 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as common_passes
 
+from ._guard import planned_output_bytes
+from .errors import ModelLimitError
 from .ir_utils import is_constant, subgraphs, tensor_array
-from .provider import ExecutionProvider, Partition, SupportContext
+from .provider import ExecutionProvider, FunctionCapability, Partition, PassesCapability, SupportContext
 
 __all__ = ["name_nodes", "infer_types", "inline_functions", "expand_unsupported_functions", "fold_constants", "remove_dead_nodes", "optimize"]
 
@@ -47,10 +49,45 @@ def name_nodes(model: ir.Model) -> int:
     return renamed
 
 
+#: onnx's data propagation holds a generated tensor's values as one shape dimension per
+#: element (about 150 bytes each): above this many elements it is skipped.
+_DATA_PROPAGATION_MAX_ELEMENTS = 1 << 16
+#: Declared shapes above this many elements switch data propagation off as well.
+_DATA_PROPAGATION_MAX_DECLARED = 1 << 28
+
+
+def _data_propagation_is_bounded(model: ir.Model) -> bool:
+    """False when a ConstantOfShape or Range could make onnx's data propagation build a
+    huge tensor (a few bytes of shape make gigabytes, and minutes of work), or when a
+    declared shape is huge (propagation through an input of 2**40 elements never ends)."""
+    declared = list(model.graph.inputs) + list(model.graph.outputs)
+    declared += [v for node in ir.traversal.RecursiveGraphIterator(model.graph) for v in node.outputs]
+    for value in declared:
+        count = 1
+        for dim in value.shape or ():
+            count *= dim if isinstance(dim, int) and dim > 0 else 1
+        if count > _DATA_PROPAGATION_MAX_DECLARED:
+            return False
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type not in ("ConstantOfShape", "Range") or node.domain not in ("", "ai.onnx"):
+            continue
+        arrays = [
+            tensor_array(v.const_value) if v is not None and v.const_value is not None and is_constant(v) else None
+            for v in node.inputs
+        ]
+        if not arrays or any(a is None for a in arrays):
+            return False  # its size is known only at run time
+        planned = planned_output_bytes(node.op_type, arrays, 1)
+        if planned is None or planned > _DATA_PROPAGATION_MAX_ELEMENTS:
+            return False
+    return True
+
+
 def infer_types(model: ir.Model) -> bool:
     """Record value types and shapes with onnx's shape inference (best effort)."""
     try:
-        return common_passes.ShapeInferencePass()(model).modified
+        data_prop = _data_propagation_is_bounded(model)
+        return common_passes.ShapeInferencePass(data_prop=data_prop)(model).modified
     except Exception as exc:  # a model onnx cannot infer still runs; providers see fewer types
         logger.debug("shape inference failed: %s", exc)
         return False
@@ -64,7 +101,7 @@ def inline_functions(model: ir.Model, providers: Sequence[ExecutionProvider]) ->
 
     def claimed(function: ir.Function) -> bool:
         for provider in providers:
-            ask = getattr(provider, "supports_function", None)
+            ask = provider.supports_function if isinstance(provider, FunctionCapability) else None
             if ask is not None:
                 try:
                     if ask(function.domain, function.name, ctx):
@@ -87,6 +124,53 @@ def _replace_with_constant(graph: ir.Graph, value: ir.Value, array: np.ndarray) 
     value.name = f"{value.name}__folded"
     graph.register_initializer(constant)
     value.replace_all_uses_with(constant, replace_graph_outputs=True)
+
+
+def _static_nbytes(value: ir.Value) -> int | None:
+    """Bytes of a value whose dtype and whole shape are known, else None."""
+    if value.shape is None or value.dtype is None or not isinstance(value.type, ir.TensorType):
+        return None
+    count = 1
+    for dim in value.shape:
+        if not isinstance(dim, int):
+            return None
+        count *= dim
+    try:
+        itemsize = value.dtype.itemsize
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return count * max(int(itemsize), 1)
+
+
+def check_value_sizes(model: ir.Model, max_bytes: int) -> None:
+    """Refuse a model with a value whose declared or inferred shape is over ``max_bytes``
+    (subgraphs included), before anything is computed."""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for value in node.outputs:
+            nbytes = _static_nbytes(value)
+            if nbytes is not None and nbytes > max_bytes:
+                raise ModelLimitError(
+                    "tensor_bytes", nbytes, max_bytes,
+                    source=f"value {value.name!r} of node {node.name or node.op_type!r}",
+                )
+
+
+def _check_before_folding(node: ir.Node, args: list, max_bytes: int) -> None:
+    """Measure what folding ``node`` would allocate, before computing it."""
+    for value in node.outputs:
+        nbytes = _static_nbytes(value)
+        if nbytes is not None and nbytes > max_bytes:
+            raise ModelLimitError("tensor_bytes", nbytes, max_bytes, source=f"node {node.name or node.op_type!r}")
+    output = node.outputs[0] if node.outputs else None
+    itemsize = 1
+    if output is not None and output.dtype is not None:
+        try:
+            itemsize = int(output.dtype.itemsize)
+        except (AttributeError, TypeError, ValueError):
+            pass
+    planned = planned_output_bytes(node.op_type, args, itemsize)
+    if planned is not None and planned > max_bytes:
+        raise ModelLimitError("tensor_bytes", planned, max_bytes, source=f"node {node.name or node.op_type!r}")
 
 
 def fold_constants(
@@ -115,8 +199,11 @@ def fold_constants(
             partition = Partition("fold", [node], inputs, list(node.outputs), opsets)
             (step,) = provider.compile(partition).steps
             args = [None if v is None else tensor_array(v.const_value) for v in step.inputs]
+            _check_before_folding(node, args, max_bytes)
             result = step.fn(*args)
             results = list(result[: len(step.outputs)]) if step.multi_output else [result]
+        except ModelLimitError:
+            raise  # the tensor is over the limit whenever it is computed: say so at build
         except Exception as exc:  # folding is an optimisation: leave the node to run later
             logger.debug("not folding %s: %s", node.op_type, exc)
             continue
@@ -170,13 +257,14 @@ def optimize(
     stats: dict[str, int] = {}
     if level == "none":
         return stats
+    check_value_sizes(model, max_fold_bytes)
     if fold_provider is not None:
         stats["folded"] = fold_constants(model, fold_provider, max_bytes=max_fold_bytes)
     stats["dead_removed"] = int(remove_dead_nodes(model))
     if level == "all":
         _mark_claims(model, providers)
         for provider in providers:
-            make = getattr(provider, "passes", None)
+            make = provider.passes if isinstance(provider, PassesCapability) else None
             if make is None:
                 continue
             for graph_pass in make(model):

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import threading
 import traceback
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import importlib_metadata
 import pluggy
@@ -19,6 +19,11 @@ __all__ = ["ProviderFailure", "ProviderRegistry", "default_registry", "DISABLE_E
 
 #: Comma-separated provider names that discovery skips (like an uninstall, without one).
 DISABLE_ENV = "PLUGRT_DISABLE_PROVIDERS"
+
+
+#: The built-in provider's name, and the only package allowed to offer it.
+_BUILT_IN = "cpu"
+_BUILT_IN_PACKAGE = "plugrt_cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +101,7 @@ class ProviderRegistry:
         providers: dict[str, ExecutionProvider] = {}
         for impl in pm.hook.plugrt_providers.get_hookimpls():
             try:
-                offered = impl.function() or []
+                offered = cast("list[Any]", impl.function() or [])
             except Exception as exc:
                 self._failures[impl.plugin_name] = ProviderFailure(
                     impl.plugin_name, "init", _describe(exc), traceback.format_exc()
@@ -110,6 +115,15 @@ class ProviderRegistry:
                     )
                     continue
                 if name in self.disabled:
+                    continue
+                if name == _BUILT_IN and type(provider).__module__.split(".")[0] != _BUILT_IN_PACKAGE:
+                    # the fallback every session relies on cannot be swapped by installing a package
+                    self._failures[impl.plugin_name] = ProviderFailure(
+                        impl.plugin_name,
+                        "init",
+                        f"offers a provider named {name!r}, a name reserved for the built-in CPU "
+                        f"provider ({_BUILT_IN_PACKAGE}); the plugin must choose another name",
+                    )
                     continue
                 version = protocol_version(provider)
                 if version not in SUPPORTED_PROTOCOL_VERSIONS:
