@@ -75,11 +75,20 @@ def _affinity() -> int:
         return os.cpu_count() or 1
 
 
+def _read_head(path: str, size: int = 512) -> bytes:
+    """The first ``size`` bytes of a /proc file, without a buffered file object (a replay
+    that happens to take a sample then allocates a few hundred bytes, not kilobytes)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _machine_jiffies() -> tuple[int, int] | None:
     """Busy and total jiffies of all CPUs (the first line of /proc/stat)."""
     try:
-        with open("/proc/stat", "rb") as f:
-            fields = f.readline().split()
+        fields = _read_head("/proc/stat").split(b"\n", 1)[0].split()
     except OSError:
         return None
     if not fields or fields[0] != b"cpu":
@@ -93,8 +102,7 @@ def _runnable_others() -> float:
     """Other runnable threads right now (``/proc/loadavg``'s running count, less this one),
     or the 1-minute load average where there is none."""
     try:
-        with open("/proc/loadavg", "rb") as f:
-            running = int(f.read().split()[3].split(b"/")[0])
+        running = int(_read_head("/proc/loadavg").split()[3].split(b"/")[0])
         return float(max(0, running - 1))
     except (OSError, IndexError, ValueError):
         pass
