@@ -13,6 +13,7 @@ __all__ = [
     "kernel",
     "kernel_builder",
     "declare_into",
+    "capture_variant",
     "lookup",
     "versions",
     "registered_ops",
@@ -101,6 +102,11 @@ def declare_into(into: Callable[..., Any], *kernels: Callable[..., Any]) -> Call
         # stored on the kernel itself, so that partials binding its attributes find it too
         setattr(fn, "into", into)  # noqa: B010
     return into
+
+
+def capture_variant(fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The capture variant declared for kernel ``fn`` (see :func:`declare_into`), or None."""
+    return getattr(fn, "into", None)
 
 
 def kernel(

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import KernelContext, capture_variant, declare_into, kernel, kernel_builder
 
 __all__ = ["erf", "sigmoid", "scratch", "with_small_buffers"]
 
@@ -69,7 +69,10 @@ def _call_into(fn: Callable[..., Any], out: np.ndarray, *args: Any) -> None:
     if isinstance(fn, np.ufunc):
         fn(*args, out=out)
     else:
-        fn.into(out, *args)
+        into = capture_variant(fn)
+        if into is None:
+            raise TypeError(f"{fn!r} declares no capture variant")
+        into(out, *args)
 
 # The ops whose kernel is the numpy function itself.
 _UFUNCS: dict[str, tuple[int, Callable[..., Any]]] = {
@@ -134,7 +137,7 @@ def _where_into(out, condition, x, y):
     np.copyto(out, x, where=condition)
 
 
-where.into = _where_into
+declare_into(_where_into, where)
 
 
 def _is_integer(dtype: np.dtype) -> bool:
@@ -165,7 +168,7 @@ def _legacy_binary(op: Callable[[Any, Any], Any]) -> Callable[..., Any]:
         _call_into(op, out, a, _legacy_broadcast(a, b, broadcast, axis))
 
     run.__name__ = f"legacy_{getattr(op, '__name__', 'binary')}"
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -188,7 +191,7 @@ def _divide_signed_into(out, a, b):
     np.floor_divide(out, b, out=out)
 
 
-_divide_signed.into = _divide_signed_into
+declare_into(_divide_signed_into, _divide_signed)
 
 
 def _divide_for(dtype: np.dtype | None) -> Callable[..., Any]:
@@ -209,7 +212,7 @@ def _divide_any_into(out, a, b):
     _call_into(_divide_for(a.dtype), out, a, b)
 
 
-_divide_any.into = _divide_any_into
+declare_into(_divide_any_into, _divide_any)
 
 
 @kernel_builder("Div", 7)
@@ -243,7 +246,7 @@ def _power_integer_into(out, a, b):
     np.copyto(out, _power_integer(a, b), casting="unsafe")
 
 
-_power_integer.into = _power_integer_into
+declare_into(_power_integer_into, _power_integer)
 
 
 def _power_any(a, b):
@@ -271,7 +274,7 @@ def _power_any_into(out, a, b):
         np.copyto(out, wide, casting="unsafe")
 
 
-_power_any.into = _power_any_into
+declare_into(_power_any_into, _power_any)
 
 
 def _square_base(a, b):
@@ -282,7 +285,7 @@ def _square_base_into(out, a, b):
     np.square(a, out=out)
 
 
-_square_base.into = _square_base_into
+declare_into(_square_base_into, _square_base)
 
 
 @kernel_builder("Pow", 7)
@@ -351,7 +354,7 @@ def max_(*inputs):
     return functools.reduce(np.maximum, inputs)
 
 
-max_.into = lambda out, *inputs: _fold_into(np.maximum, out, inputs)
+declare_into(lambda out, *inputs: _fold_into(np.maximum, out, inputs), max_)
 
 
 @kernel("Min", 1)
@@ -359,7 +362,7 @@ def min_(*inputs):
     return functools.reduce(np.minimum, inputs)
 
 
-min_.into = lambda out, *inputs: _fold_into(np.minimum, out, inputs)
+declare_into(lambda out, *inputs: _fold_into(np.minimum, out, inputs), min_)
 
 
 @kernel("Sum", 1, inplace=True)
@@ -367,7 +370,7 @@ def sum_(*inputs):
     return functools.reduce(np.add, inputs)
 
 
-sum_.into = lambda out, *inputs: _fold_into(np.add, out, inputs)
+declare_into(lambda out, *inputs: _fold_into(np.add, out, inputs), sum_)
 
 
 @kernel("Mean", 1)
@@ -380,7 +383,7 @@ def _mean_into(out, *inputs):
     np.true_divide(out, len(inputs), out=out)
 
 
-mean.into = _mean_into
+declare_into(_mean_into, mean)
 
 
 # ---------------------------------------------------------------------------------------
@@ -414,7 +417,7 @@ def _clip_with_attributes_into(out, x, *, min=-_FLOAT32_MAX, max=_FLOAT32_MAX): 
         np.clip(x, low, high, out=out)
 
 
-clip_with_attributes.into = _clip_with_attributes_into
+declare_into(_clip_with_attributes_into, clip_with_attributes)
 
 
 @kernel("Clip", 11)
@@ -432,7 +435,7 @@ def _clip_into(out, x, min=None, max=None):  # noqa: A002 (ONNX names)
         np.clip(x, min, max, out=out)
 
 
-clip.into = _clip_into
+declare_into(_clip_into, clip)
 
 
 # ---------------------------------------------------------------------------------------
@@ -567,7 +570,7 @@ def _erf_into(out: np.ndarray, x: np.ndarray) -> None:
         _erf_blocks(x, out, lambda slot, shape, dtype: scratch(out, ("erf", slot), shape, dtype))
 
 
-erf.into = _erf_into
+declare_into(_erf_into, erf)
 kernel("Erf", 9)(erf)
 
 
@@ -600,7 +603,7 @@ def _sigmoid_into(out: np.ndarray, x: np.ndarray) -> None:
     np.reciprocal(out, out=out)
 
 
-sigmoid.into = _sigmoid_into
+declare_into(_sigmoid_into, sigmoid)
 kernel("Sigmoid", 1)(sigmoid)
 
 
@@ -613,7 +616,7 @@ def _relu_into(out, x):
     np.maximum(x, 0, out=out)
 
 
-relu.into = _relu_into
+declare_into(_relu_into, relu)
 
 
 @kernel("LeakyRelu", 1)
@@ -633,7 +636,7 @@ def _leaky_relu_into(out, x, *, alpha=0.01):
         np.copyto(out, x, where=np.isposinf(x))
 
 
-leaky_relu.into = _leaky_relu_into
+declare_into(_leaky_relu_into, leaky_relu)
 
 
 # Where a mask would pick between two values (Elu, PRelu), the kernels add the negative and
@@ -662,7 +665,7 @@ def prelu(x, slope):
     return _scaled_negative_part(x, slope)  # slope broadcasts to x, one way only
 
 
-prelu.into = lambda out, x, slope: _scaled_negative_part(x, slope, out)
+declare_into(lambda out, x, slope: _scaled_negative_part(x, slope, out), prelu)
 
 
 def _per_channel(x, slope):
@@ -677,7 +680,7 @@ def prelu_per_channel(x, slope):
     return prelu(x, _per_channel(x, slope))
 
 
-prelu_per_channel.into = lambda out, x, slope: _scaled_negative_part(x, _per_channel(x, slope), out)
+declare_into(lambda out, x, slope: _scaled_negative_part(x, _per_channel(x, slope), out), prelu_per_channel)
 
 
 def _exponential_below_zero(x, alpha: float, divisor: float = 1.0, out=None) -> np.ndarray:
@@ -701,7 +704,7 @@ def _elu_into(out, x, *, alpha=1.0):
     _exponential_below_zero(x, alpha, out=out)
 
 
-elu.into = _elu_into
+declare_into(_elu_into, elu)
 
 
 @kernel("Selu", 1)
@@ -716,7 +719,7 @@ def _selu_into(out, x, *, alpha=1.67326319217681884765625, gamma=1.0507010221481
     out *= gamma
 
 
-selu.into = _selu_into
+declare_into(_selu_into, selu)
 
 
 @kernel("Celu", 12)
@@ -728,7 +731,7 @@ def _celu_into(out, x, *, alpha=1.0):
     _exponential_below_zero(x, alpha, divisor=alpha, out=out)
 
 
-celu.into = _celu_into
+declare_into(_celu_into, celu)
 
 
 @kernel("ThresholdedRelu", 10)
@@ -742,7 +745,7 @@ def _thresholded_relu_into(out, x, *, alpha=1.0):
     np.copyto(out, x, where=above)
 
 
-thresholded_relu.into = _thresholded_relu_into
+declare_into(_thresholded_relu_into, thresholded_relu)
 
 
 def _hard_sigmoid_into(out, x, *, alpha=0.2, beta=0.5):
@@ -758,7 +761,7 @@ def hard_sigmoid(x, *, alpha=0.2, beta=0.5):
     return y
 
 
-hard_sigmoid.into = _hard_sigmoid_into
+declare_into(_hard_sigmoid_into, hard_sigmoid)
 
 
 def _hard_swish_into(out, x):
@@ -773,7 +776,7 @@ def hard_swish(x):
     return y
 
 
-hard_swish.into = _hard_swish_into
+declare_into(_hard_swish_into, hard_swish)
 
 
 def _softsign_into(out, x):
@@ -789,7 +792,7 @@ def softsign(x):
     return y
 
 
-softsign.into = _softsign_into
+declare_into(_softsign_into, softsign)
 
 
 def _softplus(x, out=None):
@@ -808,7 +811,7 @@ def softplus(x):
     return _softplus(x)
 
 
-softplus.into = lambda out, x: _softplus(x, out)
+declare_into(lambda out, x: _softplus(x, out), softplus)
 
 
 @kernel("Mish", 18)
@@ -825,7 +828,7 @@ def _mish_into(out, x):
     out *= x
 
 
-mish.into = _mish_into
+declare_into(_mish_into, mish)
 
 
 @kernel("Swish", 24)
@@ -844,7 +847,7 @@ def _swish_into(out, x, *, alpha=1.0):
     out *= x
 
 
-swish.into = _swish_into
+declare_into(_swish_into, swish)
 
 
 @kernel("Shrink", 9)
@@ -867,7 +870,7 @@ def _shrink_into(out, x, *, bias=0.0, lambd=0.5):
         np.copyto(out, y, casting="unsafe")
 
 
-shrink.into = _shrink_into
+declare_into(_shrink_into, shrink)
 
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -889,7 +892,7 @@ def _gelu_exact_into(out, x):
     out *= 0.5
 
 
-_gelu_exact.into = _gelu_exact_into
+declare_into(_gelu_exact_into, _gelu_exact)
 
 
 def _gelu_tanh_into(out, x):
@@ -910,7 +913,7 @@ def _gelu_tanh(x):
     return y
 
 
-_gelu_tanh.into = _gelu_tanh_into
+declare_into(_gelu_tanh_into, _gelu_tanh)
 
 
 @kernel_builder("Gelu", 20)
@@ -944,9 +947,9 @@ def _signed_infinity_into(out, x, negative: bool) -> None:
     np.logical_and(out, sign, out=out)
 
 
-_is_negative_infinity.into = lambda out, x: _signed_infinity_into(out, x, True)
-_is_positive_infinity.into = lambda out, x: _signed_infinity_into(out, x, False)
-_no_infinity.into = lambda out, x: out.fill(False)
+declare_into(lambda out, x: _signed_infinity_into(out, x, True), _is_negative_infinity)
+declare_into(lambda out, x: _signed_infinity_into(out, x, False), _is_positive_infinity)
+declare_into(lambda out, x: out.fill(False), _no_infinity)
 
 
 @kernel_builder("IsInf", 10)

@@ -9,7 +9,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from .elementwise import scratch
 
 # numpy has no BLAS path for half types (and bfloat16 products would round at every
@@ -54,7 +54,7 @@ def matmul(a, b):
     return _matmul(a, b)
 
 
-matmul.into = _matmul_into
+declare_into(_matmul_into, matmul)
 
 
 def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
@@ -163,7 +163,7 @@ def gemm(ctx: KernelContext):
                 c = _scaled_into(y, "c", c, beta)
             y += c
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -240,7 +240,7 @@ def _pair_contraction(a_term: str, b_term: str, out_term: str, a_shape, b_shape)
         a_rows, b_columns = a.transpose(a_perm).reshape(a_matrix), b.transpose(b_perm).reshape(b_matrix)
         np.matmul(a_rows, b_columns, out=target.reshape(y_matrix))
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -261,7 +261,7 @@ def _plan_einsum(equation: str, operands: list[np.ndarray]):
         # several still make temporaries.
         np.einsum(explicit, *xs, optimize=path, out=out)
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -293,7 +293,7 @@ def einsum(ctx: KernelContext):
         else:
             contract.into(out, *inputs)
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 

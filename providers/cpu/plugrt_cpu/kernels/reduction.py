@@ -7,7 +7,7 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
-from .._registry import kernel
+from .._registry import kernel, declare_into
 from .elementwise import scratch
 
 # Half-precision inputs are reduced in float32 and cast back: summing thousands of
@@ -243,7 +243,7 @@ def _with_axes_attribute(reduce: Callable[..., Any]) -> Callable[..., Any]:
     def run_into(out, data, *, axes=None, keepdims=1):
         _INTO[reduce](out, data, _axes_tuple(axes) if axes else None, bool(keepdims))
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -262,7 +262,7 @@ def _with_axes_input(reduce: Callable[..., Any]) -> Callable[..., Any]:
     def run_into(out, data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
         _INTO[reduce](out, data, reduce_axes(axes, noop_with_empty_axes), bool(keepdims))
 
-    run.into = run_into
+    declare_into(run_into, run)
     return run
 
 
@@ -328,7 +328,7 @@ def _arg_max_into(out, data, *, axis=0, keepdims=1, select_last_index=0):
     _arg_extreme_into(np.argmax, out, data, axis, keepdims, select_last_index)
 
 
-arg_max.into = _arg_max_into
+declare_into(_arg_max_into, arg_max)
 
 
 @kernel("ArgMin", 1)
@@ -340,4 +340,4 @@ def _arg_min_into(out, data, *, axis=0, keepdims=1, select_last_index=0):
     _arg_extreme_into(np.argmin, out, data, axis, keepdims, select_last_index)
 
 
-arg_min.into = _arg_min_into
+declare_into(_arg_min_into, arg_min)
