@@ -19,7 +19,7 @@ from plugrt.errors import KernelError, ModelLimitError, ModelLoadError
 from helpers import model_bytes
 
 
-def _child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _child(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
     )
