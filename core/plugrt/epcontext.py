@@ -287,6 +287,7 @@ def restore_context_nodes(
                     node=label,
                     source=source,
                 )
+        assert isinstance(provider, ContextCapability)  # owners holds only providers with contexts
         compiled = provider.load_context(blob, meta)
         if compiled.provider and compiled.provider != provider.name:
             raise ProviderNameMismatchError(provider.name, compiled.provider)

@@ -26,7 +26,8 @@ def _graph_reads(graph: ir.Graph, defined: set[ir.Value], found: dict[ir.Value, 
     for node in graph:
         for value in node.inputs:
             if value is not None and value not in local and value not in found:
-                if value.producer() is not None and value.producer().graph is graph:
+                producer = value.producer()
+                if producer is not None and producer.graph is graph:
                     continue
                 found[value] = None
         for sub in subgraphs(node):
@@ -52,7 +53,7 @@ def is_constant(value: ir.Value) -> bool:
 
 def constant_array(value: ir.Value) -> np.ndarray | None:
     """The array of a constant value, read-only, or None when the value is not constant."""
-    if not is_constant(value):
+    if not is_constant(value) or value.const_value is None:
         return None
     return tensor_array(value.const_value)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
@@ -43,9 +43,9 @@ def name_nodes(model: ir.Model) -> int:
                 candidate = f"{base}_{counters[base]}"
                 if candidate not in seen:
                     break
-            node.name = candidate
+            node.name = name = candidate
             renamed += 1
-        seen.add(node.name)
+        seen.add(name)
     return renamed
 
 
@@ -198,7 +198,7 @@ def fold_constants(
             inputs = [v for v in node.inputs if v is not None]
             partition = Partition("fold", [node], inputs, list(node.outputs), opsets)
             (step,) = provider.compile(partition).steps
-            args = [None if v is None else tensor_array(v.const_value) for v in step.inputs]
+            args = [None if v is None or v.const_value is None else tensor_array(v.const_value) for v in step.inputs]
             _check_before_folding(node, args, max_bytes)
             result = step.fn(*args)
             results = list(result[: len(step.outputs)]) if step.multi_output else [result]
@@ -207,7 +207,7 @@ def fold_constants(
         except Exception as exc:  # folding is an optimisation: leave the node to run later
             logger.debug("not folding %s: %s", node.op_type, exc)
             continue
-        arrays = []
+        arrays: list[tuple[ir.Value, np.ndarray]] | None = []
         for value, array in zip(step.outputs, results):
             if value is None:
                 continue
@@ -218,7 +218,7 @@ def fold_constants(
             if array.dtype == object or array.nbytes > max_bytes:
                 arrays = None
                 break
-            arrays.append((value, array))
+            arrays.append((value, array))  # type: ignore[union-attr]  # None only after a break
         if arrays is None:
             continue
         for value, array in arrays:
@@ -276,7 +276,8 @@ def optimize(
 def _function_body(node: ir.Node, opset: int) -> onnx.FunctionProto | None:
     """The ONNX schema's function body for ``node`` at ``opset``, or None."""
     try:
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+        # typed as Any: onnx's stubs lack the function-body accessors of OpSchema
+        schema: Any = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
     except onnx.defs.SchemaError:
         return None
     proto_bytes = None
@@ -295,7 +296,7 @@ def _function_body(node: ir.Node, opset: int) -> onnx.FunctionProto | None:
         for value in node.inputs:
             if value is None:
                 types.append(onnx.TypeProto().SerializeToString())
-            else:
+            elif value.type is not None:  # checked above: every present input is typed
                 type_proto = onnx.TypeProto()
                 ir.serde.serialize_type_into(type_proto, value.type)
                 types.append(type_proto.SerializeToString())

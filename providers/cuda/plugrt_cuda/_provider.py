@@ -181,7 +181,7 @@ class CUDAProvider:
             device_constants[position] = uploaded[value]
         if any(c is not None for c in device_constants):
             fn = _with_constants(fn, tuple(device_constants))
-        outputs = list(node.outputs)[: info.num_outputs]
+        outputs: list[ir.Value | None] = [v for v in list(node.outputs)[: info.num_outputs]]
         return Step(fn, inputs, outputs, multi_output=multi, name=label, op_type=node.op_type, domain=domain, nodes=(label,))
 
     # -- memory (MemoryCapability) -----------------------------------------------------

@@ -125,7 +125,7 @@ def _pool_ngrams(
     pool: list, vocab: np.ndarray, counts: list[int], indexes: list[int], lo: int, hi: int
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per n-gram length in [lo, hi]: (token ids [P, n], output column [P]) of the pool."""
-    indexes = np.asarray(indexes, dtype=np.int64)
+    columns = np.asarray(indexes, dtype=np.int64)
     pool_ids = _token_ids(np.asarray(pool, dtype=vocab.dtype), vocab)
     grams: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     gram_number = 0  # n-grams are numbered across all lengths, in pool order
@@ -135,7 +135,7 @@ def _pool_ngrams(
         total = (end - start) // n
         if lo <= n <= hi and total:
             tokens = pool_ids[start : start + total * n].reshape(total, n)
-            grams[n] = (tokens, indexes[gram_number : gram_number + total])
+            grams[n] = (tokens, columns[gram_number : gram_number + total])
         gram_number += total
     return grams
 
@@ -195,7 +195,7 @@ def tfidf_vectorizer(ctx: KernelContext):
                 found = hit >= 0
                 np.add.at(counts, (row[found], hit[found]), 1)
         if mode == "TF":
-            out = counts.astype(np.float32)
+            out: np.ndarray = counts.astype(np.float32)
         elif mode == "IDF":
             # onnxruntime (and onnx.reference) index weights by output column.
             out = np.where(counts > 0, weights[:width] if weights.size else np.float32(1), np.float32(0))
