@@ -79,3 +79,23 @@ def test_unanticipated_exception_while_building_is_typed_with_the_cause_chained(
     with pytest.raises(ModelBuildError) as info:
         plugrt.load(NEG_ADD)
     assert isinstance(info.value, PlugrtError) and isinstance(info.value.__cause__, TypeError)
+
+
+def test_a_fault_inside_replay_is_a_run_error_with_its_cause():
+    import onnx.parser
+
+    from plugrt.capture import DEFAULT_SLOT
+
+    model = onnx.parser.parse_model(
+        '<ir_version: 8, opset_import: ["" : 17]> g (float[2,3] x) => (float[2,3] y) { y = Relu(x) }'
+    )
+    session = plugrt.load(model.SerializeToString(), device="cpu")
+    assert session.try_capture({"x": np.ones((2, 3), np.float32)})
+
+    def faulty_step() -> None:
+        raise IndexError("list index out of range")
+
+    session._captures.get(DEFAULT_SLOT)._runs = [faulty_step]  # a step that faults as a kernel might
+    with pytest.raises(plugrt.RunError) as caught:
+        session.replay({"x": np.ones((2, 3), np.float32)})
+    assert isinstance(caught.value.__cause__, IndexError)
