@@ -26,7 +26,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from plugrt.ir_utils import constant_array
 from plugrt.passes import CLAIMED_BY
 
-from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder
+from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder, declare_into
 from .kernels import conv as convolution
 from .kernels import elementwise, normalization
 
@@ -588,7 +588,7 @@ def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
             conv_into(out, x, w, b)
             np.maximum(out, 0, out=out)
 
-        run.into = run_into  # type: ignore[attr-defined]
+        declare_into(run_into, run)
     return run
 
 
@@ -611,7 +611,7 @@ def _fused_matmul_into(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.n
     out += bias
 
 
-fused_matmul.into = _fused_matmul_into  # type: ignore[attr-defined]
+declare_into(_fused_matmul_into, fused_matmul)
 
 
 def _as_rows(x: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from plugrt.threads import blas_threads
 
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._window import (
     _CHUNK_BYTES,
     _auto_pad,
@@ -420,7 +420,7 @@ def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarr
         if y is not out:
             np.copyto(out, y, casting="unsafe")
 
-    run.into = run_into  # type: ignore[attr-defined]
+    declare_into(run_into, run)
     return run
 
 

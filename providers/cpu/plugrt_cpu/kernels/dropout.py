@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._registry import KernelContext, kernel_builder
+from .._registry import KernelContext, kernel_builder, declare_into
 
 
 @kernel_builder("Dropout", 1, 7, 10, multi_output=True)
@@ -22,7 +22,7 @@ def dropout_legacy(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.nda
         mask = np.ones(x.shape, dtype=mask_dtype or x.dtype) if want_mask else None
         return x, mask
 
-    run.into = _dropout_identity_into  # type: ignore[attr-defined]
+    declare_into(_dropout_identity_into, run)
     return run
 
 
@@ -75,5 +75,5 @@ def dropout(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | 
             if result is not None:
                 np.copyto(buffer, result)
 
-    run.into = run_into  # type: ignore[attr-defined]
+    declare_into(run_into, run)
     return run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._registry import kernel
+from .._registry import kernel, declare_into
 from ._window import (
     _cast_into_scratch,
     _compute_dtype,
@@ -24,7 +24,7 @@ def _lrn_into(
     with_small_buffers(_lrn, x, alpha, beta, bias, size, out)  # elementwise steps on strided blocks
 
 
-lrn.into = _lrn_into  # type: ignore[attr-defined]
+declare_into(_lrn_into, lrn)
 
 
 def _lrn(x: np.ndarray, alpha: float, beta: float, bias: float, size: int, out: np.ndarray | None = None) -> np.ndarray:

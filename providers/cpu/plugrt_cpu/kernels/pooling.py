@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._window import (
     _FLOAT_BLAS,
     _auto_pad,
@@ -282,7 +282,7 @@ def _bound_into(method: Callable[..., Any], into: Callable[..., Any]) -> Callabl
     def run(*inputs: Any) -> Any:
         return method(*inputs)
 
-    run.into = into  # type: ignore[attr-defined]
+    declare_into(into, run)
     return run
 
 
@@ -343,7 +343,7 @@ def global_average_pool(x: np.ndarray) -> np.ndarray:
     return _spatial_mean(x)
 
 
-global_average_pool.into = lambda out, x: _spatial_mean(x, out)  # type: ignore[attr-defined]
+declare_into(lambda out, x: _spatial_mean(x, out), global_average_pool)
 
 
 @kernel("GlobalMaxPool", 1)
@@ -355,7 +355,7 @@ def _global_max_pool_into(out: np.ndarray, x: np.ndarray) -> None:
     x.max(axis=tuple(range(2, x.ndim)), keepdims=True, out=out)
 
 
-global_max_pool.into = _global_max_pool_into  # type: ignore[attr-defined]
+declare_into(_global_max_pool_into, global_max_pool)
 
 
 @kernel("GlobalLpPool", 1)
@@ -385,7 +385,7 @@ def _global_lp_pool_into(out: np.ndarray, x: np.ndarray, *, p: float = 2) -> Non
         np.copyto(out, total, casting="unsafe")
 
 
-global_lp_pool.into = _global_lp_pool_into  # type: ignore[attr-defined]
+declare_into(_global_lp_pool_into, global_lp_pool)
 
 
 @kernel("MaxUnpool", 9)

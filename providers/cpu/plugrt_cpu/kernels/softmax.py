@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._registry import kernel
+from .._registry import kernel, declare_into
 from .elementwise import scratch, with_small_buffers
 
 # Each takes ``out`` for the ``into`` variants: the same steps into it, with the per-row
@@ -128,6 +128,9 @@ def _axis_into(fn: Callable[..., np.ndarray]) -> Callable[..., None]:
     return into
 
 
-softmax_2d.into, softmax.into = _2d_into(_softmax_axis), _axis_into(_softmax_axis)  # type: ignore[attr-defined]
-log_softmax_2d.into, log_softmax.into = _2d_into(_log_softmax_axis), _axis_into(_log_softmax_axis)  # type: ignore[attr-defined]
-hardmax_2d.into, hardmax.into = _2d_into(_hardmax_axis), _axis_into(_hardmax_axis)  # type: ignore[attr-defined]
+declare_into(_2d_into(_softmax_axis), softmax_2d)
+declare_into(_axis_into(_softmax_axis), softmax)
+declare_into(_2d_into(_log_softmax_axis), log_softmax_2d)
+declare_into(_axis_into(_log_softmax_axis), log_softmax)
+declare_into(_2d_into(_hardmax_axis), hardmax_2d)
+declare_into(_axis_into(_hardmax_axis), hardmax)
