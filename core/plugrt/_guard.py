@@ -236,32 +236,26 @@ def protect_inputs(args: Sequence[Any]) -> list[Any]:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def typed_load_errors(fn: F) -> F:
-    """Anything but a PlugrtError (or MemoryError, KeyboardInterrupt) out of building a
-    session becomes ModelBuildError, the original chained."""
+def _typed_errors(wrap: Callable[[Exception], PlugrtError]) -> Callable[[F], F]:
+    """A decorator turning anything but a PlugrtError (or MemoryError) out of ``fn`` into
+    ``wrap(exc)``, the original chained."""
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (PlugrtError, MemoryError):
-            raise
-        except Exception as exc:
-            raise ModelBuildError(exc) from exc
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (PlugrtError, MemoryError):
+                raise
+            except Exception as exc:
+                raise wrap(exc) from exc
 
-    return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
-def typed_run_errors(fn: F) -> F:
-    """Anything but a PlugrtError (or MemoryError) out of a run becomes RunError."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (PlugrtError, MemoryError):
-            raise
-        except Exception as exc:
-            raise RunError(exc) from exc
-
-    return wrapper  # type: ignore[return-value]
+#: Anything unanticipated out of building a session becomes ModelBuildError.
+typed_load_errors = _typed_errors(ModelBuildError)
+#: Anything unanticipated out of a run, capture or replay becomes RunError.
+typed_run_errors = _typed_errors(RunError)

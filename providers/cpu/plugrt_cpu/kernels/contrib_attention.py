@@ -139,6 +139,21 @@ def _masked_attention(
     return _grouped_matmul(probs, v), raw, probs
 
 
+def _attend(q, k, v, padding_mask, past_length, unidirectional, attention_bias, filter_value, scale_attr):
+    """Attention over (B, N, S, D) heads with the padding mask, the causal mask when
+    ``unidirectional`` and an additive bias; returns what _masked_attention returns."""
+    batch, _, seq, head_size = q.shape
+    total = k.shape[2]
+    dtype = q.dtype
+    additive = _padding_mask_additive(padding_mask, batch, seq, past_length, total, filter_value, dtype)
+    if unidirectional:
+        additive = _add(additive, _causal_additive(seq, past_length, total, filter_value, dtype))
+    if attention_bias is not None:
+        additive = _add(additive, attention_bias.astype(dtype, copy=False))
+    scale = scale_attr or 1 / np.sqrt(head_size)
+    return _masked_attention(q, k, v, scale, additive)
+
+
 def _padding_mask_additive(
     mask: np.ndarray | None,
     batch: int,
@@ -239,16 +254,9 @@ def attention(ctx: KernelContext):
             past_length = past.shape[3]
             k = np.concatenate([past[0].astype(k.dtype, copy=False), k], axis=2)
             v = np.concatenate([past[1].astype(v.dtype, copy=False), v], axis=2)
-        batch, _, seq, head_size = q.shape
-        total = k.shape[2]
-        dtype = q.dtype
-        additive = _padding_mask_additive(mask_index, batch, seq, past_length, total, filter_value, dtype)
-        if unidirectional:
-            additive = _add(additive, _causal_additive(seq, past_length, total, filter_value, dtype))
-        if attention_bias is not None:
-            additive = _add(additive, attention_bias.astype(dtype, copy=False))
-        scale = scale_attr or 1 / np.sqrt(head_size)
-        out, _, _ = _masked_attention(q, k, v, scale, additive)
+        out, _, _ = _attend(
+            q, k, v, mask_index, past_length, unidirectional, attention_bias, filter_value, scale_attr
+        )
         present = np.stack([k, v]) if ctx.num_outputs > 1 else None
         return _merge_heads(out), present
 
@@ -340,16 +348,9 @@ def multi_head_attention(ctx: KernelContext):
             past_length = past_key.shape[2]
             k = np.concatenate([past_key, k], axis=2)
             v = np.concatenate([past_value, v], axis=2)
-        batch, _, seq, head_size = q.shape
-        total = k.shape[2]
-        dtype = q.dtype
-        additive = _padding_mask_additive(key_padding_mask, batch, seq, past_length, total, filter_value, dtype)
-        if unidirectional:
-            additive = _add(additive, _causal_additive(seq, past_length, total, filter_value, dtype))
-        if attention_bias is not None:
-            additive = _add(additive, attention_bias.astype(dtype, copy=False))
-        scale = scale_attr or 1 / np.sqrt(head_size)
-        out, raw, probs = _masked_attention(q, k, v, scale, additive)
+        out, raw, probs = _attend(
+            q, k, v, key_padding_mask, past_length, unidirectional, attention_bias, filter_value, scale_attr
+        )
         present_key = k if ctx.num_outputs > 1 else None
         present_value = v if ctx.num_outputs > 2 else None
         qk = raw if ctx.num_outputs > 3 else None
