@@ -45,7 +45,11 @@ def _plugrt_runner(model: str, device: str, options: Mapping[str, Any]) -> Calla
 def _ort_runner(model: str, device: str, options: Mapping[str, Any]) -> Callable[[dict], Any]:
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    session_options = onnxruntime.SessionOptions()
+    # its pool threads otherwise spin after each run, taking the cores from the runtime
+    # measured next (the runs alternate); benchmarks/compare.py does the same
+    session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(model, session_options, providers=["CPUExecutionProvider"])
     return lambda feeds: session.run(None, feeds)
 
 
