@@ -39,7 +39,7 @@ from .provider import (
     outputs_of,
 )
 from .signature import InputSignature
-from .transfers import MemorySpaces
+from .transfers import MemorySpaces, owner_of
 
 __all__ = [
     "DEFAULT_SLOT",
@@ -117,12 +117,7 @@ class CaptureBuffers:
 
     def owner(self, array: Any) -> MemoryCapability | None:
         """The provider whose memory holds ``array`` (None: host memory)."""
-        if isinstance(array, (np.ndarray, np.generic)):
-            return None
-        for memory in self._memories:
-            if memory.owns(array):
-                return memory
-        return None
+        return owner_of(array, self._memories)
 
     def buffer_like(self, array: Any) -> Any:
         """A buffer of ``array``'s shape, dtype and memory order, reused when one is free."""

@@ -57,14 +57,13 @@ class Session:
         self.model_path = loaded.source if loaded.base_dir else None
         self._model = loaded.model
         self.selection: Selection = resolve_device(device, providers, registry)
-        ir_model = loaded.model
 
         # Metadata is read before passes change the graph.
-        self.inputs: list[TensorInfo] = [tensor_info(v) for v in ir_model.graph.inputs]
-        self.outputs: list[TensorInfo] = [tensor_info(v) for v in ir_model.graph.outputs]
-        self.metadata: ModelMetadata = model_metadata(ir_model)
+        self.inputs: list[TensorInfo] = [tensor_info(v) for v in self._model.graph.inputs]
+        self.outputs: list[TensorInfo] = [tensor_info(v) for v in self._model.graph.outputs]
+        self.metadata: ModelMetadata = model_metadata(self._model)
 
-        prepared = prepare_model(ir_model, self.selection, registry, self.options, loaded.base_dir)
+        prepared = prepare_model(self._model, self.selection, registry, self.options, loaded.base_dir)
         self.optimization_stats = prepared.optimization_stats
         chosen = self.selection.providers
         self._spaces = MemorySpaces([m for m in map(memory_of, chosen) if m is not None])
@@ -74,14 +73,14 @@ class Session:
                 strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
             )
         self._plan = self._built.plan
-        specs = input_specs(self.inputs, ir_model.graph.inputs, self._built.input_homes)
+        specs = input_specs(self.inputs, self._model.graph.inputs, self._built.input_homes)
         self._signature = InputSignature(specs, self._spaces)
         self._output_names = [info.name for info in self.outputs]
         self._output_index = {name: i for i, name in enumerate(self._output_names)}
         self._captures = CaptureSlots()
         self.context_model_path: str | None = None
         if self.options["ep.context_enable"]:
-            self.context_model_path = self._export_context(model)
+            self.context_model_path = self._export_context()
         self.build_seconds = time.perf_counter() - started
 
     def _build_plan(self, **how: Any) -> BuiltGraph:
@@ -96,10 +95,9 @@ class Session:
             **how,
         )
 
-    def _export_context(self, source: ModelSource) -> str:
+    def _export_context(self) -> str:
         path = context_export_path(self.options, self.model_path)
-        written, _ = export_context_model(self, path, self.options["ep.context_embed_mode"], source=self.model_path)
-        return written
+        return export_context_model(self, path, self.options["ep.context_embed_mode"], source=self.model_path)[0]
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -183,25 +181,27 @@ class Session:
         With ``bindings``, bound inputs are read from their buffers and bound outputs are
         stored into theirs and returned as None (their bytes stay on the device).
         """
-        begin_run(self._intra_op_threads)
         if bindings:
-            feeds = bound_feeds(feeds, bindings)
-        args = self._signature.arguments(feeds or {})
-        values = self._plan.run(*(args if bindings else protect_inputs(args)))
-        if bindings:
-            return deliver_outputs(self._output_names, values, bindings, args, self._spaces)
+            begin_run(self._intra_op_threads)
+            args = self._signature.arguments(bound_feeds(feeds, bindings))
+            return deliver_outputs(self._output_names, self._plan.run(*args), bindings, args, self._spaces)
+        args, values = self._run_host(feeds or {})
         if output_names is None:
             return {name: deliver(v, args, self._spaces) for name, v in zip(self._output_names, values)}
         return {name: deliver(values[self._output_index_of(name)], args, self._spaces) for name in output_names}
 
     @typed_run_errors
     def run_list(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list:
-        begin_run(self._intra_op_threads)
-        args = self._signature.arguments(feeds)
-        values = self._plan.run(*protect_inputs(args))
+        args, values = self._run_host(feeds)
         if not output_names:
             return [deliver(v, args, self._spaces) for v in values]
         return [deliver(values[self._output_index_of(name)], args, self._spaces) for name in output_names]
+
+    def _run_host(self, feeds: Mapping[str, Any]) -> tuple[list, list]:
+        """Check ``feeds`` and run the plan on read-only views of them: (arguments, values)."""
+        begin_run(self._intra_op_threads)
+        args = self._signature.arguments(feeds)
+        return args, self._plan.run(*protect_inputs(args))
 
     def _output_index_of(self, name: str) -> int:
         try:

@@ -9,7 +9,7 @@ import numpy as np
 
 from .provider import MemoryCapability
 
-__all__ = ["TransferCounter", "MemorySpaces"]
+__all__ = ["TransferCounter", "MemorySpaces", "owner_of"]
 
 
 @dataclasses.dataclass
@@ -41,6 +41,17 @@ def _nbytes(array: Any) -> int:
     return int(np.prod(array.shape, dtype=np.int64)) * np.dtype(array.dtype).itemsize
 
 
+def owner_of(array: Any, memories: Sequence[MemoryCapability]) -> MemoryCapability | None:
+    """The provider among ``memories`` whose memory holds ``array``; None for host memory
+    (numpy arrays and scalars) or a non-array."""
+    if array is None or isinstance(array, (np.ndarray, np.generic)):
+        return None
+    for memory in memories:
+        if memory.owns(array):
+            return memory
+    return None
+
+
 class MemorySpaces:
     """The memory spaces of a session's providers: who owns an array, and counted copies.
 
@@ -57,12 +68,7 @@ class MemorySpaces:
 
     def owner(self, array: Any) -> MemoryCapability | None:
         """The provider whose memory holds ``array``; None for host memory (or a non-array)."""
-        if type(array) is np.ndarray or array is None:
-            return None
-        for memory in self.memories:
-            if memory.owns(array):
-                return memory
-        return None
+        return owner_of(array, self.memories)
 
     def to_host(self, array: Any) -> Any:
         """``array`` in host memory (unchanged when it is there already)."""
