@@ -140,9 +140,6 @@ def export_context_model(
     _drop_unused_initializers(proto.graph)
     if replaced and not any(o.domain == EP_CONTEXT_DOMAIN for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid(EP_CONTEXT_DOMAIN, 1))
-    # Before IR 4 every initializer had to be a graph input; the loaded model treats them
-    # as constants (as onnxruntime does), so the export says so with IR 4.
-    proto.ir_version = max(proto.ir_version, 4)
     written = _write_all(folder, [(os.path.basename(path), None, proto)] + [(n, b, None) for n, b in blobs])
     return written[0], written[1:]
 

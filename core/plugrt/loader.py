@@ -496,7 +496,10 @@ def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedM
         _set_base_dir(model, base_dir)
     if proto.ir_version < 4:
         # Before IR 4 every initializer had to be listed as an input; like onnxruntime,
-        # treat them as constants rather than as inputs a caller may override.
+        # treat them as constants rather than as inputs a caller may override. The model
+        # is then an IR 4 model, and says so wherever it is saved (EPContext export, the
+        # optimised model file).
         RemoveInitializersFromInputsPass()(model)
+        model.ir_version = 4
     _validate_ir(model, label)
     return LoadedModel(model=model, base_dir=base_dir, source=label)
