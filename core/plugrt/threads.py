@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["SAMPLE_INTERVAL", "PARALLEL_MIN_WORK", "begin_run", "blas_threads", "threads_for", "free_cores", "usable_cores"]
+__all__ = ["SAMPLE_INTERVAL", "PARALLEL_MIN_WORK", "begin_run", "blas_threads", "threads_for", "free_cores"]
 
 SAMPLE_INTERVAL = 0.1  # seconds between two readings of /proc/stat
 # Multiply-adds below which a second BLAS thread costs about what it saves (a 2-core Zen3
@@ -161,11 +161,6 @@ _BLAS = _Blas()
 _LOCAL = threading.local()  # .limit: the running session's; .count: what OpenBLAS has for this thread
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity)."""
-    return _MONITOR.cores
-
-
 def free_cores() -> float:
     """Usable cores minus those other processes kept busy over the last ~100 ms."""
     return max(0.0, _MONITOR.cores - _MONITOR.others_busy())
@@ -177,8 +172,7 @@ def threads_for(work: int) -> int:
     limit = getattr(_LOCAL, "limit", 0) or _MONITOR.cores
     if work < PARALLEL_MIN_WORK or limit <= 1:
         return 1
-    free = _MONITOR.cores - _MONITOR.others_busy()
-    return max(1, min(limit, int(free + _BUSY_TOLERANCE)))
+    return max(1, min(limit, int(free_cores() + _BUSY_TOLERANCE)))
 
 
 def blas_threads(work: int) -> int:
