@@ -7,12 +7,12 @@ import onnx.parser
 import pytest
 
 import plugrt
-from plugrt.cli import EXAMPLE_MODEL
+from plugrt.conformance.light_models import light_models
 from plugrt.ray import OnnxPredictor, map_batches_kwargs
 
 ray = pytest.importorskip("ray")
 
-ROWS = 320
+ROWS = 200
 
 LOOKUP = """
 <ir_version: 8, opset_import: ["" : 17]>
@@ -29,15 +29,18 @@ def cluster():
 
 
 def test_two_actors_give_the_single_process_outputs(cluster) -> None:
-    images = np.random.default_rng(11).random((ROWS, 3, 32, 32), dtype=np.float32)
+    squeezenet = next(m for m in light_models() if m.name == "squeezenet")  # IR 3, fixed batch of 1
+    (input_name,) = squeezenet.inputs
+    images = np.random.default_rng(11).random((ROWS, 3, 224, 224), dtype=np.float32)
     # eight blocks, so that both actors get work; the key restores the row order
-    ds = ray.data.from_items([{"image": images[i], "key": i} for i in range(ROWS)], override_num_blocks=8)
-    kwargs = map_batches_kwargs(EXAMPLE_MODEL, device="cpu", concurrency=2, batch_size=32, id_column="key")
+    ds = ray.data.from_items([{input_name: images[i], "key": i} for i in range(ROWS)], override_num_blocks=8)
+    kwargs = map_batches_kwargs(squeezenet.path, device="cpu", concurrency=2, batch_size=25, id_column="key")
     rows = sorted(ds.map_batches(OnnxPredictor, **kwargs).take_all(), key=lambda row: row["key"])
     assert [row["key"] for row in rows] == list(range(ROWS))
-    got = np.stack([row["probabilities"] for row in rows])
-    session = plugrt.load(EXAMPLE_MODEL, device="cpu")  # the plain-Python loop, one process
-    expected = np.concatenate([session.run({"image": images[i : i + 1]})["probabilities"] for i in range(ROWS)])
+    session = plugrt.load(squeezenet.path, device="cpu")  # the plain-Python loop, one process
+    (output_name,) = (info.name for info in session.outputs)
+    got = np.stack([row[output_name] for row in rows])
+    expected = np.concatenate([session.run({input_name: images[i : i + 1]})[output_name] for i in range(ROWS)])
     np.testing.assert_array_equal(got, expected)
 
 
