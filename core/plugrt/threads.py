@@ -12,17 +12,34 @@ different threads keep their own; the call is made only when the count changes.
 Kernels call ``blas_threads(work)`` before a BLAS call of ``work`` multiply-adds; a
 session calls ``begin_run(limit)`` before each run (``intra_op_num_threads``, 0 = every
 usable core), which also sets the count for products no kernel sized.
+
+``parallel_for(count, body, work)`` is the other way to use several cores: ``body(start,
+stop)`` runs over chunks of ``range(count)`` that the calling thread and pool workers
+claim one at a time, each with one BLAS thread. Nobody waits for a fixed share, so a
+worker that loses its core costs the chunk it holds, not a stall of the whole call, and
+numpy's elementwise loops (one thread on their own) use every core too.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
+import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["SAMPLE_INTERVAL", "PARALLEL_MIN_WORK", "begin_run", "blas_threads", "threads_for", "free_cores"]
+__all__ = [
+    "SAMPLE_INTERVAL",
+    "PARALLEL_MIN_WORK",
+    "begin_run",
+    "blas_threads",
+    "threads_for",
+    "free_cores",
+    "parallel_for",
+    "parallel_threads",
+]
 
 SAMPLE_INTERVAL = 0.1  # seconds between two readings of /proc/stat
 # Multiply-adds below which a second BLAS thread costs about what it saves (a 2-core Zen3
@@ -31,6 +48,9 @@ PARALLEL_MIN_WORK = 1 << 22
 # Another process's use of a core, in cores, that still counts the core as free: short
 # daemons and our own accounting noise (jiffies) stay below it, a busy process does not.
 _BUSY_TOLERANCE = 0.3
+# Chunks per participating thread in parallel_for: enough that a thread which loses its
+# core leaves little behind, few enough that claiming them (~2 us each) stays negligible.
+_CHUNKS_PER_THREAD = 4
 
 
 class _Monitor:
@@ -177,12 +197,8 @@ def threads_for(work: int) -> int:
 
 def blas_threads(work: int) -> int:
     """Set this thread's BLAS thread count for a product of ``work`` multiply-adds; returns it."""
-    count = threads_for(work)
-    if getattr(_LOCAL, "count", None) != count:
-        set_local = _BLAS.set_local if _BLAS.resolved else _BLAS.resolve()
-        if set_local is not None:
-            set_local(count)
-        _LOCAL.count = count
+    count = 1 if getattr(_LOCAL, "in_parallel", False) else threads_for(work)
+    _set_blas_count(count)
     return count
 
 
@@ -191,3 +207,112 @@ def begin_run(limit: int) -> None:
     the next ``begin_run``, and BLAS calls no kernel sized get the count for a large product."""
     _LOCAL.limit = limit
     blas_threads(PARALLEL_MIN_WORK)
+
+
+def parallel_threads(work: int) -> int:
+    """Threads ``parallel_for`` uses for ``work`` element operations or multiply-adds: 1
+    below ``PARALLEL_MIN_WORK``, else the session's limit (every usable core by default).
+    Busy cores do not lower it: chunks are claimed dynamically, so a thread that loses its
+    core delays only the chunk it holds."""
+    limit = getattr(_LOCAL, "limit", 0) or _MONITOR.cores
+    if work < PARALLEL_MIN_WORK or limit <= 1 or getattr(_LOCAL, "in_parallel", False):
+        return 1
+    return limit
+
+
+class _Job:
+    """One parallel_for call: chunk bounds claimed through an atomic counter."""
+
+    __slots__ = ("body", "bounds", "claims", "left", "lock", "done", "error")
+
+    def __init__(self, body: Callable[[int, int], Any], bounds: list[tuple[int, int]]) -> None:
+        self.body = body
+        self.bounds = bounds
+        self.claims = itertools.count()  # next() is atomic under the GIL
+        self.left = len(bounds)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        bounds = self.bounds
+        total = len(bounds)
+        while True:
+            index = next(self.claims)
+            if index >= total:
+                return
+            try:
+                if self.error is None:
+                    self.body(*bounds[index])
+            except BaseException as e:  # re-raised on the calling thread
+                self.error = e
+            finally:
+                with self.lock:
+                    self.left -= 1
+                    if self.left == 0:
+                        self.done.set()
+
+
+class _Pool:
+    """Daemon worker threads that run parallel_for jobs, started on first use."""
+
+    def __init__(self) -> None:
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.size = 0
+        self.lock = threading.Lock()
+
+    def submit(self, job: _Job, helpers: int) -> None:
+        if self.size < helpers:
+            with self.lock:
+                while self.size < helpers:
+                    threading.Thread(target=self._serve, name=f"plugrt-worker-{self.size}", daemon=True).start()
+                    self.size += 1
+        for _ in range(helpers):
+            self.tasks.put(job)
+
+    def _serve(self) -> None:
+        _LOCAL.in_parallel = True  # a body that calls parallel_for runs it inline
+        _set_blas_count(1)
+        while True:
+            self.tasks.get().work()
+
+
+_POOL = _Pool()
+
+
+def _set_blas_count(count: int) -> None:
+    if getattr(_LOCAL, "count", None) != count:
+        set_local = _BLAS.set_local if _BLAS.resolved else _BLAS.resolve()
+        if set_local is not None:
+            set_local(count)
+        _LOCAL.count = count
+
+
+def parallel_for(count: int, body: Callable[[int, int], Any], work: int, *, grain: int = 1) -> None:
+    """Run ``body(start, stop)`` over ``range(count)`` in chunks of at least ``grain``, on
+    this thread and ``parallel_threads(work) - 1`` pool workers, each chunk with one BLAS
+    thread. Chunks must write disjoint outputs. The first exception a chunk raises is
+    raised here once every claimed chunk has finished."""
+    threads = parallel_threads(work) if count > grain else 1
+    if threads <= 1:
+        body(0, count)
+        return
+    chunks = max(1, min(threads * _CHUNKS_PER_THREAD, count // max(1, grain)))
+    if chunks == 1:
+        body(0, count)
+        return
+    bounds = [(i * count // chunks, (i + 1) * count // chunks) for i in range(chunks)]
+    job = _Job(body, bounds)
+    previous = getattr(_LOCAL, "count", None)
+    _set_blas_count(1)
+    _LOCAL.in_parallel = True
+    try:
+        _POOL.submit(job, min(threads, chunks) - 1)
+        job.work()
+        job.done.wait()
+    finally:
+        _LOCAL.in_parallel = False
+        if previous is not None:
+            _set_blas_count(previous)
+    if job.error is not None:
+        raise job.error

@@ -94,3 +94,56 @@ def test_intra_op_num_threads_holds_per_session(monitor):
     assert threads.threads_for(BIG) == 4
     one.run(feeds)
     assert threads.threads_for(BIG) == 1
+
+
+def test_parallel_for_covers_every_index_once_across_threads(monitor):
+    threads.begin_run(0)
+    seen = np.zeros(1000, dtype=np.int64)
+    workers = set()
+
+    def body(start, stop):
+        import threading
+
+        workers.add(threading.current_thread().name)
+        seen[start:stop] += 1
+
+    threads.parallel_for(1000, body, BIG)
+    assert (seen == 1).all()
+    assert len(workers) >= 1
+
+
+def test_parallel_for_runs_inline_below_the_work_threshold(monitor):
+    threads.begin_run(0)
+    calls = []
+    threads.parallel_for(1000, lambda a, b: calls.append((a, b)), threads.PARALLEL_MIN_WORK - 1)
+    assert calls == [(0, 1000)]
+
+
+def test_parallel_for_keeps_to_the_session_limit(monitor):
+    threads.begin_run(1)
+    calls = []
+    threads.parallel_for(1000, lambda a, b: calls.append((a, b)), BIG)
+    assert calls == [(0, 1000)]
+
+
+def test_parallel_for_raises_what_a_chunk_raised(monitor):
+    threads.begin_run(0)
+
+    def body(start, stop):
+        if start <= 500 < stop:
+            raise ValueError("chunk failed")
+
+    with pytest.raises(ValueError, match="chunk failed"):
+        threads.parallel_for(1000, body, BIG)
+
+
+def test_parallel_for_nested_in_a_chunk_runs_inline(monitor):
+    threads.begin_run(0)
+    out = np.zeros((8, 100))
+
+    def inner_rows(start, stop):
+        for row in range(start, stop):
+            threads.parallel_for(100, lambda a, b, row=row: out[row, a:b].__iadd__(1), BIG)
+
+    threads.parallel_for(8, inner_rows, BIG)
+    assert (out == 1).all()
