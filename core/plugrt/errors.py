@@ -41,6 +41,8 @@ __all__ = [
     "NotSupportedError",
     "ConformanceInputError",
     "ProviderNameMismatchError",
+    "WeightStoreError",
+    "WarmupShapeError",
 ]
 
 
@@ -496,3 +498,25 @@ class RunError(PlugrtError):
     def __init__(self, cause: BaseException):
         self.cause = cause
         super().__init__(f"the run failed: {type(cause).__name__}: {cause}")
+
+
+class WeightStoreError(PlugrtError, ValueError):
+    """An initializer given to a ``WeightStore`` cannot be used (wrong name, dtype or shape)."""
+
+    def __init__(self, message: str, *, name: str):
+        super().__init__(message)
+        self.name = name
+
+
+class WarmupShapeError(InvalidInputError):
+    """A shape given to ``warmup`` is not a shape (a sequence of non-negative integers) or
+    makes an input larger than the ``limits.tensor_bytes`` option allows."""
+
+    def __init__(self, input_name: str, shape: Any, reason: str):
+        self.shape = shape
+        self.reason = reason
+        super().__init__(
+            f"warmup shape {shape!r} for input {input_name!r} is invalid: {reason}; give a tuple "
+            "of non-negative integers, e.g. {'" + input_name + "': (1, 16)}",
+            input_name=input_name,
+        )
