@@ -475,6 +475,42 @@ def _set_base_dir(model: ir.Model, base_dir: str) -> None:
                         tensor.base_dir = base_dir
 
 
+def _owned(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
+    """``tensor`` with its own numpy array when it reads its bytes from the protobuf."""
+    if not isinstance(tensor, ir.serde.TensorProtoTensor):
+        return tensor  # external data stays lazy (memory-mapped on first use)
+    array = tensor.numpy()
+    meta = dict(tensor.metadata_props)
+    if tensor.dtype == ir.DataType.STRING:
+        return ir.StringTensor(array, shape=tensor.shape, name=tensor.name, doc_string=tensor.doc_string, metadata_props=meta)
+    return ir.Tensor(array, dtype=tensor.dtype, name=tensor.name, doc_string=tensor.doc_string, metadata_props=meta)
+
+
+def _own_tensors(model: ir.Model) -> None:
+    """Give every tensor held inline (initializers and attributes, in subgraphs and
+    functions too) its own array. Each read of a protobuf ``raw_data`` copies it, and one
+    tensor left pointing into the parsed protobuf keeps all of it alive: without this, a
+    session would hold every weight two or three times."""
+    graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
+    for owner in list(graphs):
+        for node in ir.traversal.RecursiveGraphIterator(owner):
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR:
+                    node.attributes[attr.name] = ir.AttrTensor(attr.name, _owned(attr.value), doc_string=attr.doc_string)
+                elif attr.type == ir.AttributeType.TENSORS:
+                    tensors = [_owned(t) for t in attr.value]
+                    node.attributes[attr.name] = ir.AttrTensors(attr.name, tensors, doc_string=attr.doc_string)
+                elif attr.type == ir.AttributeType.GRAPH:
+                    graphs.append(attr.value)
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    graphs.extend(attr.value)
+    for graph in graphs:
+        if isinstance(graph, ir.Graph):
+            for value in graph.initializers.values():
+                if value.const_value is not None:
+                    value.const_value = _owned(value.const_value)
+
+
 def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedModel:
     """Read, validate and convert a model. Raises ModelLoadError (or a subclass)."""
     limits = limits or LoadLimits()
@@ -494,6 +530,7 @@ def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedM
         ir_logger.setLevel(previous)
     if base_dir:
         _set_base_dir(model, base_dir)
+    _own_tensors(model)
     if proto.ir_version < 4:
         # Before IR 4 every initializer had to be listed as an input; like onnxruntime,
         # treat them as constants rather than as inputs a caller may override. The model

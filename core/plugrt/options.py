@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 
 from .errors import InvalidOptionValueError, UnknownOptionError
 from .loader import LoadLimits
+from .weights import WeightStore
 
 _LIMITS = LoadLimits()  # the defaults live in one place
 
@@ -58,6 +59,12 @@ def _embed_mode(key: str, value: Any) -> int:
     raise InvalidOptionValueError(key, value, "0 (blob file beside the model) or 1 (embedded)")
 
 
+def _weight_store(key: str, value: Any) -> Any:
+    if value is None or isinstance(value, WeightStore):
+        return value
+    raise InvalidOptionValueError(key, value, "a plugrt.WeightStore (or None)")
+
+
 def _optional_str(key: str, value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -82,6 +89,12 @@ OPTIONS: dict[str, _Option] = {
     "disabled_providers": _Option(_names, (), "provider names to ignore, as if not installed"),
     "profiling": _Option(_boolean, False, "record a span per node (Chrome trace JSON via session.profile())"),
     "intra_op_num_threads": _Option(_non_negative_int, 0, "host threads for this session's BLAS calls (0: every usable core other processes leave free)"),
+    "weights": _Option(
+        _weight_store,
+        None,
+        "a plugrt.WeightStore: initializers (and the forms providers prepare from them) are shared with "
+        "every other session built with it, read-only",
+    ),
     "limits.model_bytes": _Option(_positive_int, _LIMITS.model_bytes, "largest model file accepted, in bytes"),
     "limits.tensor_bytes": _Option(
         _positive_int,

@@ -1,0 +1,90 @@
+"""A session's counters: runs, kernel-plan caches, control flow, captures, shared weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .weights import stats_of
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["SessionStats", "session_stats", "KERNEL_CACHE_HITS", "KERNEL_CACHE_MISSES", "SUBGRAPH_RUNS"]
+
+#: Counter names a provider's ``counters(compiled)`` reports (see ``CountersCapability``);
+#: control-flow executions are ``"control_flow.<op_type>"``.
+KERNEL_CACHE_HITS = "kernel_cache.hits"
+KERNEL_CACHE_MISSES = "kernel_cache.misses"
+SUBGRAPH_RUNS = "subgraph_runs"
+_CONTROL_FLOW = "control_flow."
+
+
+@dataclasses.dataclass
+class SessionStats:
+    """What a session has done since it was built (``Session.stats()``; a snapshot).
+
+    - ``runs``: plan runs: ``run``, ``run_list``, warm-up runs, and replays that ran eagerly.
+    - ``kernel_cache_hits``, ``kernel_cache_misses``: look-ups of the plans kernels keep per
+      input shape (a miss builds one: a new shape, or a cache that was full), summed over
+      the providers that count them.
+    - ``control_flow``: executions of control-flow ops by op type, e.g. ``{"If": 3, "Loop": 1}``
+      (nested ones included).
+    - ``subgraph_runs``: runs of their subgraphs (the If branch taken, each Loop or Scan
+      iteration).
+    - ``replays``, ``eager_fallbacks``, ``fallback_reasons``, ``bytes_allocated_during_replay``:
+      the capture counters, as :attr:`Session.capture_stats`.
+    - ``weights``: the counters of the session's :class:`plugrt.WeightStore` (shared with
+      every session that uses it; see :class:`plugrt.weights.WeightStats`), empty without one.
+    - ``providers``: every counter as each provider reports it, by provider name.
+    """
+
+    runs: int = 0
+    kernel_cache_hits: int = 0
+    kernel_cache_misses: int = 0
+    control_flow: dict[str, int] = dataclasses.field(default_factory=dict)
+    subgraph_runs: int = 0
+    replays: int = 0
+    eager_fallbacks: int = 0
+    fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_allocated_during_replay: int = 0
+    weights: dict[str, int] = dataclasses.field(default_factory=dict)
+    providers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counters as plain dicts and ints (for JSON or logging)."""
+        return dataclasses.asdict(self)
+
+
+def session_stats(session: "Session") -> SessionStats:
+    """The session's counters now: see :class:`SessionStats`."""
+    by_name = {p.name: p for p in session.selection.providers}
+    providers: dict[str, dict[str, int]] = {}
+    for compiled in session.compiled_partitions:
+        count = getattr(by_name.get(compiled.provider), "counters", None)
+        if count is None:
+            continue
+        totals = providers.setdefault(compiled.provider, {})
+        _add(totals, count(compiled))
+    merged: dict[str, int] = {}
+    for counters in providers.values():
+        _add(merged, counters)
+    capture = session.capture_stats
+    return SessionStats(
+        runs=session._runs,
+        kernel_cache_hits=merged.get(KERNEL_CACHE_HITS, 0),
+        kernel_cache_misses=merged.get(KERNEL_CACHE_MISSES, 0),
+        control_flow={k[len(_CONTROL_FLOW):]: n for k, n in merged.items() if k.startswith(_CONTROL_FLOW)},
+        subgraph_runs=merged.get(SUBGRAPH_RUNS, 0),
+        replays=capture.replays,
+        eager_fallbacks=capture.eager_fallbacks,
+        fallback_reasons=dict(capture.fallback_reasons),
+        bytes_allocated_during_replay=capture.bytes_allocated_during_replay,
+        weights=dict(stats_of(session.weights)),
+        providers=providers,
+    )
+
+
+def _add(totals: dict[str, int], counters: Mapping[str, int]) -> None:
+    for key, n in counters.items():
+        totals[key] = totals.get(key, 0) + int(n)

@@ -1,0 +1,91 @@
+"""Warm-up: run a session on generated inputs of given shapes before real requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
+
+from .errors import UnknownInputError, WarmupShapeError
+from .inputs import example_inputs
+
+if TYPE_CHECKING:
+    from .session import Session
+    from .signature import TensorInfo
+
+__all__ = ["WarmupShapes", "warmup_session", "warmup_feeds"]
+
+#: Input name -> shape, or a list of them (one warm-up per entry).
+WarmupShapes = Union[Mapping[str, Sequence[int]], Sequence[Mapping[str, Sequence[int]]]]
+
+
+def warmup_session(session: "Session", shapes: WarmupShapes | None = None, *, runs: int = 1) -> None:
+    """Run the model ``runs`` times on generated inputs of each shape set in ``shapes``, so
+    that kernels build their per-shape plans before the first real request.
+
+    ``shapes`` maps input names to shapes, or is a list of such mappings, one warm-up each:
+    ``[{"input_ids": (1, 16)}, {"input_ids": (1, 1)}]`` warms a prefill and a decode step.
+    An input not named takes its declared shape, a symbolic dimension the size a named
+    input gives that symbol (else 1). None: once on the declared shapes. Raises
+    UnknownInputError for a name the model has no input of, WarmupShapeError for what is
+    not a shape (or too large), and the run's own InvalidInputError (rank, fixed size, a
+    symbol bound to two sizes) for a shape the model does not accept.
+    """
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 0:
+        raise WarmupShapeError("*", runs, "runs must be a non-negative integer")
+    entries: Sequence[Mapping[str, Sequence[int]]]
+    if shapes is None:
+        entries = [{}]
+    elif isinstance(shapes, Mapping):
+        entries = [shapes]
+    else:
+        entries = list(shapes)
+    limit = session.options["limits.tensor_bytes"]
+    all_feeds = [warmup_feeds(session.inputs, entry, limit) for entry in entries]  # every entry checked first
+    for feeds in all_feeds:
+        for _ in range(runs):
+            session.run(feeds)
+
+
+def warmup_feeds(inputs: Sequence["TensorInfo"], shapes: Mapping[str, Any], max_bytes: int) -> dict[str, Any]:
+    """Generated inputs: those named in ``shapes`` of that shape, the others of their
+    declared shape with symbols bound by the named ones."""
+    if not isinstance(shapes, Mapping):
+        raise WarmupShapeError("*", shapes, "each warm-up entry must map input names to shapes")
+    by_name = {info.name: info for info in inputs}
+    dims: dict[str, int] = {}
+    infos = list(inputs)
+    for name, shape in shapes.items():
+        info = by_name.get(name)
+        if info is None:
+            raise UnknownInputError(name, list(by_name))
+        given = _shape(name, shape)
+        itemsize = info.dtype.itemsize if info.dtype is not None else 8
+        if math.prod(given) * itemsize > max_bytes:
+            raise WarmupShapeError(
+                name, shape, f"{math.prod(given) * itemsize} bytes exceed the limits.tensor_bytes option ({max_bytes})"
+            )
+        declared = info.shape or ()
+        if len(declared) == len(given):
+            for dim, size in zip(declared, given):
+                if isinstance(dim, str):
+                    dims.setdefault(dim, size)  # a conflict is the run's SymbolConflictError
+        infos[infos.index(info)] = dataclasses.replace(info, shape=given)
+    return example_inputs(infos, dims=dims)
+
+
+def _shape(name: str, shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise WarmupShapeError(name, shape, "not a sequence of sizes")
+    sizes = []
+    for size in shape:
+        if isinstance(size, bool):
+            raise WarmupShapeError(name, shape, f"size {size!r} is not an integer")
+        try:
+            sizes.append(operator.index(size))
+        except TypeError:
+            raise WarmupShapeError(name, shape, f"size {size!r} is not an integer") from None
+        if sizes[-1] < 0:
+            raise WarmupShapeError(name, shape, f"size {size} is negative")
+    return tuple(sizes)
