@@ -39,6 +39,8 @@ from .errors import (
     UnknownOptionError,
     UnsafeExternalDataError,
     UnsupportedOpError,
+    WarmupShapeError,
+    WeightStoreError,
 )
 from .ort import (
     ExecutionMode,
@@ -64,6 +66,7 @@ from .provider import (
     CompiledPartition,
     ContextCapability,
     ContextCompatibilityCapability,
+    CountersCapability,
     Device,
     DeviceKind,
     ExecutionProvider,
@@ -81,7 +84,9 @@ from .provider import (
 )
 from .registry import ProviderRegistry, default_registry
 from .session import ModelMetadata, Session, TensorInfo, load
+from .stats import SessionStats
 from .transfers import TransferCounter
+from .weights import WeightStats, WeightStore
 
 __version__ = "0.1.0"
 
@@ -99,6 +104,9 @@ __all__ = [
     "CaptureReport",
     "CaptureStats",
     "ReplayResult",
+    "SessionStats",
+    "WeightStore",
+    "WeightStats",
     "InferenceSession",
     "SessionOptions",
     "get_available_providers",
@@ -125,6 +133,7 @@ __all__ = [
     "PassesCapability",
     "FunctionCapability",
     "AvailabilityCapability",
+    "CountersCapability",
     "CaptureContext",
     "CaptureMiss",
     "CapturedPartition",
@@ -169,5 +178,7 @@ __all__ = [
     "NotSupportedError",
     "ProviderNameMismatchError",
     "RunError",
+    "WarmupShapeError",
+    "WeightStoreError",
     "RunTerminatedError",
 ]

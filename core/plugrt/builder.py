@@ -1,4 +1,4 @@
-"""SessionBuilder: fluent construction of a session, with optional warm-up runs."""
+"""SessionBuilder: fluent construction of a session, with shared weights and warm-up runs."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import os
 from typing import Any
 
 from .errors import OptionError
-from .inputs import example_inputs
 from .loader import ModelSource
 from .registry import ProviderRegistry
 from .session import Session
+from .warmup import WarmupShapes
+from .weights import WeightStore, adopt_session
 
 __all__ = ["SessionBuilder"]
 
@@ -22,7 +23,7 @@ class SessionBuilder:
         self._device: str | None = "auto"
         self._providers: list[str] | None = None
         self._options: dict[str, Any] = {}
-        self._warmup: int = 0
+        self._warmup: tuple[WarmupShapes | None, int] | None = None
         self._registry: ProviderRegistry | None = None
 
     def model(self, path: str | os.PathLike) -> "SessionBuilder":
@@ -54,9 +55,27 @@ class SessionBuilder:
         self._registry = registry
         return self
 
-    def warmup(self, runs: int = 1) -> "SessionBuilder":
-        """Run the model ``runs`` times on inputs of the declared shapes after building."""
-        self._warmup = runs
+    def weights(self, store: WeightStore) -> "SessionBuilder":
+        """Share initializers (and the forms providers prepare from them) with every other
+        session built with ``store``; see :class:`plugrt.WeightStore`."""
+        return self.option("weights", store)
+
+    def share_weights_with(self, session: Session) -> "SessionBuilder":
+        """Share ``session``'s weights: the new session holds no second copy of an
+        initializer ``session`` has (matched by content, so another file or device intent
+        of the same weights qualifies). Uses ``session.weights``; a session built without
+        a store gets one holding its initializers (its prepared forms, built without a
+        store, are not shared then: build the first session with ``.weights(store)``)."""
+        return self.option("weights", adopt_session(session))
+
+    def warmup(self, shapes: WarmupShapes | int | None = None, *, runs: int = 1) -> "SessionBuilder":
+        """After building, run the model ``runs`` times per entry of ``shapes`` on generated
+        inputs (see :meth:`Session.warmup`), e.g. ``warmup([{"input_ids": (1, 16)},
+        {"input_ids": (1, 1)}])``. An int is a number of runs on the declared shapes."""
+        if isinstance(shapes, int):
+            self._warmup = (None, int(shapes))
+        else:
+            self._warmup = (shapes, runs)  # checked at build, against the model's inputs
         return self
 
     def build(self) -> Session:
@@ -69,8 +88,7 @@ class SessionBuilder:
             options=self._options,
             registry=self._registry,
         )
-        if self._warmup:
-            feeds = example_inputs(session.inputs)
-            for _ in range(self._warmup):
-                session.run(feeds)
+        if self._warmup is not None:
+            shapes, runs = self._warmup
+            session.warmup(shapes, runs=runs)
         return session

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from ._dtypes import numpy_dtype, onnx_type
 from .ir_utils import constant_array, graph_free_values, implicit_inputs, is_constant, subgraphs, tensor_array
@@ -43,6 +43,7 @@ __all__ = [
     "PassesCapability",
     "FunctionCapability",
     "AvailabilityCapability",
+    "CountersCapability",
     "CAPABILITIES",
     "CAPABILITY_PROTOCOLS",
     "SUPPORTED_PROTOCOL_VERSIONS",
@@ -451,6 +452,20 @@ class AvailabilityCapability(Protocol):
     unavailable_reason: str
 
 
+@runtime_checkable
+class CountersCapability(Protocol):
+    """Counters of a compiled partition, which ``Session.stats()`` sums.
+
+    ``counters(compiled)`` returns what the partition's kernels did since it was compiled,
+    as ``{name: int}``: ``"kernel_cache.hits"`` and ``"kernel_cache.misses"`` (look-ups
+    of plans kept per input shape), ``"control_flow.<op_type>"`` (executions of If, Loop,
+    Scan, ...) and ``"subgraph_runs"``; subgraphs' counters included. Other names are
+    shown per provider. Counting must cost the per-node path no more than an increment.
+    """
+
+    def counters(self, compiled: CompiledPartition) -> "Mapping[str, int]": ...
+
+
 #: The protocol versions this core can load. A provider declares ``protocol_version``
 #: (an int; a provider without one is taken as version 1); any other version is listed by
 #: ``plugrt providers`` with the reason and never loaded.
@@ -465,6 +480,7 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
     "passes": PassesCapability,
     "functions": FunctionCapability,
     "availability": AvailabilityCapability,
+    "counters": CountersCapability,
 }
 
 #: Every optional member a provider may implement, with what it is for (the Protocols
@@ -482,6 +498,8 @@ CAPABILITIES: dict[str, str] = {
     "sdk_version": "str: written as ep_sdk_version in exported EPContext nodes",
     "passes": "passes(model) -> onnx_ir passes run before placement at optimization='all' (PassesCapability)",
     "supports_function": "supports_function(domain, name, ctx) -> Support (FunctionCapability)",
+    "counters": "counters(compiled) -> {name: int}: kernel-cache, control-flow counters for Session.stats() "
+    "(CountersCapability)",
 }
 
 

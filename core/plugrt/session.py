@@ -6,29 +6,31 @@ import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import onnx_ir as ir
 
 from ._guard import protect_inputs, tensor_limit, typed_load_errors, typed_run_errors
 from .bindings import DeviceBinding, allocate_binding, bind_host_array, binding_info, bound_feeds, deliver, deliver_outputs
 from .build import BuiltGraph, build_graph
-from .capture import DEFAULT_SLOT, Captured, CapturedPlan, CaptureReport, CaptureSlots, CaptureStats, ReplayResult
+from .capture import DEFAULT_SLOT, Captured, CapturedPlan, CaptureReport, CaptureSlots, ReplayResult
 from .epcontext import export_context_model
 from .errors import InvalidInputError
 from .intent import Selection, resolve_device
+from .introspection import SessionIntrospection
 from .loader import ModelSource, load_model
 from .options import SessionOptions, parse_options
-from .placement import PlacementReport
 from .prepare import context_export_path, load_limits, prepare_model
-from .provider import Device, NotCapturable, memory_of
+from .provider import NotCapturable, memory_of
 from .registry import ProviderRegistry, default_registry
 from .signature import InputSignature, ModelMetadata, TensorInfo, input_specs, model_metadata, tensor_info
+from .stats import session_stats
 from .threads import begin_run
-from .transfers import MemorySpaces, TransferCounter
+from .transfers import MemorySpaces
+from .warmup import warmup_session
+from .weights import WeightStore, building, share_initializers
 
 __all__ = ["TensorInfo", "ModelMetadata", "Session", "load"]
 
 
-class Session:
+class Session(SessionIntrospection):
     """A model built for a device; ``run`` it many times.
 
     Use :func:`plugrt.load` or :class:`plugrt.SessionBuilder` rather than this constructor.
@@ -68,6 +70,8 @@ class Session:
         chosen = self.selection.providers
         self._spaces = MemorySpaces([m for m in map(memory_of, chosen) if m is not None])
         self._opsets = prepared.opsets
+        self.weights: WeightStore | None = share_initializers(self._model, self.options["weights"])
+        self._runs = 0  # plan runs, for stats()
         with tensor_limit(self.options["limits.tensor_bytes"]):  # kernel outputs above it are refused
             self._built: BuiltGraph = self._build_plan(
                 strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
@@ -84,66 +88,23 @@ class Session:
         self.build_seconds = time.perf_counter() - started
 
     def _build_plan(self, **how: Any) -> BuiltGraph:
-        return build_graph(
-            self._model.graph,
-            self.selection.providers,
-            self._opsets,
-            registry=self.registry,
-            profile=self.options["profiling"],
-            devices=self.selection.devices,
-            spaces=self._spaces,
-            **how,
-        )
+        with building(self.weights):  # providers' prepared weights are shared through the store
+            return build_graph(
+                self._model.graph,
+                self.selection.providers,
+                self._opsets,
+                registry=self.registry,
+                profile=self.options["profiling"],
+                devices=self.selection.devices,
+                spaces=self._spaces,
+                **how,
+            )
 
     def _export_context(self) -> str:
         path = context_export_path(self.options, self.model_path)
         return export_context_model(self, path, self.options["ep.context_embed_mode"], source=self.model_path)[0]
 
     # -- introspection ---------------------------------------------------------------------
-
-    @property
-    def initializer_inputs(self) -> list[str]:
-        """Inputs that have an initializer as default (may be omitted or overridden)."""
-        return [s.name for s in self._signature.specs if s.default is not None]
-
-    @property
-    def transfers(self) -> TransferCounter:
-        """Copies between memory spaces so far (``snapshot()`` / ``since()`` for one run)."""
-        return self._spaces.counter
-
-    @property
-    def capture_stats(self) -> CaptureStats:
-        """Replays, eager fallbacks with their reasons, bytes allocated during replays."""
-        return self._captures.stats
-
-    def __repr__(self) -> str:
-        model = self.model_path or f"<{self.metadata.graph_name or 'model'} given as bytes>"
-        nodes = ", ".join(f"{p}: {n}" for p, n in self.placement.nodes_per_provider.items())
-        return f"Session(model={model!r}, providers={self.providers}, placement={{{nodes}}})"
-
-    @property
-    def placement(self) -> PlacementReport:
-        """Where each node runs, fallbacks with their reasons, and transfers."""
-        return self._built.report
-
-    @property
-    def providers(self) -> list[str]:
-        """The providers this session uses, in priority order."""
-        return [p.name for p in self.selection.providers]
-
-    @property
-    def devices(self) -> dict[str, Device]:
-        return dict(self.selection.devices)
-
-    @property
-    def compiled_partitions(self) -> list:
-        """The compiled partitions, in execution order (restored ones included)."""
-        return list(self._built.compiled)
-
-    @property
-    def model(self) -> ir.Model:
-        """The model as built: after inlining, expansion and optimisation passes."""
-        return self._model
 
     def rebuilt_with(self, replacements: Mapping[str, Any]) -> "Session":
         """A copy of this session whose partitions named in ``replacements`` are the given
@@ -166,6 +127,9 @@ class Session:
         """Chrome-trace events of the runs so far (needs ``profiling=True``)."""
         return self._plan.chrome_trace()
 
+    stats = session_stats
+    warmup = warmup_session
+
     # -- running ---------------------------------------------------------------------------
 
     @typed_run_errors
@@ -183,6 +147,7 @@ class Session:
         """
         if bindings:
             begin_run(self._intra_op_threads)
+            self._runs += 1
             args = self._signature.arguments(bound_feeds(feeds, bindings))
             return deliver_outputs(self._output_names, self._plan.run(*args), bindings, args, self._spaces)
         args, values = self._run_host(feeds or {})
@@ -200,6 +165,7 @@ class Session:
     def _run_host(self, feeds: Mapping[str, Any]) -> tuple[list, list]:
         """Check ``feeds`` and run the plan on read-only views of them: (arguments, values)."""
         begin_run(self._intra_op_threads)
+        self._runs += 1
         args = self._signature.arguments(feeds)
         return args, self._plan.run(*protect_inputs(args))
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
-from .weights import stats_of
+from .weights import WeightStore, stats_of
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .capture import CaptureStats
+    from .intent import Selection
+    from .provider import CompiledPartition
 
 __all__ = ["SessionStats", "session_stats", "KERNEL_CACHE_HITS", "KERNEL_CACHE_MISSES", "SUBGRAPH_RUNS"]
 
@@ -56,7 +58,21 @@ class SessionStats:
         return dataclasses.asdict(self)
 
 
-def session_stats(session: "Session") -> SessionStats:
+class _Counted(Protocol):
+    """What the counters are read from: a :class:`plugrt.Session`."""
+
+    selection: "Selection"
+    weights: WeightStore | None
+    _runs: int
+
+    @property
+    def compiled_partitions(self) -> list["CompiledPartition"]: ...
+
+    @property
+    def capture_stats(self) -> "CaptureStats": ...
+
+
+def session_stats(session: _Counted) -> SessionStats:
     """The session's counters now: see :class:`SessionStats`."""
     by_name = {p.name: p for p in session.selection.providers}
     providers: dict[str, dict[str, int]] = {}

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Union
 
 from .errors import UnknownInputError, WarmupShapeError
 from .inputs import example_inputs
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .options import SessionOptions
     from .signature import TensorInfo
 
 __all__ = ["WarmupShapes", "warmup_session", "warmup_feeds"]
@@ -20,7 +20,16 @@ __all__ = ["WarmupShapes", "warmup_session", "warmup_feeds"]
 WarmupShapes = Union[Mapping[str, Sequence[int]], Sequence[Mapping[str, Sequence[int]]]]
 
 
-def warmup_session(session: "Session", shapes: WarmupShapes | None = None, *, runs: int = 1) -> None:
+class _Runnable(Protocol):
+    """What warm-up needs of a :class:`plugrt.Session`."""
+
+    inputs: list["TensorInfo"]
+    options: "SessionOptions"
+
+    def run(self, feeds: Any = None) -> Any: ...
+
+
+def warmup_session(session: _Runnable, shapes: WarmupShapes | None = None, *, runs: int = 1) -> None:
     """Run the model ``runs`` times on generated inputs of each shape set in ``shapes``, so
     that kernels build their per-shape plans before the first real request.
 

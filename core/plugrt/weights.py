@@ -136,13 +136,13 @@ class WeightStore:
             held = self._transforms.get((key, transform))
             if held is not None:
                 self._stats.transforms_reused += 1
-                self._stats.transform_bytes_reused += _nbytes(held)
+                self._stats.transform_bytes_reused += _nbytes(held, source)
                 return held
             made = make()
             _freeze(made)
             self._transforms[(key, transform)] = made
             self._stats.transforms += 1
-            self._stats.transform_bytes += _nbytes(made)
+            self._stats.transform_bytes += _nbytes(made, source)
             return made
 
     @contextlib.contextmanager
@@ -220,15 +220,16 @@ def _freeze(made: Any) -> None:
                     attribute.flags.writeable = False
 
 
-def _nbytes(made: Any) -> int:
+def _nbytes(made: Any, source: np.ndarray) -> int:
+    """The bytes of the arrays in ``made`` that are not views of ``source``."""
     items = made if isinstance(made, (tuple, list)) else [made]
-    total = 0
+    arrays = []
     for item in items:
         if isinstance(item, np.ndarray):
-            total += item.nbytes
+            arrays.append(item)
         elif hasattr(item, "__dict__"):
-            total += sum(a.nbytes for a in vars(item).values() if isinstance(a, np.ndarray))
-    return total
+            arrays.extend(a for a in vars(item).values() if isinstance(a, np.ndarray))
+    return sum(a.nbytes for a in arrays if not np.may_share_memory(a, source))
 
 
 def _content_key(array: np.ndarray) -> Hashable:
@@ -273,3 +274,14 @@ def _as_tensor(array: np.ndarray, like: ir.TensorProtocol) -> ir.TensorProtocol:
 def stats_of(store: WeightStore | None) -> Mapping[str, int]:
     """A store's counters as a dict (empty without a store)."""
     return dataclasses.asdict(store.stats()) if store is not None else {}
+
+
+def adopt_session(session: Any) -> WeightStore:
+    """``session``'s store; one is made for a session built without, holding the arrays its
+    model already has (no copy: the store takes the same read-only arrays)."""
+    store: WeightStore | None = session.weights
+    if store is None:
+        store = WeightStore()
+        share_initializers(session.model, store)
+        session.weights = store
+    return store

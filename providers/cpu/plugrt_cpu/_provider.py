@@ -29,6 +29,7 @@ from plugrt.provider import (
 
 from . import _registry
 from ._capture import capture_partition, into_of
+from ._counters import PartitionCounters, collecting, counted, track_runner
 
 __all__ = ["CPUProvider"]
 
@@ -71,7 +72,7 @@ def attribute_value(attr: ir.Attr) -> Any:
 class SubgraphRunner:
     """A subgraph compiled once: ``run(inputs, outer)`` returns its outputs as a list."""
 
-    __slots__ = ("graph", "input_names", "output_names", "outer_names", "_plan")
+    __slots__ = ("graph", "input_names", "output_names", "outer_names", "_plan", "runs")
 
     def __init__(self, graph: ir.Graph, build_subgraph: Any):
         free = graph_free_values(graph)
@@ -80,8 +81,11 @@ class SubgraphRunner:
         self.output_names = [v.name or "" for v in graph.outputs]
         self.outer_names = [v.name or "" for v in free]
         self._plan = build_subgraph(graph, free)
+        self.runs = 0  # for Session.stats()
+        track_runner(self)
 
     def run(self, inputs: list, outer: dict[str, Any]) -> list:
+        self.runs += 1
         return self._plan.run(*inputs, *[outer[name] for name in self.outer_names])
 
 
@@ -120,10 +124,17 @@ class CPUProvider:
 
     def compile(self, partition: Partition) -> CompiledPartition:
         _load_kernels()
-        bound = [self._bind(node, partition.opset_imports, partition.build_subgraph) for node in partition.nodes]
+        with collecting(PartitionCounters()) as counters:
+            bound = [self._bind(node, partition.opset_imports, partition.build_subgraph) for node in partition.nodes]
         steps = [step for step, _ in bound]
         # per step: (KernelSpec, attributes), for capture to find out= variants
-        return CompiledPartition(partition, steps, self.name, state=[meta for _, meta in bound])
+        return CompiledPartition(partition, steps, self.name, state=_StepMetadata(bound, counters))
+
+    def counters(self, compiled: CompiledPartition) -> dict[str, int]:
+        """Kernel-plan cache look-ups, control-flow executions and subgraph runs of
+        ``compiled`` so far (``Session.stats()`` sums them)."""
+        counters = getattr(compiled.state, "counters", None)
+        return counters.snapshot() if isinstance(counters, PartitionCounters) else {}
 
     def capture(self, compiled: CompiledPartition, ctx: CaptureContext) -> CapturedPartition:
         """Bind every step to preallocated outputs (see plugrt_cpu._capture)."""
@@ -148,9 +159,8 @@ class CPUProvider:
         inputs: list[ir.Value | None] = list(node.inputs)
         while inputs and inputs[-1] is None:
             inputs.pop()
-        implicit = implicit_inputs(node) if any(
-            a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()
-        ) else []
+        control_flow = any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
+        implicit = implicit_inputs(node) if control_flow else []
         attributes = {name: attribute_value(attr) for name, attr in node.attributes.items()}
         if spec.builder:
             ctx = _registry.KernelContext(
@@ -179,6 +189,8 @@ class CPUProvider:
             if spec.attribute_names is not None:
                 attributes = {k: v for k, v in attributes.items() if k in spec.attribute_names}
             fn = functools.partial(spec.fn, **attributes) if attributes else spec.fn
+        if control_flow:
+            fn = counted(node.op_type, fn)  # its executions, for Session.stats()
         outputs: list[ir.Value | None] = list(node.outputs)
         while len(outputs) > 1 and outputs[-1] is None:
             outputs.pop()
@@ -195,6 +207,15 @@ class CPUProvider:
         if spec.inplace and not spec.multi_output:
             step.inplace = into_of(step)
         return step, (spec, attributes)
+
+
+class _StepMetadata(list):
+    """Per step (KernelSpec, attributes), for capture to find out= variants; and the
+    partition's counters."""
+
+    def __init__(self, bound: list[tuple[Step, tuple]], counters: PartitionCounters):
+        super().__init__(meta for _, meta in bound)
+        self.counters = counters
 
 
 def _cpu_name() -> str:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._counters import track_cache
 from .elementwise import scratch
 
 # ---------------------------------------------------------------------------
@@ -170,13 +171,19 @@ class _ShapeCache:
     def __init__(self, make: Callable[..., Any]):
         self._make = make
         self._plans: dict[Any, Any] = {}
+        self.hits = 0  # look-ups, for Session.stats()
+        self.misses = 0
+        track_cache(self)
 
     def __call__(self, *key: Any) -> Any:
         plan = self._plans.get(key)
         if plan is None:
+            self.misses += 1
             if len(self._plans) >= _PLAN_CACHE_SIZE:
                 self._plans.clear()
             plan = self._plans[key] = self._make(*key)
+            return plan
+        self.hits += 1
         return plan
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from plugrt.threads import blas_threads
+from plugrt.weights import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._window import (
@@ -400,7 +401,9 @@ def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarr
     if w_const is not None:
         # Constant weights (and bias) are reshaped here, once, in the dtype of the arithmetic.
         dtype = _compute_dtype(w_const.dtype)
-        w_prepared = op.prepare_weight(w_const, dtype)
+        # one prepared weight for every session of a WeightStore: keyed on all that shapes it
+        how = ("Conv.W", repr(sorted(ctx.attributes.items())), relu, dtype.str)
+        w_prepared = shared_transform(w_const, how, lambda: op.prepare_weight(w_const, dtype))
         b_prepared = op.prepare_bias(b_const, dtype) if b_const is not None else None
 
     def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:

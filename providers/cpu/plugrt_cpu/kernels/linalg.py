@@ -8,6 +8,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from plugrt.weights import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from .elementwise import scratch
@@ -86,6 +87,14 @@ def _check_c_shape(c: np.ndarray, y: np.ndarray, opset: int) -> None:
         )
 
 
+def _prepared_b(b: np.ndarray, trans_b: bool, alpha: float | None) -> np.ndarray:
+    """Gemm's constant B as the matmul reads it: contiguous, transposed, alpha folded in."""
+    prepared = np.ascontiguousarray(b.T if trans_b else b)
+    if alpha is not None:
+        prepared = _scaled(prepared, alpha)
+    return _widen(prepared)
+
+
 @kernel_builder("Gemm", 1, 7)
 def gemm(ctx: KernelContext):
     """Y = alpha * A' @ B' + beta * C. What depends on constant B and C is folded once:
@@ -102,11 +111,13 @@ def gemm(ctx: KernelContext):
     c_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
     scale_y = alpha != 1.0
     if b_const is not None and b_const.ndim == 2:
-        prepared_b = np.ascontiguousarray(b_const.T if trans_b else b_const)
-        if scale_y and prepared_b.dtype.kind not in "iu":
-            prepared_b = _scaled(prepared_b, alpha)
-            scale_y = False
-        prepared_b = _widen(prepared_b)
+        fold_alpha = scale_y and b_const.dtype.kind not in "iu"
+        # the same weight prepared the same way is one array for every session of a WeightStore
+        prepared_b = shared_transform(
+            b_const, ("Gemm.B", trans_b, alpha if fold_alpha else 1.0),
+            lambda: _prepared_b(b_const, trans_b, alpha if fold_alpha else None),
+        )
+        scale_y = scale_y and not fold_alpha
     else:
         prepared_b = None
     prepared_c = None
