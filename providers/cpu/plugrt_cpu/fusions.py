@@ -53,7 +53,10 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 def fusion_passes() -> list[InPlacePass]:
     """The CPU fusions in the order they must run (folding before the Relu fusion that
     looks for a Conv right before the Relu)."""
-    return [FoldChannelAffinePass(), FuseConvReluPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass()]
+    return [
+        FoldChannelAffinePass(), FuseConvReluPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(),
+        *fusions_transformer.transformer_passes(),
+    ]
 
 
 # ---------------------------------------------------------------------------------------
@@ -570,26 +573,12 @@ class FuseGeluPass(_NodePass):
 
 @kernel_builder("FusedConv", DOMAIN_VERSION, domain=DOMAIN)
 def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
-    """The Conv kernel, then the activation in place on its fresh output."""
+    """The Conv kernel with the Relu applied to each output block while it is in cache."""
     attributes = dict(ctx.attributes)
     activation = attributes.pop("activation", None)
     if activation != "Relu":
         raise NotImplementedError(f"FusedConv: activation={activation!r} is not supported (only 'Relu')")
-    conv = convolution.conv(dataclasses.replace(ctx, op_type="Conv", domain="", attributes=attributes))
-
-    def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-        y = conv(x, w, b)
-        return np.maximum(y, 0, out=y)
-
-    conv_into = getattr(conv, "into", None)
-    if conv_into is not None:  # capture replays the Conv into a preallocated output
-
-        def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> None:
-            conv_into(out, x, w, b)
-            np.maximum(out, 0, out=out)
-
-        declare_into(run_into, run)
-    return run
+    return convolution.build_conv(dataclasses.replace(ctx, op_type="Conv", domain="", attributes=attributes), relu=True)
 
 
 @kernel("FusedMatMul", DOMAIN_VERSION, domain=DOMAIN)
@@ -623,3 +612,6 @@ kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output
     normalization.layer_normalization
 )
 kernel_builder("Gelu", DOMAIN_VERSION, domain=DOMAIN)(elementwise.gelu)
+
+# Last: that module builds on the helpers above (and registers its own nodes' kernels).
+from . import fusions_transformer  # noqa: E402

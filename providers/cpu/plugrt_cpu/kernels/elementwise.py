@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import weakref
 from typing import Any, Callable
 
@@ -11,7 +12,21 @@ import numpy as np
 
 from .._registry import KernelContext, capture_variant, declare_into, kernel, kernel_builder
 
-__all__ = ["erf", "sigmoid", "scratch", "with_small_buffers"]
+__all__ = ["compiled_loops", "erf", "sigmoid", "scratch", "with_small_buffers"]
+
+
+@functools.cache
+def compiled_loops() -> Any:
+    """The numba-compiled loops module (``kernels._numba_loops``), or None when numba is
+    not installed or the environment sets ``PLUGRT_NUMBA=0``. Imported on first use, so
+    importing the provider never imports numba."""
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        return None
+    try:
+        from . import _numba_loops
+    except ImportError:
+        return None
+    return _numba_loops
 
 
 # ---------------------------------------------------------------------------------------
@@ -877,7 +892,29 @@ _SQRT_HALF = math.sqrt(0.5)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
+# Below this many elements the compiled GELU loop gains less than its call costs.
+_COMPILED_GELU_MIN = 1 << 10
+
+
+def _compiled_gelu(x: np.ndarray, out: np.ndarray) -> bool:
+    """GELU of float32 ``x`` into ``out`` in one compiled pass, when numba is there and
+    both are contiguous; False (nothing written) otherwise."""
+    if x.dtype != np.float32 or out.dtype != np.float32 or x.size < _COMPILED_GELU_MIN:
+        return False
+    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+        return False
+    loops = compiled_loops()
+    if loops is None:
+        return False
+    loops.gelu_erf(x.reshape(-1), out.reshape(-1))
+    return True
+
+
 def _gelu_exact(x):
+    if x.dtype == np.float32 and x.flags.c_contiguous:
+        y = np.empty_like(x)
+        if _compiled_gelu(x, y):
+            return y
     y = erf(np.multiply(x, _SQRT_HALF, out=np.empty_like(x)))
     y += 1
     y *= x
@@ -886,6 +923,8 @@ def _gelu_exact(x):
 
 
 def _gelu_exact_into(out, x):
+    if _compiled_gelu(x, out):
+        return
     _erf_into(out, np.multiply(x, _SQRT_HALF, out=scratch(out, "gelu", x.shape, x.dtype)))
     out += 1
     out *= x

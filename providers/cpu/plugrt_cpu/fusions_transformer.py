@@ -1,0 +1,383 @@
+"""The CPU provider's transformer fusions: self-attention subgraphs and residual LayerNorms, each made one step.
+
+Run by :func:`plugrt_cpu.fusions.fusion_passes` after the MatMul + bias fusion (the
+attention pattern starts from its FusedMatMul nodes). Like the other fusions they write
+``plugrt.cpu`` nodes, rewrite only nodes the CPU provider runs, and fuse only where every
+intermediate value is read inside the pattern alone and is not a graph output.
+
+- :class:`FuseSelfAttentionPass`: three projections of one input (MatMul + bias), each
+  Reshape to (batch, seq, heads, size) and Transpose to heads-first, ``MatMul(q, k^T)``,
+  an optional Mul/Div by a scalar, Softmax over the keys, ``MatMul(probs, v)``, Transpose
+  and Reshape back to (batch, seq, hidden): ``plugrt.cpu::SelfAttention`` with the three
+  weights side by side (one GEMM for q, k and v).
+- :class:`FuseSkipLayerNormPass`: ``LayerNormalization(a + b)`` over the last axis whose
+  statistics outputs nobody reads: ``plugrt.cpu::SkipLayerNormalization``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from plugrt.ir_utils import constant_array
+from plugrt.threads import PARALLEL_MIN_WORK, blas_threads
+
+from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
+from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
+from .kernels import normalization
+from .kernels.elementwise import compiled_loops, scratch
+
+__all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass"]
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def transformer_passes() -> list[_NodePass]:
+    """The transformer fusions, in order (both after FuseMatMulBiasPass and FuseLayerNormPass)."""
+    return [FuseSelfAttentionPass(), FuseSkipLayerNormPass()]
+
+
+def _is_ours(node: ir.Node | None, op_type: str) -> bool:
+    """Whether ``node`` is the plugrt.cpu node ``op_type``."""
+    return node is not None and node.domain == DOMAIN and node.op_type == op_type
+
+
+def _ints(value: ir.Value | None) -> tuple[int, ...] | None:
+    array = constant_array(value) if value is not None else None
+    if array is None or array.dtype.kind not in "iu" or array.ndim != 1:
+        return None
+    return tuple(int(v) for v in array)
+
+
+def _drop_unused_initializers(graph: ir.Graph, values: list[ir.Value]) -> None:
+    """Forget initializers a rewrite left without readers (their arrays live on in the
+    fused constant; keeping both would hold the weights twice)."""
+    for value in values:
+        name = value.name
+        if name is not None and not value.uses() and not value.is_graph_output() and name in graph.initializers:
+            graph.initializers.pop(name)
+
+
+# ---------------------------------------------------------------------------------------
+# (1) Self-attention
+
+
+@dataclasses.dataclass
+class _Projection:
+    """x @ weight + bias, reshaped to (batch, seq, heads, size) and transposed."""
+
+    x: ir.Value
+    weight: np.ndarray
+    bias: np.ndarray
+    heads: int
+    nodes: list[ir.Node]
+    constants: list[ir.Value]
+
+
+def _projection(value: ir.Value | None, perm: tuple[int, ...], reader: ir.Node) -> _Projection | None:
+    """The projection that ``value`` (read by ``reader`` alone) is, transposed by ``perm``."""
+    transpose = value.producer() if value is not None else None
+    if value is None or not _is(transpose, "Transpose") or _sole_reader(value) is not reader:
+        return None
+    if tuple(transpose.attributes.get_ints("perm", ())) != perm:
+        return None
+    split = transpose.inputs[0]
+    reshape = split.producer() if split is not None else None
+    if split is None or not _is(reshape, "Reshape") or _sole_reader(split) is not transpose:
+        return None
+    shape = _ints(reshape.inputs[1] if len(reshape.inputs) > 1 else None)
+    if shape is None or len(shape) != 4 or shape[:2] != (0, 0) or min(shape[2:]) <= 0:
+        return None
+    if reshape.attributes.get_int("allowzero", 0):
+        return None
+    projected = reshape.inputs[0]
+    product = projected.producer() if projected is not None else None
+    if projected is None or product is None or _sole_reader(projected) is not reshape:
+        return None
+    if _is_ours(product, "FusedMatMul") and len(product.inputs) == 3:
+        weight_value, bias_value = product.inputs[1], product.inputs[2]
+    elif _is(product, "MatMul") and len(product.inputs) == 2:
+        weight_value, bias_value = product.inputs[1], None
+    else:
+        return None
+    weight = constant_array(weight_value) if weight_value is not None else None
+    if weight is None or weight.ndim != 2 or weight.dtype not in _FLOATS:
+        return None
+    heads, size = shape[2:]
+    if weight.shape[1] != heads * size:
+        return None
+    if bias_value is None:
+        bias = np.zeros(weight.shape[1], weight.dtype)
+    else:
+        bias = constant_array(bias_value)
+        if bias is None or bias.dtype != weight.dtype or bias.shape != (weight.shape[1],):
+            return None
+    x = product.inputs[0]
+    if x is None:
+        return None
+    constants = [v for v in (weight_value, bias_value, reshape.inputs[1]) if v is not None]
+    return _Projection(x, weight, bias, heads, [product, reshape, transpose], constants)
+
+
+def _scaling(scores: ir.Value, softmax: ir.Node) -> tuple[ir.Value, list[ir.Node], float, bool] | None:
+    """(the MatMul's output, nodes, factor, divides) for Softmax's input: scores * factor,
+    scores / factor, or scores itself (factor 1)."""
+    node = scores.producer()
+    if _sole_reader(scores) is not softmax:
+        return None
+    if (_is(node, "Mul") or _is(node, "Div")) and node is not None and len(node.inputs) == 2:
+        a, b = node.inputs
+        divides = node.op_type == "Div"
+        factor = _scalar(b)
+        if factor is not None and a is not None:
+            return a, [node], factor, divides
+        factor = None if divides else _scalar(a)
+        if factor is not None and b is not None:
+            return b, [node], factor, False
+        return None
+    return scores, [], 1.0, False
+
+
+def _softmax_over_last_axis(node: ir.Node, opset: int) -> bool:
+    """Softmax over axis 3 of a 4-D input (before opset 13, the coerced 2-D form with
+    axis 3 is the same thing)."""
+    axis = node.attributes.get_int("axis", -1 if opset >= 13 else 1)
+    return axis in (-1, 3)
+
+
+class FuseSelfAttentionPass(_NodePass):
+    """Multi-head self-attention written out as exporters do (see the module docstring):
+    ``plugrt.cpu::SelfAttention(x, [Wq|Wk|Wv], [bq|bk|bv], heads, scale, divide)``."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        opset = model.opset_imports.get("", 0)
+        if not _is(node, "Softmax") or not _softmax_over_last_axis(node, opset) or node.inputs[0] is None:
+            return False
+        found = _scaling(node.inputs[0], node)
+        if found is None:
+            return False
+        scores, scaling, factor, divides = found
+        qk = scores.producer()
+        if not _is(qk, "MatMul") or _sole_reader(scores) is not (scaling[0] if scaling else node):
+            return False
+        pv = _sole_reader(node.outputs[0])
+        if not _is(pv, "MatMul") or pv.inputs[0] is not node.outputs[0]:
+            return False
+        merge_t = _sole_reader(pv.outputs[0])
+        if not _is(merge_t, "Transpose") or tuple(merge_t.attributes.get_ints("perm", ())) != (0, 2, 1, 3):
+            return False
+        merge = _sole_reader(merge_t.outputs[0])
+        if not _is(merge, "Reshape") or len(merge.inputs) < 2 or merge.attributes.get_int("allowzero", 0) != 0:
+            return False
+        merged_shape = _ints(merge.inputs[1])
+        if merged_shape is None or len(merged_shape) != 3 or merged_shape[:2] != (0, 0):
+            return False
+        q = _projection(qk.inputs[0], (0, 2, 1, 3), qk)
+        k = _projection(qk.inputs[1], (0, 2, 3, 1), qk)
+        v = _projection(pv.inputs[1], (0, 2, 1, 3), pv)
+        if q is None or k is None or v is None or not (q.x is k.x is v.x):
+            return False
+        x = q.x
+        if x.shape is None or len(x.shape) != 3:
+            return False
+        weights = [q.weight, k.weight, v.weight]
+        if len({(w.shape, w.dtype) for w in weights}) != 1 or len({q.heads, k.heads, v.heads}) != 1:
+            return False
+        if merged_shape[2] != q.weight.shape[1]:
+            return False
+        pattern = [*q.nodes, *k.nodes, *v.nodes, qk, *scaling, node, pv, merge_t, merge]
+        graph, name = model.graph, node.name or "attention"
+        inputs = [
+            x,
+            _add_constant(graph, f"{name}_qkv_weight", np.concatenate(weights, axis=1)),
+            _add_constant(graph, f"{name}_qkv_bias", np.concatenate([q.bias, k.bias, v.bias])),
+        ]
+        attributes = [
+            ir.AttrInt64("heads", q.heads),
+            ir.AttrFloat32("scale", factor),
+            ir.AttrInt64("divide", int(divides)),
+        ]
+        # The pattern's nodes are not in graph order; _replace wants its last output last.
+        ordered = sorted(pattern, key=list(graph).index)
+        fused = _private_node(model, "SelfAttention", inputs, name, attributes)
+        _replace(graph, ordered, fused)
+        _drop_unused_initializers(graph, [*q.constants, *k.constants, *v.constants])
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# (2) LayerNormalization of a sum
+
+
+def _layer_norm_parameters(node: ir.Node) -> tuple[ir.Value, ir.Value | None, float] | None:
+    """(scale, bias, epsilon) of a LayerNormalization over the last axis with 1-D constant
+    float parameters, whose mean and inverse-std outputs nobody reads."""
+    if not (_is(node, "LayerNormalization") or _is_ours(node, "LayerNormalization")) or len(node.inputs) < 2:
+        return None
+    if node.attributes.get_int("axis", -1) != -1 or node.attributes.get_int("stash_type", 1) != 1:
+        return None
+    if any(v.uses() or v.is_graph_output() for v in node.outputs[1:]):
+        return None
+    scale = node.inputs[1]
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    for value in (scale, bias):
+        array = constant_array(value) if value is not None else None
+        if value is not None and (array is None or array.ndim != 1 or array.dtype not in _FLOATS):
+            return None
+    if scale is None:
+        return None
+    return scale, bias, node.attributes.get_float("epsilon", 1e-5)
+
+
+class FuseSkipLayerNormPass(_NodePass):
+    """``LayerNormalization(Add(a, b))`` (last axis, only Y read, the sum read by the
+    LayerNorm alone): ``plugrt.cpu::SkipLayerNormalization(a, b, scale[, bias])``."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        found = _layer_norm_parameters(node)
+        total = node.inputs[0]
+        add = total.producer() if total is not None else None
+        if found is None or total is None or not _is(add, "Add") or _sole_reader(total) is not node:
+            return False
+        scale, bias, epsilon = found
+        inputs = [add.inputs[0], add.inputs[1], scale, *([bias] if bias is not None else [])]
+        attributes = [ir.AttrFloat32("epsilon", epsilon)]
+        fused = _private_node(model, "SkipLayerNormalization", inputs, node.name or "skip_layer_norm", attributes)
+        _replace(model.graph, [add, node], fused)
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# Kernels of the plugrt.cpu nodes
+
+
+def _softmax_last_axis(scores: np.ndarray) -> None:
+    """Softmax over the last axis, in place (every row finite or NaN: no mask here)."""
+    row = scores.max(axis=-1, keepdims=True)
+    np.subtract(scores, row, out=scores)
+    np.exp(scores, out=scores)
+    np.sum(scores, axis=-1, keepdims=True, out=row)
+    np.divide(scores, row, out=scores)
+
+
+@kernel_builder("SelfAttention", DOMAIN_VERSION, domain=DOMAIN)
+def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """softmax(q k^T * scale) v per head, with q, k, v from one GEMM of x by the three
+    weights side by side; the result in (batch, seq, hidden) order."""
+    heads = int(ctx.attributes["heads"])
+    scale = float(ctx.attributes.get("scale", 1.0))
+    divide = bool(ctx.attributes.get("divide", 0))
+
+    def attend(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, work) -> None:
+        batch, seq, width = x.shape
+        hidden = w.shape[1] // 3
+        size = hidden // heads
+        rows = batch * seq
+        qkv = work("qkv", (rows, 3 * hidden), np.result_type(x, w))
+        blas_threads(rows * width * 3 * hidden)
+        np.matmul(x.reshape(rows, width), w, out=qkv)
+        qkv += b
+        split = qkv.reshape(batch, seq, 3, heads, size)
+        q = split[:, :, 0].transpose(0, 2, 1, 3)  # (batch, heads, seq, size), strided views
+        k_t = split[:, :, 1].transpose(0, 2, 3, 1)
+        v = split[:, :, 2].transpose(0, 2, 1, 3)
+        scores = work("scores", (batch, heads, seq, seq), qkv.dtype)
+        blas_threads(seq * size * seq)  # one product per head
+        np.matmul(q, k_t, out=scores)
+        if scale != 1.0:
+            factor = scores.dtype.type(scale)
+            (np.divide if divide else np.multiply)(scores, factor, out=scores)
+        _softmax_last_axis(scores)
+        np.matmul(scores, v, out=out.reshape(batch, seq, heads, size).transpose(0, 2, 1, 3))
+        blas_threads(PARALLEL_MIN_WORK)  # back to what products no kernel sizes get
+
+    def run(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+        _check_attention_input(x, w, heads)
+        out = np.empty((*x.shape[:2], w.shape[1] // 3), np.result_type(x, w))
+        attend(out, x, w, b, lambda slot, shape, dtype: np.empty(shape, dtype))
+        return out
+
+    def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> None:
+        attend(out, x, w, b, lambda slot, shape, dtype: scratch(out, slot, shape, dtype))
+
+    declare_into(run_into, run)
+    return run
+
+
+def _check_attention_input(x: np.ndarray, w: np.ndarray, heads: int) -> None:
+    """The Reshape of the unfused graph would fail on these: so does the fused node."""
+    if x.ndim != 3 or x.shape[2] != w.shape[0]:
+        raise ValueError(f"SelfAttention: input of shape {x.shape} does not fit weights of shape {w.shape}")
+
+
+@kernel_builder("SkipLayerNormalization", DOMAIN_VERSION, domain=DOMAIN)
+def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """LayerNorm(a + b) over the last axis: one compiled pass for float32 where numba is
+    installed, else the Add and the LayerNormalization kernel."""
+    epsilon = float(ctx.attributes.get("epsilon", 1e-5))
+    layer_norm = normalization.layer_normalization(
+        dataclasses.replace(ctx, op_type="LayerNormalization", domain="", attributes={"axis": -1, "epsilon": epsilon})
+    )
+    layer_norm_into = capture_variant(layer_norm)
+
+    def compiled(out: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray, bias: np.ndarray | None) -> bool:
+        """Run the compiled loop into ``out`` when it applies (float32, contiguous, b the
+        shape of a trailing part of a); False when it does not."""
+        if out.dtype != np.float32 or out.shape != a.shape or out.ndim < 2 or out.size < 1024:
+            return False
+        if b.ndim < 1 or a.shape[-b.ndim:] != b.shape or scale.shape != a.shape[-1:]:
+            return False
+        if bias is not None and bias.shape != scale.shape:
+            return False
+        if not all(t.dtype == np.float32 and t.flags.c_contiguous for t in (a, b, scale, out)):
+            return False
+        loops = compiled_loops()
+        if loops is None:
+            return False
+        width = a.shape[-1]
+        shift = bias if bias is not None else _zeros(width)
+        if shift.dtype != np.float32:
+            return False
+        loops.skip_layer_norm(
+            a.reshape(-1, width), b.reshape(-1, width), scale, shift, epsilon, out.reshape(-1, width)
+        )
+        return True
+
+    def run(a: np.ndarray, b: np.ndarray, scale: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        if a.shape != np.broadcast_shapes(a.shape, b.shape):
+            a, b = b, a  # the sum commutes: a is the operand of the result's shape
+        if a.dtype == np.float32 and b.dtype == np.float32:
+            out = np.empty(a.shape, np.float32)
+            if compiled(out, a, b, scale, bias):
+                return out
+        return layer_norm(np.add(a, b), scale, bias)[0]
+
+    def run_into(out: np.ndarray, a: np.ndarray, b: np.ndarray, scale: np.ndarray, bias: np.ndarray | None = None) -> None:
+        if a.shape != out.shape:
+            a, b = b, a
+        if compiled(out, a, b, scale, bias):
+            return
+        total = scratch(out, "sum", out.shape, out.dtype)
+        np.add(a, b, out=total)
+        if layer_norm_into is None:
+            np.copyto(out, layer_norm(total, scale, bias)[0])
+        else:
+            layer_norm_into((out,), total, scale, bias)
+
+    declare_into(run_into, run)
+    return run
+
+
+_ZEROS: dict[int, np.ndarray] = {}
+
+
+def _zeros(width: int) -> np.ndarray:
+    """A read-only float32 zero vector of ``width`` (the shift of a LayerNorm without bias)."""
+    zeros = _ZEROS.get(width)
+    if zeros is None:
+        zeros = _ZEROS[width] = np.zeros(width, np.float32)
+        zeros.flags.writeable = False
+    return zeros

@@ -1,0 +1,74 @@
+"""numba-compiled float32 loops for the transformer's row kernels (GELU, residual LayerNorm): one pass where numpy needs ~25.
+
+Imported only through :func:`plugrt_cpu.kernels.elementwise.compiled_loops`, which
+returns None when numba is missing or ``PLUGRT_NUMBA=0``; every caller has a numpy path
+that gives the same values to float32 rounding. Compiled code is cached on disk
+(``cache=True``), so only the first process on a machine pays the compile (~0.4 s per
+loop); later ones load it in milliseconds.
+
+The fastmath flags allow contraction, reciprocal and reassociation (what vectorises the
+loops and their sums) but not ``nnan``/``ninf``: NaN and infinity propagate as in numpy.
+``error_model="numpy"`` drops the division-by-zero checks that block vectorisation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+__all__ = ["gelu_erf", "skip_layer_norm"]
+
+_compiled = numba.njit(
+    fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True
+)
+
+_F = np.float32
+
+
+@_compiled
+def gelu_erf(x, out):  # pragma: no cover  (compiled; covered through its callers)
+    """out = 0.5 * x * (1 + erf(x / sqrt(2))) over flat float32 arrays, erf as
+    elementwise._erf_float32 computes it (the same rational fit, clamped at +-4)."""
+    for i in range(x.size):
+        v = x[i]
+        z = min(max(v * _F(0.7071067811865476), _F(-4.0)), _F(4.0))
+        t = z * z
+        p = _F(1.9864886927765341e-6) * t + _F(2.8449755476522498e-4)
+        p = p * t + _F(3.8820289464572449e-3)
+        p = p * t + _F(5.3097641382377289e-2)
+        p = p * t + _F(1.9351990776871800e-1)
+        p = p * t + _F(1.1283791397845179)
+        q = _F(3.7413503706159646e-5) * t + _F(1.1851778678227299e-3)
+        q = q * t + _F(1.5204678532240398e-2)
+        q = q * t + _F(1.1533889148043141e-1)
+        q = q * t + _F(5.0483511927805172e-1)
+        q = q * t + _F(1.0)
+        e = min(max(z * p / q, _F(-1.0)), _F(1.0))
+        out[i] = _F(0.5) * v * (_F(1.0) + e)
+
+
+@_compiled
+def skip_layer_norm(a, b, gamma, beta, epsilon, out):  # pragma: no cover  (compiled)
+    """out = LayerNorm(a + b) over the last axis of the 2-D float32 ``a``, with ``b`` of
+    a's width and a row count that divides a's (row r adds b's row r % len(b)); sums in
+    float64, variance about the mean."""
+    rows, width = a.shape
+    period = b.shape[0]
+    for r in range(rows):
+        br = r % period
+        total = 0.0
+        for j in range(width):
+            s = a[r, j] + b[br, j]
+            out[r, j] = s
+            total += s
+        mean = total / width
+        squares = 0.0
+        for j in range(width):
+            d = out[r, j] - mean
+            squares += d * d
+        inv_std = _F(1.0 / math.sqrt(squares / width + epsilon))
+        mean32 = _F(mean)
+        for j in range(width):
+            out[r, j] = (out[r, j] - mean32) * inv_std * gamma[j] + beta[j]

@@ -1,0 +1,271 @@
+"""The CPU provider's transformer fusions (self-attention, LayerNorm of a sum) and the
+compiled loops behind them: the fused model computes what the unfused one and
+onnxruntime do, in fewer steps, with or without numba, and replays without allocating."""
+
+from __future__ import annotations
+
+import math
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnx_ir as ir
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+
+import plugrt
+from plugrt.capture import Captured
+from plugrt_cpu import fusions, fusions_transformer
+from plugrt_cpu.kernels import elementwise
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from make_encoder import encoder_inputs, make_encoder  # noqa: E402
+
+_HEADS, _SIZE, _SEQ = 2, 8, 6
+_WIDTH = _HEADS * _SIZE
+
+
+def _random(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _model(text: str, **constants: np.ndarray) -> bytes:
+    model = onnx.parser.parse_model(text)
+    model.graph.initializer.extend(numpy_helper.from_array(np.asarray(a), name) for name, a in constants.items())
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _run(model: bytes, feeds: dict[str, np.ndarray], optimization: str = "all") -> tuple[list[str], list[np.ndarray]]:
+    """The op types of the plan's steps and the outputs of one run."""
+    session = plugrt.load(model, device="cpu", optimization=optimization, profiling=True)
+    outputs = list(session.run(feeds).values())
+    return [event["args"]["op_name"] for event in session.profile() if event["cat"] == "Node"], outputs
+
+
+def _assert_fused(model: bytes, feeds: dict[str, np.ndarray], expected_ops: list[str], atol: float = 1e-5) -> None:
+    """At level "all" the plan runs ``expected_ops``; its outputs match level "none" and onnxruntime."""
+    ops, fused = _run(model, feeds)
+    assert ops == expected_ops
+    _, unfused = _run(model, feeds, optimization="none")
+    theirs = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for actual, plain, ort in zip(fused, unfused, theirs):
+        np.testing.assert_allclose(actual, plain, rtol=1e-5, atol=atol)
+        np.testing.assert_allclose(actual, ort, rtol=1e-5, atol=atol)
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def loops(request, monkeypatch):
+    """Each test twice: with the compiled loops (skipped without numba) and without them."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+        assert elementwise.compiled_loops() is not None
+    else:
+        monkeypatch.setattr(elementwise, "compiled_loops", lambda: None)
+        monkeypatch.setattr(fusions_transformer, "compiled_loops", lambda: None)
+    return request.param
+
+
+# ---------------------------------------------------------------------------------------
+# Self-attention
+
+
+def _attention(scaling: str = "t = Mul (s, scale)", bias: bool = True, extra_output: str = "") -> bytes:
+    def project(name: str, perm: str) -> str:
+        product = f"{name}m = MatMul (x, w{name})\n{name}b = Add ({name}m, b{name})"
+        if not bias:
+            product = f"{name}b = MatMul (x, w{name})"
+        return f"{product}\n{name}r = Reshape ({name}b, split)\n{name} = Transpose <perm = {perm}> ({name}r)"
+
+    scores = "t" if scaling else "s"
+    outputs = f"float[N, {_SEQ}, {_WIDTH}] y" + (f", {extra_output}" if extra_output else "")
+    text = f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N, {_SEQ}, {_WIDTH}] x) => ({outputs}) {{
+            {project("q", "[0, 2, 1, 3]")}
+            {project("k", "[0, 2, 3, 1]")}
+            {project("v", "[0, 2, 1, 3]")}
+            s = MatMul (q, k)
+            {scaling}
+            p = Softmax <axis = -1> ({scores})
+            c = MatMul (p, v)
+            ct = Transpose <perm = [0, 2, 1, 3]> (c)
+            y = Reshape (ct, merge)
+        }}
+    """
+    constants = {f"w{n}": _random(_WIDTH, _WIDTH, seed=i) * 0.5 for i, n in enumerate("qkv")}
+    if bias:
+        constants.update({f"b{n}": _random(_WIDTH, seed=10 + i) for i, n in enumerate("qkv")})
+    return _model(
+        text,
+        split=np.array([0, 0, _HEADS, _SIZE], np.int64),
+        merge=np.array([0, 0, _WIDTH], np.int64),
+        scale=np.float32(1 / math.sqrt(_SIZE)),
+        root=np.float32(math.sqrt(_SIZE)),
+        **constants,
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("scaling", ["t = Mul (s, scale)", "t = Mul (scale, s)", "t = Div (s, root)", ""])
+def test_self_attention_subgraph_runs_as_one_step(batch, scaling):
+    _assert_fused(_attention(scaling), {"x": _random(batch, _SEQ, _WIDTH, seed=5)}, ["SelfAttention"])
+
+
+def test_self_attention_without_projection_biases_runs_as_one_step():
+    _assert_fused(_attention(bias=False), {"x": _random(2, _SEQ, _WIDTH, seed=5)}, ["SelfAttention"])
+
+
+def test_self_attention_whose_scores_are_a_graph_output_is_not_fused():
+    model = _attention(extra_output=f"float[N, {_HEADS}, {_SEQ}, {_SEQ}] s")
+    ops, _ = _run(model, {"x": _random(2, _SEQ, _WIDTH)})
+    assert "SelfAttention" not in ops and "Softmax" in ops
+
+
+def test_self_attention_fusion_forgets_the_separate_projection_weights():
+    model = ir.from_proto(onnx.load_from_string(_attention()))
+    for graph_pass in fusions.fusion_passes():
+        graph_pass(model)
+    assert [n.op_type for n in model.graph] == ["SelfAttention"]
+    assert not {"wq", "wk", "wv", "bq", "bk", "bv"} & set(model.graph.initializers)
+
+
+# ---------------------------------------------------------------------------------------
+# LayerNormalization of a sum
+
+_SKIP_LN = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[N, 32, 64] a, float[N, 32, 64] b) => (float[N, 32, 64] y) {
+        s = Add (a, b)
+        y = LayerNormalization <axis = -1, epsilon = 1e-5> (s, gamma, beta)
+    }
+"""
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_layer_norm_of_a_sum_runs_as_one_skip_layer_norm(loops, batch):
+    model = _model(_SKIP_LN, gamma=_random(64, seed=1) + 1, beta=_random(64, seed=2))
+    feeds = {"a": _random(batch, 32, 64, seed=3) * 3, "b": _random(batch, 32, 64, seed=4) + 2}
+    _assert_fused(model, feeds, ["SkipLayerNormalization"])
+
+
+def test_layer_norm_of_a_sum_with_a_broadcast_constant_runs_as_one_step(loops):
+    text = """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[N, 32, 64] a) => (float[N, 32, 64] y) {
+            s = Add (position, a)
+            y = LayerNormalization <epsilon = 1e-5> (s, gamma)
+        }
+    """
+    model = _model(text, position=_random(32, 64, seed=5), gamma=_random(64, seed=1))
+    _assert_fused(model, {"a": _random(3, 32, 64, seed=3)}, ["SkipLayerNormalization"])
+
+
+def test_layer_norm_whose_mean_is_read_is_not_fused():
+    text = """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 32, 64] a, float[2, 32, 64] b) => (float[2, 32, 64] y, float[2, 32, 1] mean) {
+            s = Add (a, b)
+            y, mean = LayerNormalization (s, gamma, beta)
+        }
+    """
+    model = _model(text, gamma=_random(64, seed=1), beta=_random(64, seed=2))
+    ops, _ = _run(model, {"a": _random(2, 32, 64), "b": _random(2, 32, 64, seed=1)})
+    assert ops == ["Add", "LayerNormalization"]
+
+
+# ---------------------------------------------------------------------------------------
+# GELU's compiled loop
+
+
+def test_compiled_gelu_matches_the_numpy_gelu_and_an_erf_reference():
+    pytest.importorskip("numba")
+    x = np.concatenate([
+        _random(4096, seed=7) * 3,
+        np.linspace(-6, 6, 1001, dtype=np.float32),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e30, -1e30, 1e-30], np.float32),
+    ])
+    compiled = np.empty_like(x)
+    assert elementwise._compiled_gelu(x, compiled)
+    wide = x.astype(np.float64)
+    erf = np.array([math.erf(v / math.sqrt(2)) if np.isfinite(v) else 0.0 for v in wide])
+    reference = 0.5 * wide * (1 + erf)
+    finite = np.isfinite(x)
+    # erf's float32 fit is within 4.2e-7 absolute: 0.5 * x times that where erf is near -1
+    np.testing.assert_allclose(compiled[finite], reference[finite], rtol=1e-6, atol=1e-6)
+    with np.errstate(invalid="ignore"):  # -inf * 0
+        numpy_path = (elementwise.erf(x * np.float32(math.sqrt(0.5))) + 1) * x * 0.5
+    np.testing.assert_allclose(compiled[finite], numpy_path[finite], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.isnan(compiled), np.isnan(numpy_path))
+    np.testing.assert_array_equal(compiled[~finite & ~np.isnan(x)], numpy_path[~finite & ~np.isnan(x)])
+
+
+def test_gelu_without_numba_gives_what_it_gives_with_it(monkeypatch):
+    pytest.importorskip("numba")
+    x = _random(64, 256, seed=3) * 2
+    gelu = elementwise.gelu(_gelu_context())
+    with_numba = gelu(x)
+    monkeypatch.setattr(elementwise, "compiled_loops", lambda: None)
+    np.testing.assert_allclose(gelu(x), with_numba, rtol=1e-6, atol=1e-6)
+
+
+def _gelu_context():
+    from plugrt_cpu._registry import KernelContext
+
+    return KernelContext("Gelu", "", 20, {"approximate": "none"}, 1, 1, [np.dtype(np.float32)], [None])
+
+
+def test_compiled_loops_are_off_when_the_environment_says_so(monkeypatch):
+    monkeypatch.setenv("PLUGRT_NUMBA", "0")
+    elementwise.compiled_loops.cache_clear()
+    try:
+        assert elementwise.compiled_loops() is None
+    finally:
+        monkeypatch.delenv("PLUGRT_NUMBA")
+        elementwise.compiled_loops.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------
+# The benchmark's encoder, small
+
+
+@pytest.mark.parametrize("decomposed", [False, True], ids=["layernorm", "decomposed"])
+def test_small_encoder_runs_fused_and_matches_onnxruntime(loops, decomposed):
+    model = make_encoder(
+        layers=2, hidden=32, heads=4, sequence=16, vocab=50, opset=17 if not decomposed else 13,
+        decomposed_layernorm=decomposed,
+    ).SerializeToString()
+    feeds = encoder_inputs(2, sequence=16, vocab=50)
+    ops, _ = _run(model, feeds)
+    assert ops.count("SelfAttention") == 2
+    assert ops.count("SkipLayerNormalization") == 5  # after the embeddings and twice a layer
+    assert "Softmax" not in ops and "Transpose" not in ops
+    _assert_fused(model, feeds, ops, atol=2e-5)
+
+
+def _traced_peak(fn) -> int:
+    buffer_size = np.setbufsize(16)  # leave out numpy's ufunc iteration buffers
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+        np.setbufsize(buffer_size)
+
+
+def test_fused_encoder_is_captured_whole_and_replays_without_allocating(loops):
+    model = make_encoder(layers=1, hidden=64, heads=4, sequence=32, vocab=50).SerializeToString()
+    session = plugrt.load(model, device="cpu")
+    first, second = encoder_inputs(2, sequence=32, vocab=50), encoder_inputs(2, sequence=32, vocab=50, seed=2)
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second, first):
+        np.testing.assert_array_equal(session.replay(feeds)["hidden_states"], session.run(feeds)["hidden_states"])
+    assert _traced_peak(lambda: session.replay(second)) < 8192
