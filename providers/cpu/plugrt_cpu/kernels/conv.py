@@ -31,6 +31,7 @@ from ._window import (
     _zero_regions,
     _zeroed,
 )
+from . import conv_gemm
 from .elementwise import scratch, with_small_buffers
 
 # ---------------------------------------------------------------------------
@@ -98,6 +99,7 @@ class _ConvPlan:
             layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
         self.gemm_work = (m // group) * (c // group) * ksize * rows * rest
+        self.shifted = conv_gemm.shifted_plan(x_shape, w_shape, strides, dilations, pb, pe, out, group)
 
     def _plan_depthwise(
         self,
@@ -211,6 +213,9 @@ class _Convolution:
                 np.maximum(y, 0, out=y)
         elif plan.kind == "depthwise":
             y = self._depthwise(x, wg, plan, bias, y)
+        elif conv_gemm.usable(plan.shifted, x.dtype):
+            taps = conv_gemm.tap_weights(weight, math.prod(weight.shape[2:]))
+            y = plan.shifted(x, taps, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
         else:
             y = self._im2col(x, wg, plan, bias, y)
         return y.reshape(n, m, *plan.out)

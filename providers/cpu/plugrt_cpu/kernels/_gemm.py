@@ -1,0 +1,144 @@
+"""Direct calls of the BLAS numpy loaded: GEMM with accumulation (beta) on strided matrix views."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["available", "gemm"]
+
+# cblas enums (cblas.h): row-major storage, no transpose / transpose.
+_ROW_MAJOR = 101
+_NO_TRANS = 111
+_TRANS = 112
+
+# Where a build renames the cblas symbols (scipy-openblas wheels: scipy_ prefix, 64_ suffix
+# for 64-bit integers), in the order they are tried.
+_NAME_PATTERNS = ("scipy_cblas_{}64_", "cblas_{}64_", "scipy_cblas_{}", "cblas_{}")
+_CONFIG_NAMES = ("scipy_openblas_get_config64_", "openblas_get_config64_", "scipy_openblas_get_config", "openblas_get_config")
+
+
+class _Library:
+    """``cblas_sgemm`` and ``cblas_dgemm`` of numpy's OpenBLAS, resolved on first use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.resolved = False
+        self.functions: dict[np.dtype, tuple[Any, Any]] = {}  # dtype -> (function, scalar type)
+
+    def resolve(self) -> dict[np.dtype, tuple[Any, Any]]:
+        with self.lock:
+            if not self.resolved:
+                self.functions = _find_gemms()
+                self.resolved = True
+        return self.functions
+
+
+def _openblas_paths() -> list[str]:
+    """The OpenBLAS shared libraries mapped into this process (numpy's once it is imported)."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if "openblas" in os.path.basename(path).lower() and ".so" in path and path not in paths:
+                    paths.append(path)
+    except OSError:
+        return []
+    return paths
+
+
+def _integer_type(library: Any, symbol: str) -> Any:
+    """The C type of BLAS integers: 64-bit for a ``64_`` symbol or an ILP64 build
+    (``USE64BITINT`` in its configuration), else 32-bit."""
+    if symbol.endswith("64_"):
+        return ctypes.c_int64
+    for name in _CONFIG_NAMES:
+        config = getattr(library, name, None)
+        if config is not None:
+            config.restype = ctypes.c_char_p
+            config.argtypes = []
+            return ctypes.c_int64 if b"USE64BITINT" in (config() or b"") else ctypes.c_int32
+    return ctypes.c_int32
+
+
+def _find_gemms() -> dict[np.dtype, tuple[Any, Any]]:
+    """dtype -> (cblas gemm, its scalar ctypes type) from numpy's OpenBLAS; empty for
+    another BLAS or where none is found (callers then use numpy)."""
+    import numpy  # noqa: F401  (loads its BLAS)
+
+    for path in _openblas_paths():
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        found: dict[np.dtype, tuple[Any, Any]] = {}
+        for letter, dtype, scalar in (("s", np.float32, ctypes.c_float), ("d", np.float64, ctypes.c_double)):
+            for pattern in _NAME_PATTERNS:
+                symbol = pattern.format(letter + "gemm")
+                function = getattr(library, symbol, None)
+                if function is None:
+                    continue
+                integer = _integer_type(library, symbol)
+                function.restype = None
+                function.argtypes = [
+                    ctypes.c_int, ctypes.c_int, ctypes.c_int, integer, integer, integer, scalar, ctypes.c_void_p,
+                    integer, ctypes.c_void_p, integer, scalar, ctypes.c_void_p, integer,
+                ]
+                found[np.dtype(dtype)] = (function, scalar)
+                break
+        if found:
+            return found
+    return {}
+
+
+_LIBRARY = _Library()
+
+
+def available(dtype: np.dtype) -> bool:
+    """Whether :func:`gemm` calls BLAS directly for ``dtype`` (float32 and float64 with
+    numpy's OpenBLAS); otherwise it computes with numpy."""
+    functions = _LIBRARY.functions if _LIBRARY.resolved else _LIBRARY.resolve()
+    return np.dtype(dtype) in functions
+
+
+def _layout(a: np.ndarray) -> tuple[int, int] | None:
+    """(transpose flag, leading dimension) of a 2-D view with one unit-step axis, else None."""
+    item = a.itemsize
+    s0, s1 = a.strides
+    if s1 == item and s0 % item == 0 and s0 >= item * max(1, a.shape[1]):
+        return _NO_TRANS, s0 // item
+    if s0 == item and s1 % item == 0 and s1 >= item * max(1, a.shape[0]):
+        return _TRANS, s1 // item
+    return None
+
+
+def gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -> None:
+    """``c = a @ b + beta * c`` on 2-D views (any leading dimensions, either axis of ``a``
+    and ``b`` of unit step, ``c`` with unit-step rows), without copies. The calling thread's
+    BLAS thread count applies (``plugrt.threads.blas_threads``). Other layouts, dtypes and
+    BLAS libraries are computed with numpy."""
+    functions = _LIBRARY.functions if _LIBRARY.resolved else _LIBRARY.resolve()
+    entry = functions.get(c.dtype)
+    m, n = c.shape
+    k = a.shape[1]
+    if entry is not None and a.dtype == c.dtype and b.dtype == c.dtype and m and n and k:
+        la, lb, lc = _layout(a), _layout(b), _layout(c)
+        if la is not None and lb is not None and lc is not None and lc[0] == _NO_TRANS:
+            function, _ = entry
+            function(
+                _ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1], b.ctypes.data, lb[1], beta,
+                c.ctypes.data, lc[1],
+            )
+            return
+    if beta == 0.0:
+        np.matmul(a, b, out=c)
+    else:
+        if beta != 1.0:
+            c *= beta
+        c += np.matmul(a, b)

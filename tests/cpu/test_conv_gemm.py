@@ -1,0 +1,183 @@
+"""Direct BLAS GEMM calls and the shifted-GEMM convolution: each matches numpy or
+onnxruntime, is the path taken where promised, falls back to numpy without the BLAS
+symbols, and replays without allocating."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import plugrt
+from plugrt_cpu.kernels import _gemm
+
+from cpu.test_into import check_captured, one_node
+
+
+def _random(*shape: int, seed: int = 0, dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+@pytest.fixture
+def without_blas(monkeypatch):
+    """As if numpy's BLAS exported no cblas gemm (another BLAS library)."""
+    monkeypatch.setattr(_gemm, "_LIBRARY", _gemm._Library())
+    monkeypatch.setattr(_gemm._LIBRARY, "resolved", True)
+
+
+# --- gemm
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_blas_gemm_is_found_for_float32_and_float64(dtype):
+    assert _gemm.available(np.dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_accumulates_into_a_strided_output_with_beta(dtype):
+    a, b = _random(5, 7, seed=1, dtype=dtype), _random(7, 9, seed=2, dtype=dtype)
+    base = _random(5, 12, seed=3, dtype=dtype)
+    c = base.copy()
+    _gemm.gemm(a, b, c[:, 2:11], beta=1.0)
+    expected = base.copy()
+    expected[:, 2:11] += a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_reads_transposed_and_strided_operands():
+    a = _random(7, 5, seed=1).T  # unit step along axis 0
+    b = _random(7, 20, seed=2)[:, 3:12]  # leading dimension 20
+    c = np.empty((5, 9), np.float32)
+    _gemm.gemm(a, b, c)
+    np.testing.assert_allclose(c, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_computes_other_dtypes_and_layouts_with_numpy():
+    a = np.arange(12, dtype=np.int64).reshape(3, 4)
+    b = np.arange(8, dtype=np.int64).reshape(4, 2)
+    c = np.ones((3, 2), np.int64)
+    _gemm.gemm(a, b, c, beta=1.0)
+    np.testing.assert_array_equal(c, a @ b + 1)
+    x = _random(6, 6, seed=4)[::2, ::2]  # no unit-step axis
+    out = np.empty((3, 3), np.float32)
+    _gemm.gemm(x, x, out)
+    np.testing.assert_allclose(out, x @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_without_blas_symbols_computes_with_numpy(without_blas):
+    assert not _gemm.available(np.dtype(np.float32))
+    a, b = _random(4, 6, seed=1), _random(6, 3, seed=2)
+    c = np.full((4, 3), 2.0, np.float32)
+    _gemm.gemm(a, b, c, beta=0.5)
+    np.testing.assert_allclose(c, a @ b + 1.0, rtol=1e-5, atol=1e-5)
+
+
+# --- the shifted-GEMM convolution
+
+# (input shape, weight shape, attributes): every one takes the shifted path.
+_SHIFTED = {
+    "3x3-same": ((2, 32, 12, 20), (24, 32, 3, 3), {"pads": [1, 1, 1, 1]}),
+    "asymmetric-pads": ((1, 32, 24, 22), (16, 32, 3, 2), {"pads": [2, 0, 1, 1]}),
+    "dilated": ((1, 16, 30, 30), (8, 16, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+    "grouped": ((1, 64, 28, 28), (32, 16, 3, 3), {"pads": [1, 1, 1, 1], "group": 4}),
+    "valid-5x5": ((1, 16, 40, 40), (8, 16, 5, 5), {}),
+    "1d": ((2, 32, 50), (16, 32, 3), {"pads": [1, 1]}),
+    "3d": ((1, 16, 6, 28, 28), (8, 16, 3, 3, 3), {"pads": [1, 1, 1, 1, 1, 1]}),
+}
+
+
+def _conv_model(x_shape, w: np.ndarray, b: np.ndarray | None, attributes: dict, relu: bool = False, dtype=np.float32):
+    inputs = ["x", "w"] + (["b"] if b is not None else [])
+    nodes = [onnx.helper.make_node("Conv", inputs, ["c" if relu else "y"], **attributes)]
+    if relu:
+        nodes.append(onnx.helper.make_node("Relu", ["c"], ["y"]))
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = onnx.helper.make_graph(
+        nodes,
+        "conv",
+        [onnx.helper.make_tensor_value_info("x", elem, x_shape)],
+        [onnx.helper.make_tensor_value_info("y", elem, None)],
+        [numpy_helper.from_array(w, "w")] + ([numpy_helper.from_array(b, "b")] if b is not None else []),
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    return model.SerializeToString()
+
+
+def _takes_shifted_path(x_shape, w_shape, attributes) -> bool:
+    from plugrt_cpu.kernels import conv as convolution
+
+    op = convolution._Convolution(attributes)
+    return getattr(op._plans(tuple(x_shape), tuple(w_shape), 4), "shifted", None) is not None
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("case", list(_SHIFTED), ids=list(_SHIFTED))
+def test_shifted_convolution_matches_onnxruntime(case, relu):
+    x_shape, w_shape, attributes = _SHIFTED[case]
+    assert _takes_shifted_path(x_shape, w_shape, attributes)
+    x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2) * 0.2, _random(w_shape[0], seed=3)
+    model = _conv_model(x_shape, w, b, attributes, relu)
+    (actual,) = plugrt.load(model, device="cpu").run({"x": x}).values()
+    (expected,) = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_shifted_convolution_in_float64_matches_the_reference():
+    x_shape, w_shape, attributes = (1, 16, 9, 20), (4, 16, 3, 3), {"pads": [1, 1, 1, 1]}
+    assert _takes_shifted_path(x_shape, w_shape, attributes)
+    x, w = _random(*x_shape, seed=1, dtype=np.float64), _random(*w_shape, seed=2, dtype=np.float64)
+    model = _conv_model(x_shape, w, None, attributes, dtype=np.float64)
+    (actual,) = plugrt.load(model, device="cpu").run({"x": x}).values()
+    (expected,) = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})  # onnxruntime: no double Conv
+    assert actual.dtype == np.float64
+    np.testing.assert_allclose(actual, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_shifted_convolution_without_blas_symbols_falls_back_to_im2col(without_blas):
+    x_shape, w_shape, attributes = _SHIFTED["3x3-same"]
+    x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2), _random(w_shape[0], seed=3)
+    model = _conv_model(x_shape, w, b, attributes)
+    (actual,) = plugrt.load(model, device="cpu").run({"x": x}).values()
+    (expected,) = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, attributes",
+    [
+        ((1, 32, 14, 14), (8, 32, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),  # strided
+        ((1, 3, 56, 56), (8, 3, 3, 3), {"pads": [1, 1, 1, 1]}),  # too shallow for one GEMM per tap
+        ((1, 64, 4, 4), (8, 64, 3, 3), {"pads": [1, 1, 1, 1]}),  # junk columns: half the grid
+        ((1, 64, 14, 14), (8, 64, 1, 1), {}),  # pointwise
+    ],
+    ids=["strided", "shallow", "narrow", "pointwise"],
+)
+def test_shifted_path_is_not_taken_where_im2col_does_better(x_shape, w_shape, attributes):
+    assert not _takes_shifted_path(x_shape, w_shape, attributes)
+
+
+def test_shifted_convolution_is_captured_and_replays_without_allocating():
+    x_shape, w_shape, attributes = _SHIFTED["grouped"]
+    pads = ", ".join(map(str, attributes["pads"]))
+    model = one_node(
+        f"y = Conv<group = 4, pads = [{pads}]>(x, w, b)",
+        {"x": _random(*x_shape)},
+        {"y": "float"},
+        constants={"w": _random(*w_shape, seed=2), "b": _random(w_shape[0], seed=3)},
+    )
+    check_captured(model, lambda rng: {"x": rng.standard_normal(x_shape).astype(np.float32)})
+
+
+def test_shifted_convolution_with_a_fed_weight_replays_without_allocating():
+    x_shape, w_shape, _ = _SHIFTED["3x3-same"]
+    model = one_node("y = Conv<pads = [1, 1, 1, 1]>(x, w)", {"x": _random(*x_shape), "w": _random(*w_shape)}, {"y": "float"})
+    check_captured(
+        model,
+        lambda rng: {
+            "x": rng.standard_normal(x_shape).astype(np.float32),
+            "w": rng.standard_normal(w_shape).astype(np.float32),
+        },
+    )
