@@ -22,6 +22,7 @@ from .provider import (
     SupportContext,
     memory_of,
 )
+from .tracing import instant, span
 from .transfers import MemorySpaces
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ def _compile_all(
     compile_fallbacks: list[Fallback] = []
     placeable = [n for n in nodes if n not in restored]
     while True:
-        placed_some, fallbacks = assign(placeable, active, ctx, registry=registry, strict=strict, pinned=pinned)
+        with span("placement", nodes=len(placeable), providers=[p.name for p in active]):
+            placed_some, fallbacks = assign(placeable, active, ctx, registry=registry, strict=strict, pinned=pinned)
         by_node = dict(zip(placeable, placed_some))
         # each restored EPContext node is a partition of its own
         placed = [by_node[n] if n in by_node else f"{_RESTORED}{i}" for i, n in enumerate(nodes)]
@@ -102,7 +104,8 @@ def _compile_all(
                 _build_subgraph, provider=provider, opset_imports=opset_imports
             )
             try:
-                result = provider.compile(partition)
+                with span("compile", partition=partition.name, provider=provider_name, nodes=len(partition.nodes)):
+                    result = provider.compile(partition)
                 check_compiled(result, partition, provider_name)  # garbage falls back like a raise
                 if result.provider and result.provider != provider_name:
                     raise ProviderNameMismatchError(provider_name, result.provider)
@@ -255,7 +258,8 @@ def build_graph(
         if value in read and value not in inputs and value.const_value is not None:
             constants[value] = tensor_array(value.const_value)
 
-    plan = Plan(inputs, outputs, steps, constants, infos, profile=profile)
+    with span("plan", steps=len(steps), profiled=profile):
+        plan = Plan(inputs, outputs, steps, constants, infos, profile=profile)
     counts: dict[str, int] = {}
     partitions = []
     for part in compiled:
@@ -274,6 +278,8 @@ def build_graph(
             placed = next((p.provider for p in compiled if any(node_label(n) == fb.node for n in p.partition.nodes)), "?")
             fallbacks[index] = dataclasses.replace(fb, placed_on=placed)
     report = PlacementReport([p.name for p in providers], counts, partitions, fallbacks, transfers)
+    for fb in fallbacks:
+        instant("fallback", **dataclasses.asdict(fb))  # node, op_type, declined_by, reason, placed_on
     by_memory = {m.memory: m for m in spaces.memories}
     homes = {}
     for value, places in input_homes.items():

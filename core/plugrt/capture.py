@@ -39,6 +39,7 @@ from .provider import (
     outputs_of,
 )
 from .signature import InputSignature
+from .tracing import Recorder, traced_capture, traced_replay
 from .transfers import MemorySpaces, owner_of
 
 __all__ = [
@@ -407,10 +408,13 @@ class CaptureSlots:
     buffers are shared, so two threads replaying one capture take turns, and a thread
     other than the capturing one must ask for copies of the outputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: Recorder | None = None) -> None:
         self.slots: dict[str, CapturedPlan] = {}
         self.lock = threading.RLock()
         self.stats = CaptureStats()
+        if trace is not None:  # profiling: capture and replay record events (no cost otherwise)
+            self.capture = traced_capture(trace, self.capture)  # type: ignore[method-assign]
+            self.replay = traced_replay(trace, self.replay)  # type: ignore[method-assign]
 
     def capture(self, slot: str, record: Callable[[], CapturedPlan]) -> "Captured | NotCapturable":
         """Record a capture into ``slot`` (replacing only that slot's)."""

@@ -44,7 +44,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .inputs import DEFAULT_DIM, example_inputs
 
     model = args.model or EXAMPLE_MODEL
-    options = {"optimization": args.optimization}
+    options = {"optimization": args.optimization, "profiling": args.profile is not None}
     with _Status(f"building {os.path.basename(model)}"):
         session = load(model, device=args.device, **options)
     feeds = _parse_inputs(args.input)
@@ -86,6 +86,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"latency: {times[0] * 1e3:.3f} ms (first run; use --repeat N for a median)")
+    if args.profile is not None:
+        path = session.end_profiling(args.profile)
+        print(f"profile: {path} (onnxruntime's format; open it in Perfetto or chrome://tracing)")
     return 0
 
 
@@ -167,6 +170,10 @@ def _add_run(sub: Any) -> None:
     run.add_argument("--repeat", type=_positive_int, default=1, help="run N times (N >= 1) and report the median latency")
     run.add_argument("--optimization", default="all", choices=["none", "basic", "all"])
     run.add_argument("--explain", action="store_true", help="print the full placement report")
+    run.add_argument(
+        "--profile", metavar="OUT.json",
+        help="write a profile of the build and the runs (Chrome trace JSON, onnxruntime's format)",
+    )
     run.set_defaults(func=_cmd_run)
 
 

@@ -28,6 +28,7 @@ from .errors import (
     UnsafeExternalDataError,
 )
 from .ir_utils import is_constant
+from .tracing import span, spanned
 from .loader import DEFAULT_CONTEXT_BYTES, contained_path, read_regular_file
 from .provider import (
     CompiledPartition,
@@ -74,6 +75,7 @@ def _refuse_overwrite(path: str, source: str | None) -> None:
         raise EpContextOverwriteError(path, "already exists")
 
 
+@spanned("epcontext_export")
 def export_context_model(
     session: "BuiltModel", path: str, embed_mode: int, *, source: str | None = None
 ) -> tuple[str, list[str]]:
@@ -285,7 +287,8 @@ def restore_context_nodes(
                     source=source,
                 )
         assert isinstance(provider, ContextCapability)  # owners holds only providers with contexts
-        compiled = provider.load_context(blob, meta)
+        with span("epcontext_restore", partition=partition.name, provider=provider.name, blob_bytes=len(blob)):
+            compiled = provider.load_context(blob, meta)
         if compiled.provider and compiled.provider != provider.name:
             raise ProviderNameMismatchError(provider.name, compiled.provider)
         compiled.provider = provider.name

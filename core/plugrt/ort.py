@@ -475,7 +475,9 @@ class InferenceSession:
     def end_profiling(self) -> str:
         import json
 
-        events = self._session.profile()
+        from .tracing import with_provider_names
+
+        events = with_provider_names(self._session.profile(), _PLUGRT_TO_ORT)  # as onnxruntime names them
         prefix = self._sess_options.profile_file_prefix if self._sess_options is not None else "onnxruntime_profile_"
         path = f"{prefix}{self._profiling_start_ns}.json"
         with open(path, "w", encoding="utf-8") as f:

@@ -14,6 +14,7 @@ from ._guard import planned_output_bytes
 from .errors import ModelLimitError
 from .ir_utils import is_constant, subgraphs, tensor_array
 from .provider import ExecutionProvider, FunctionCapability, Partition, PassesCapability, SupportContext
+from .tracing import span, traced
 
 __all__ = ["name_nodes", "infer_types", "inline_functions", "expand_unsupported_functions", "fold_constants", "remove_dead_nodes", "optimize"]
 
@@ -259,8 +260,8 @@ def optimize(
         return stats
     check_value_sizes(model, max_fold_bytes)
     if fold_provider is not None:
-        stats["folded"] = fold_constants(model, fold_provider, max_bytes=max_fold_bytes)
-    stats["dead_removed"] = int(remove_dead_nodes(model))
+        stats["folded"] = traced("pass:fold_constants", fold_constants, model, fold_provider, max_bytes=max_fold_bytes)
+    stats["dead_removed"] = int(traced("pass:remove_dead_nodes", remove_dead_nodes, model))
     if level == "all":
         _mark_claims(model, providers)
         for provider in providers:
@@ -268,7 +269,9 @@ def optimize(
             if make is None:
                 continue
             for graph_pass in make(model):
-                result = graph_pass(model)
+                with span(f"pass:{type(graph_pass).__name__}", provider=provider.name) as args:
+                    result = graph_pass(model)
+                    args["modified"] = bool(result.modified)
                 stats[type(graph_pass).__name__] = stats.get(type(graph_pass).__name__, 0) + int(result.modified)
     return stats
 

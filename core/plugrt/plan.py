@@ -13,6 +13,7 @@ import functools
 import itertools
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -21,6 +22,7 @@ import onnx_ir as ir
 
 from .errors import KernelError, OptionError, PlugrtError, UnsupportedOpError
 from .provider import Step
+from .tracing import duration, micros, node_event
 
 __all__ = ["Plan", "StepInfo"]
 
@@ -28,6 +30,23 @@ _plan_ids = itertools.count()
 
 #: Below this many elements an in-place step is not worth its guard (about 1 us).
 INPLACE_MIN_ELEMENTS = 1 << 14
+
+#: A profiled plan stops recording after this many records (onnxruntime's profiler stops
+#: at a million events too): a long-running profiled session must not grow without bound.
+PROFILE_RECORD_LIMIT = 1_000_000
+
+
+class _Discard:
+    """Where a profiled plan's records go once the limit is reached."""
+
+    def append(self, record: tuple) -> None:
+        pass
+
+
+def _tensors(*values: Any) -> tuple:
+    """What the profile keeps of a step's inputs or outputs: (dtype, shape, bytes) of each
+    tensor, None for anything else (a sequence, a scalar): never the arrays themselves."""
+    return tuple([(v.dtype, v.shape, v.nbytes) if hasattr(v, "nbytes") else None for v in values])
 
 
 @functools.cache
@@ -113,7 +132,12 @@ class Plan:
         self.outputs = list(outputs)
         self.steps = list(steps)
         self.infos = list(step_infos)
-        self.profile_records: list[tuple[int, float, float]] | None = [] if profile else None
+        # (step, start, end, thread, inputs, outputs) per kernel run and (-1, start, end,
+        # thread, (), ()) per run, when profiling
+        self.profile_records: list[tuple] | None = [] if profile else None
+        self.exported_records = 0  # records already sent to OpenTelemetry
+        # per step, whether each of its present inputs is a constant (a parameter)
+        self.parameter_inputs: list[tuple[bool, ...]] = []
         self._constants = constants
         self._fn, self._line_to_step, self.source = self._generate(profile)
 
@@ -163,8 +187,17 @@ class Plan:
         lines = [f"def _plan({', '.join(params)}):"]
         line_to_step: dict[int, int] = {}
         if profile:
-            env["_clock"] = time.perf_counter
-            env["_records"] = self.profile_records
+            env.update(
+                _clock=time.perf_counter,
+                _records=self.profile_records,
+                _limit=PROFILE_RECORD_LIMIT,
+                _discard=_Discard(),
+                _thread=threading.get_native_id,
+                _tensors=_tensors,
+            )
+            lines.append("    _rec = _records if len(_records) < _limit else _discard")
+            lines.append("    _tid = _thread()")
+            lines.append("    _t0 = _clock()")
         plan_inputs = set(self.inputs)
         for index, step in enumerate(self.steps):
             kname = f"k{index}"
@@ -194,8 +227,12 @@ class Plan:
                 lines.append("    _t = _clock()")
             line_to_step[len(lines) + 1] = index
             lines.append(f"    {target} = {call}")
+            present = [v for v in step.inputs if v is not None]
+            self.parameter_inputs.append(tuple(v in is_constant for v in present))
             if profile:
-                lines.append(f"    _records.append(({index}, _t, _clock()))")
+                reads = ", ".join(local(v) for v in present)
+                writes = ", ".join(o for o in outs if o != "_")
+                lines.append(f"    _rec.append(({index}, _t, _clock(), _tid, _tensors({reads}), _tensors({writes})))")
             dead = releases.get(index)
             if dead:
                 lines.append(f"    del {', '.join(dead)}")
@@ -204,6 +241,8 @@ class Plan:
             if value not in names:
                 raise PlugrtError(f"plan output {value.name!r} is computed by no step")
             outputs.append(names[value])
+        if profile:
+            lines.append("    _rec.append((-1, _t0, _clock(), _tid, (), ()))")
         lines.append(f"    return [{', '.join(outputs)}]")
         source = "\n".join(lines) + "\n"
         filename = f"<plugrt-plan-{next(_plan_ids)}>"
@@ -213,25 +252,49 @@ class Plan:
         fn = namespace["_plan"]
         return fn, line_to_step, source
 
-    def chrome_trace(self) -> list[dict]:
-        """Chrome-trace events of the runs so far (the plan must be built with ``profile``)."""
+    def chrome_trace(self, origin: float = 0.0) -> list[dict]:
+        """The runs so far as onnxruntime's profile events: a ``model_run`` event per run
+        and a ``<node>_kernel_time`` event per step, ``ts`` in microseconds after ``origin``
+        (a ``perf_counter`` reading). The plan must be built with ``profile``."""
         records = self.profile_records
         if records is None:
             raise OptionError("profiling is off; build the session with profiling=True", key="profiling")
-        infos = self.infos
-        return [
-            {
-                "name": infos[i].name,
-                "cat": infos[i].op_type,
-                "ph": "X",
-                "ts": start * 1e6,
-                "dur": (end - start) * 1e6,
-                "pid": os.getpid(),
-                "tid": 0,
-                "args": {"provider": infos[i].provider, "op_type": infos[i].op_type},
-            }
-            for i, start, end in records
-        ]
+        pid = os.getpid()
+        infos, parameters = self.infos, self.parameter_inputs
+        events = []
+        for record in records:
+            index, start, end, tid = record[:4]
+            if index < 0:
+                events.append(
+                    {
+                        "cat": "Session",
+                        "pid": pid,
+                        "tid": tid,
+                        "dur": duration(start, end, origin),
+                        "ts": micros(start, origin),
+                        "ph": "X",
+                        "name": "model_run",
+                        "args": {},
+                    }
+                )
+                continue
+            info = infos[index]
+            events.append(node_event(origin, pid, info.name, info.op_type, info.provider, record, parameters[index]))
+        if len(records) >= PROFILE_RECORD_LIMIT:
+            last = max(record[2] for record in records)
+            events.append(
+                {
+                    "cat": "Session",
+                    "pid": pid,
+                    "tid": records[-1][3],
+                    "ts": micros(last, origin),
+                    "ph": "i",
+                    "s": "g",
+                    "name": "profiling_limit_reached",
+                    "args": {"records": PROFILE_RECORD_LIMIT},
+                }
+            )
+        return events
 
     # -- running -----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from .loader import LoadLimits
 from .options import SessionOptions
 from .provider import CompiledPartition, DeviceKind
 from .registry import ProviderRegistry
+from .tracing import span, traced
 
 __all__ = ["PreparedModel", "context_export_path", "load_limits", "prepare_model"]
 
@@ -78,24 +79,26 @@ def prepare_model(
             selection.devices.setdefault(provider.name, registry.devices(provider.name)[0])
 
     chosen = selection.providers
-    passes.inline_functions(ir_model, chosen)
-    passes.expand_unsupported_functions(ir_model, chosen)
+    traced("pass:inline_functions", passes.inline_functions, ir_model, chosen)
+    traced("pass:expand_unsupported_functions", passes.expand_unsupported_functions, ir_model, chosen)
     if len(chosen) > 1 or options["optimization"] == "all":
         # providers decide on dtypes, and the plan writes large elementwise results
         # in place: both need value types and shapes
-        passes.infer_types(ir_model)
+        traced("pass:infer_types", passes.infer_types, ir_model)
     # constants fold on the host fallback wherever the list puts it: an accelerator
     # listed last would evaluate few ops and leave every later pass nothing to fuse
     host = [p for p in chosen if selection.devices[p.name].kind == DeviceKind.CPU]
     fold_provider = host[-1] if host else (chosen[-1] if chosen else None)
-    stats = passes.optimize(
-        ir_model,
-        options["optimization"],
-        fold_provider,
-        chosen,
-        # a folded constant is no bigger than what every run would compute anyway
-        max_fold_bytes=options["limits.tensor_bytes"],
-    )
+    with span("optimization", level=options["optimization"], nodes_before=len(ir_model.graph)) as args:
+        stats = passes.optimize(
+            ir_model,
+            options["optimization"],
+            fold_provider,
+            chosen,
+            # a folded constant is no bigger than what every run would compute anyway
+            max_fold_bytes=options["limits.tensor_bytes"],
+        )
+        args.update(nodes_after=len(ir_model.graph), **stats)
     # Unique node names: placement reports, errors and EPContext export refer to them.
-    passes.name_nodes(ir_model)
+    traced("pass:name_nodes", passes.name_nodes, ir_model)
     return PreparedModel(_opsets(ir_model), restored, stats)

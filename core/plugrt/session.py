@@ -23,6 +23,7 @@ from .registry import ProviderRegistry, default_registry
 from .signature import InputSignature, ModelMetadata, TensorInfo, input_specs, model_metadata, tensor_info
 from .stats import session_stats
 from .threads import begin_run
+from .tracing import ProfiledSession, loading_span_name, traced, traced_session
 from .transfers import MemorySpaces
 from .warmup import warmup_session
 from .weights import WeightStore, building, share_initializers
@@ -30,13 +31,14 @@ from .weights import WeightStore, building, share_initializers
 __all__ = ["TensorInfo", "ModelMetadata", "Session", "load"]
 
 
-class Session(SessionIntrospection):
+class Session(SessionIntrospection, ProfiledSession):
     """A model built for a device; ``run`` it many times.
 
     Use :func:`plugrt.load` or :class:`plugrt.SessionBuilder` rather than this constructor.
     """
 
     @typed_load_errors
+    @traced_session
     def __init__(
         self,
         model: ModelSource,
@@ -55,10 +57,10 @@ class Session(SessionIntrospection):
         limits = load_limits(self.options)
         # this session's limit, set on the running thread at each run (0: every free core)
         self._intra_op_threads = self.options["intra_op_num_threads"]
-        loaded = load_model(model, limits)
+        loaded = traced(loading_span_name(model), load_model, model, limits)
         self.model_path = loaded.source if loaded.base_dir else None
         self._model = loaded.model
-        self.selection: Selection = resolve_device(device, providers, registry)
+        self.selection: Selection = traced("device_selection", resolve_device, device, providers, registry)
 
         # Metadata is read before passes change the graph.
         self.inputs: list[TensorInfo] = [tensor_info(v) for v in self._model.graph.inputs]
@@ -81,7 +83,7 @@ class Session(SessionIntrospection):
         self._signature = InputSignature(specs, self._spaces)
         self._output_names = [info.name for info in self.outputs]
         self._output_index = {name: i for i, name in enumerate(self._output_names)}
-        self._captures = CaptureSlots()
+        self._captures = CaptureSlots(self._trace)
         self.context_model_path: str | None = None
         if self.options["ep.context_enable"]:
             self.context_model_path = self._export_context()
@@ -115,17 +117,13 @@ class Session(SessionIntrospection):
         clone._built = self._build_plan(precompiled=compiled)
         clone._plan = clone._built.plan
         clone._signature = InputSignature(self._signature.specs, self._spaces)
-        clone._captures = CaptureSlots()
+        clone._captures = CaptureSlots(self._trace)
         return clone
 
     @property
     def plan_source(self) -> str:
         """The generated Python of the execution plan (for debugging)."""
         return self._plan.source
-
-    def profile(self) -> list[dict]:
-        """Chrome-trace events of the runs so far (needs ``profiling=True``)."""
-        return self._plan.chrome_trace()
 
     stats = session_stats
     warmup = warmup_session

@@ -40,7 +40,7 @@ def _step_ops(
     """The op types of the plan's steps (from the profile) and the outputs of one run."""
     session = plugrt.load(model, device="cpu", optimization=optimization, profiling=True)
     outputs = list(session.run(feeds).values())
-    return [event["cat"] for event in session.profile()], outputs
+    return [event["args"]["op_name"] for event in session.profile() if event["cat"] == "Node"], outputs
 
 
 def _assert_fused(model: bytes, feeds: dict[str, np.ndarray], expected_ops: list[str]) -> None:
