@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import InvalidInputError, InvalidOptionValueError, ModelLoadError
+from .tracing import trace_generation
 
 __all__ = ["DecoderLayout", "Model", "SearchOptions", "Generator", "generate"]
 
@@ -199,6 +200,7 @@ class Generator:
         self._cached = 0  # tokens whose keys and values are in the cache
         self._logits: np.ndarray | None = None
         self._done = False
+        self._trace = trace_generation(session, max_length, options)  # a gen_ai span when profiling
 
     # -- feeding ----------------------------------------------------------------------------
 
@@ -251,6 +253,7 @@ class Generator:
         self._sequence.append(token)
         self._pending = [token]
         self._done = token in self.model.layout.eos_token_ids or len(self._sequence) >= self.max_length
+        self._trace.token(len(self._sequence), self._done)
         return token
 
     def is_done(self) -> bool:
