@@ -1,0 +1,222 @@
+"""Weights shared between sessions: a WeightStore, share_weights_with, and what they save in RSS."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnx.reference
+import pytest
+from onnx import numpy_helper
+
+import plugrt
+from plugrt.errors import InvalidOptionValueError, WeightStoreError
+
+LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+
+needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc/self/status")
+
+
+def rss_bytes() -> int:
+    """The process's resident set size, after a collection (freed arrays give their pages back)."""
+    gc.collect()
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line in /proc/self/status")
+
+
+def dense_model(n: int, seed: int = 0) -> onnx.ModelProto:
+    """y = Gemm(x, B, transB=1) @ W with random (n, n) float32 weights B and W."""
+    model = onnx.parser.parse_model(
+        f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[batch, {n}] x, float[{n}, {n}] B, float[{n}, {n}] W) => (float[batch, {n}] y) {{
+            h = Gemm <transB = 1> (x, B)
+            y = MatMul(h, W)
+        }}
+        """
+    )
+    rng = np.random.default_rng(seed)
+    for name in ("B", "W"):
+        model.graph.initializer.append(numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32), name))
+    # initializers, not inputs: constants the kernels may prepare at build
+    del model.graph.input[1:]
+    onnx.checker.check_model(model)
+    return model
+
+
+def initializer_array(session: plugrt.Session, name: str) -> np.ndarray:
+    tensor = session.model.graph.initializers[name].const_value
+    assert tensor is not None
+    return tensor.numpy()
+
+
+def light_inputs(name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    model = onnx.load(os.path.join(LIGHT, f"light_{name}.onnx"))
+    expected = numpy_helper.to_array(onnx.load_tensor(os.path.join(LIGHT, f"light_{name}_output_0.pb")))
+    graph_input = model.graph.input[0]
+    shape = [d.dim_value for d in graph_input.type.tensor_type.shape.dim]
+    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    return {graph_input.name: x}, expected
+
+
+@needs_proc
+def test_a_second_alexnet_session_sharing_a_store_adds_well_under_its_weights_and_an_unshared_one_about_them():
+    path = os.path.join(LIGHT, "light_bvlc_alexnet.onnx")
+    store = plugrt.WeightStore()
+    first = plugrt.load(path, device="cpu", weights=store)
+    weight_bytes = sum(
+        v.const_value.nbytes for v in first.model.graph.initializers.values() if v.const_value is not None
+    )
+    assert weight_bytes > 200 * 2**20  # AlexNet's folded weights (the light model builds them at load)
+
+    before = rss_bytes()
+    shared = plugrt.load(path, device="cpu", weights=store)
+    shared_delta = rss_bytes() - before
+    before = rss_bytes()
+    unshared = plugrt.load(path, device="cpu")
+    unshared_delta = rss_bytes() - before
+
+    assert shared_delta < 0.1 * weight_bytes, (shared_delta, weight_bytes)
+    assert unshared_delta > 0.75 * weight_bytes, (unshared_delta, weight_bytes)
+    feeds, expected = light_inputs("bvlc_alexnet")
+    for session in (shared, unshared):
+        (result,) = session.run(feeds).values()
+        np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-7)
+
+
+@needs_proc
+def test_an_unshared_session_holds_each_embedded_weight_once():
+    model = dense_model(4096).SerializeToString()  # two 64 MiB weights inside the protobuf
+    weight_bytes = 2 * 4096 * 4096 * 4
+    before = rss_bytes()
+    session = plugrt.load(model, device="cpu", optimization="none")
+    delta = rss_bytes() - before
+    # the weights, plus Gemm's transposed copy of B (64 MiB); a parsed protobuf kept alive
+    # would add every weight again
+    assert delta < 1.25 * (weight_bytes + weight_bytes // 2), delta
+    assert session.run({"x": np.ones((1, 4096), np.float32)})["y"].shape == (1, 4096)
+
+
+def test_sessions_sharing_a_store_hold_the_same_read_only_arrays():
+    model = dense_model(64).SerializeToString()
+    store = plugrt.WeightStore()
+    first = plugrt.load(model, device="cpu", weights=store)
+    second = plugrt.load(model, device="cpu", weights=store)
+    for name in ("B", "W"):
+        a, b = initializer_array(first, name), initializer_array(second, name)
+        assert a is b
+        assert not b.flags.writeable
+        with pytest.raises(ValueError):
+            b[0, 0] = 1.0
+
+
+def test_sessions_sharing_weights_compute_what_onnxruntime_computes():
+    import onnxruntime
+
+    model = dense_model(64, seed=3)
+    store = plugrt.WeightStore()
+    sessions = [plugrt.load(model.SerializeToString(), device="cpu", weights=store) for _ in range(2)]
+    x = np.random.default_rng(1).standard_normal((5, 64), dtype=np.float32)
+    (expected,) = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    for session in sessions:
+        np.testing.assert_allclose(session.run({"x": x})["y"], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gemms_prepared_weight_is_made_once_for_two_sessions():
+    model = dense_model(64).SerializeToString()
+    store = plugrt.WeightStore()
+    plugrt.load(model, device="cpu", weights=store, optimization="none")
+    after_first = store.stats()
+    plugrt.load(model, device="cpu", weights=store, optimization="none")
+    after_second = store.stats()
+    # B transposed for transB=1: one 64x64 float32 array, prepared by the first build only
+    assert (after_first.transforms, after_first.transform_bytes) == (1, 64 * 64 * 4)
+    assert (after_second.transforms, after_second.transforms_reused) == (1, 1)
+    assert (after_second.arrays, after_second.reused) == (2, 2)
+
+
+def test_weights_of_different_content_are_not_shared():
+    store = plugrt.WeightStore()
+    first = plugrt.load(dense_model(64, seed=0).SerializeToString(), device="cpu", weights=store)
+    second = plugrt.load(dense_model(64, seed=1).SerializeToString(), device="cpu", weights=store)
+    assert not np.shares_memory(initializer_array(first, "B"), initializer_array(second, "B"))
+    x = np.ones((1, 64), np.float32)
+    ref = onnx.reference.ReferenceEvaluator(dense_model(64, seed=1))
+    np.testing.assert_allclose(second.run({"x": x})["y"], ref.run(None, {"x": x})[0], rtol=1e-4, atol=1e-3)
+    assert store.stats().reused == 0
+
+
+def test_share_weights_with_a_session_built_without_a_store_reuses_its_arrays():
+    model = dense_model(64).SerializeToString()
+    first = plugrt.load(model, device="cpu")
+    assert first.weights is None
+    second = plugrt.SessionBuilder().model_bytes(model).device("cpu").share_weights_with(first).build()
+    assert first.weights is second.weights is not None
+    for name in ("B", "W"):
+        assert np.shares_memory(initializer_array(first, name), initializer_array(second, name))
+
+
+def test_share_weights_with_a_session_that_has_a_store_joins_it():
+    model = dense_model(64).SerializeToString()
+    store = plugrt.WeightStore()
+    first = plugrt.SessionBuilder().model_bytes(model).weights(store).build()
+    second = plugrt.SessionBuilder().model_bytes(model).share_weights_with(first).build()
+    assert second.weights is store
+    assert initializer_array(first, "W") is initializer_array(second, "W")
+
+
+def test_external_data_is_shared_by_file_identity(tmp_path):
+    model = dense_model(64)
+    path = tmp_path / "dense.onnx"
+    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="dense.bin",
+              size_threshold=0)
+    store = plugrt.WeightStore()
+    first = plugrt.load(path, device="cpu", weights=store)
+    second = plugrt.load(path, device="cpu", weights=store)
+    assert store.stats().reused == 2
+    x = np.ones((2, 64), np.float32)
+    expected = onnx.reference.ReferenceEvaluator(dense_model(64)).run(None, {"x": x})[0]
+    for session in (first, second):
+        np.testing.assert_allclose(session.run({"x": x})["y"], expected, rtol=1e-4, atol=1e-3)
+
+
+def test_add_initializer_supplies_a_weight_without_copying_it():
+    weight = np.random.default_rng(7).standard_normal((64, 64), dtype=np.float32)
+    store = plugrt.WeightStore()
+    store.add_initializer("W", weight)
+    session = plugrt.load(dense_model(64).SerializeToString(), device="cpu", weights=store)
+    assert np.shares_memory(initializer_array(session, "W"), weight)
+    x = np.ones((1, 64), np.float32)
+    b = numpy_helper.to_array(dense_model(64).graph.initializer[0])
+    np.testing.assert_allclose(session.run({"x": x})["y"], (x @ b.T) @ weight, rtol=1e-4, atol=1e-3)
+
+
+def test_add_initializer_of_the_wrong_shape_is_rejected():
+    store = plugrt.WeightStore()
+    store.add_initializer("W", np.zeros((3, 3), np.float32))
+    with pytest.raises(WeightStoreError) as info:
+        plugrt.load(dense_model(64).SerializeToString(), device="cpu", weights=store)
+    assert info.value.name == "W"
+    assert "[64, 64]" in str(info.value)
+
+
+def test_the_weights_option_rejects_anything_but_a_store():
+    with pytest.raises(InvalidOptionValueError) as info:
+        plugrt.load(dense_model(8).SerializeToString(), device="cpu", weights={"W": 1})
+    assert info.value.key == "weights"
+
+
+def test_session_stats_show_the_stores_counters():
+    model = dense_model(64).SerializeToString()
+    store = plugrt.WeightStore()
+    plugrt.load(model, device="cpu", weights=store)
+    second = plugrt.load(model, device="cpu", weights=store)
+    assert second.stats().weights["reused"] == 2
+    assert second.stats().weights["bytes_reused"] == 2 * 64 * 64 * 4
