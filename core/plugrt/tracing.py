@@ -41,6 +41,7 @@ __all__ = [
     "micros",
     "node_event",
     "span",
+    "span_of",
     "spanned",
     "trace_generation",
     "traced",
@@ -200,6 +201,15 @@ def active_recorder() -> Recorder | None:
 def span(name: str, **args: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
     """A span in the active recorder's profile; does nothing when none is active."""
     recorder = _active.get()
+    if recorder is None:
+        return contextlib.nullcontext(args)
+    return recorder.span(name, **args)
+
+
+def span_of(owner: Any, name: str, **args: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """A span in the profile of ``owner`` (a session: its ``_trace``), else in the active
+    recorder's; does nothing when neither records."""
+    recorder = getattr(owner, "_trace", None) or _active.get()
     if recorder is None:
         return contextlib.nullcontext(args)
     return recorder.span(name, **args)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Union
 
 from .errors import UnknownInputError, WarmupShapeError
 from .inputs import example_inputs
+from .tracing import span_of
 
 if TYPE_CHECKING:
     from .options import SessionOptions
@@ -52,9 +53,10 @@ def warmup_session(session: _Runnable, shapes: WarmupShapes | None = None, *, ru
         entries = list(shapes)
     limit = session.options["limits.tensor_bytes"]
     all_feeds = [warmup_feeds(session.inputs, entry, limit) for entry in entries]  # every entry checked first
-    for feeds in all_feeds:
-        for _ in range(runs):
-            session.run(feeds)
+    with span_of(session, "warmup", shape_sets=len(all_feeds), runs=runs):
+        for feeds in all_feeds:
+            for _ in range(runs):
+                session.run(feeds)
 
 
 def warmup_feeds(inputs: Sequence["TensorInfo"], shapes: Mapping[str, Any], max_bytes: int) -> dict[str, Any]:

@@ -146,6 +146,18 @@ def test_each_run_adds_a_model_run_and_its_kernels(add_relu_model):
     assert nodes[0]["args"]["activation_size"] == str(2 * x.nbytes) and nodes[0]["args"]["parameter_size"] == "0"
 
 
+def test_warmup_is_a_span_around_its_runs(add_relu_model):
+    shapes = [{"x": (2, 4), "y": (2, 4)}, {"x": (5, 4), "y": (5, 4)}]
+    session = plugrt.SessionBuilder().model_bytes(add_relu_model).option("profiling", True).warmup(shapes).build()
+    events = session.profile()
+    (warmup,) = _named(events, "warmup")
+    assert warmup["args"] == {"shape_sets": 2, "runs": 1}
+    runs = _named(events, "model_run")
+    assert len(runs) == 2 and all(warmup["ts"] <= r["ts"] <= warmup["ts"] + warmup["dur"] for r in runs)
+    shapes_seen = [e["args"]["input_type_shape"] for e in events if e["name"] == "Add_0_kernel_time"]
+    assert shapes_seen == [[{"float": [2, 4]}] * 2, [{"float": [5, 4]}] * 2]
+
+
 def test_capture_and_replay_are_events_with_seams_and_fallback_reasons():
     session = plugrt.load(NONZERO_MIDDLE, optimization="none", profiling=True)
     session.try_capture({"x": X})
