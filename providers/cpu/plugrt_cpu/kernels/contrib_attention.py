@@ -6,8 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import KernelContext, declare_into, kernel, kernel_builder
 from .attention import _grouped_matmul, _merge_heads, _split_heads
+from .elementwise import scratch
 
 _MS = "com.microsoft"
 _DEFAULT_MASK_FILTER = -10000.0
@@ -376,6 +377,172 @@ def _gqa_unsupported(attrs: dict[str, Any]) -> str | None:
     return None
 
 
+class _GqaWork:
+    """GroupQueryAttention's work arrays: the rotated query and key heads (B, S, N + Hkv, D),
+    a rotation term (B, S, N + Hkv, D / 2 at most), the scaled queries (B, N, S, D), the
+    scores over the whole cache (B, Hkv, G * S, capacity) and the attended values
+    (B, Hkv, G * S, D), query heads folded into groups of G per kv head. Scores are
+    computed in their leading valid columns only; the capture variant keeps one set per
+    output buffer, so a replay allocates none."""
+
+    __slots__ = ("rotated", "term", "queries", "scores", "context")
+    _NAMES = ("gqa-rotated", "gqa-term", "gqa-queries", "gqa-scores", "gqa-context")
+
+    def __init__(self, *arrays: np.ndarray):
+        self.rotated, self.term, self.queries, self.scores, self.context = arrays
+
+    @staticmethod
+    def _shapes(batch: int, num_heads: int, kv_heads: int, seq: int, capacity: int, head_size: int) -> list:
+        groups = num_heads // kv_heads
+        return [
+            (batch, seq, num_heads + kv_heads, head_size),
+            (batch, seq, num_heads + kv_heads, head_size // 2),
+            (batch, num_heads, seq, head_size),
+            (batch, kv_heads, groups * seq, capacity),
+            (batch, kv_heads, groups * seq, head_size),
+        ]
+
+    @classmethod
+    def allocate(cls, dtype: np.dtype, *geometry: int) -> "_GqaWork":
+        return cls(*(np.empty(shape, dtype) for shape in cls._shapes(*geometry)))
+
+    @classmethod
+    def scratch(cls, out: np.ndarray, *geometry: int) -> "_GqaWork":
+        return cls(*(scratch(out, name, shape, out.dtype) for name, shape in zip(cls._NAMES, cls._shapes(*geometry))))
+
+
+def _heads(x: np.ndarray, heads: int, name: str) -> np.ndarray:
+    """(batch, seq, heads * size) -> (batch, seq, heads, size), a view."""
+    batch, seq, hidden = x.shape
+    if hidden % heads:
+        raise ValueError(f"{name}'s hidden size {hidden} is not a multiple of {heads} heads")
+    return x.reshape(batch, seq, heads, hidden // heads)
+
+
+def _rotate_into(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool, out: np.ndarray, term: np.ndarray):
+    """_rotate written into ``out`` with ``term`` (x's shape, half its last axis or more)
+    as work array; cos/sin broadcast against x's rotated pairs."""
+    half = cos.shape[-1]
+    rotary = 2 * half
+    if rotary > x.shape[-1]:
+        raise ValueError(f"rotary dimension {rotary} (2 x cos_cache's last dimension) exceeds head size {x.shape[-1]}")
+    cos = cos.astype(x.dtype, copy=False)
+    sin = sin.astype(x.dtype, copy=False)
+    if interleaved:
+        first, second = x[..., 0:rotary:2], x[..., 1:rotary:2]
+        out_first, out_second = out[..., 0:rotary:2], out[..., 1:rotary:2]
+    else:
+        first, second = x[..., :half], x[..., half:rotary]
+        out_first, out_second = out[..., :half], out[..., half:rotary]
+    term = term[..., : x.shape[-2], :half]  # x's heads
+    np.multiply(first, cos, out=out_first)
+    np.multiply(second, sin, out=term)
+    np.subtract(out_first, term, out=out_first)
+    np.multiply(first, sin, out=out_second)
+    np.multiply(second, cos, out=term)
+    np.add(out_second, term, out=out_second)
+    if rotary < x.shape[-1]:
+        np.copyto(out[..., rotary:], x[..., rotary:])
+
+
+def _rotary_rows(
+    cos_cache: np.ndarray,
+    sin_cache: np.ndarray,
+    position_ids: np.ndarray | None,
+    past_lengths: list[int],
+    first_prompt: bool,
+    batch: int,
+    seq: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin rows (B or 1, S, 1, rotary / 2) for the new tokens' positions."""
+    if position_ids is None and min(past_lengths) == max(past_lengths):
+        # every sequence continues at one position: a slice of the caches, no gather
+        start = past_lengths[0]
+        if start + seq > cos_cache.shape[0]:
+            raise ValueError(
+                f"position ids range over [{start}, {start + seq - 1}] but cos_cache has "
+                f"{cos_cache.shape[0]} rows; build the cache for the longest sequence the model will see"
+            )
+        return cos_cache[None, start:start + seq, None], sin_cache[None, start:start + seq, None]
+    if position_ids is None:
+        positions = np.asarray(past_lengths, np.int64)[:, None] + np.arange(seq)[None, :]
+    elif first_prompt:
+        # a first prompt reads only the first position id (as onnxruntime does)
+        first = int(np.asarray(position_ids).reshape(-1)[0])
+        positions = np.broadcast_to(first + np.arange(seq)[None, :], (batch, seq))
+    else:
+        positions = np.asarray(position_ids, dtype=np.int64).reshape(batch, seq)
+    cos = _cache_rows(cos_cache, positions, "cos_cache")[:, :, None]
+    sin = _cache_rows(sin_cache, positions, "sin_cache")[:, :, None]
+    return cos, sin
+
+
+def _write_cache(present: np.ndarray, past: np.ndarray | None, new: np.ndarray, past_lengths: list[int]) -> None:
+    """present[b] = past[b][:past_lengths[b]], then the new tokens (B, Hkv, S, D), then
+    zeros. Reads only the valid part of the past; when present is the past's own buffer
+    (a shared, fixed-capacity cache) the valid part is already in place."""
+    capacity, seq = present.shape[2], new.shape[2]
+    shared = past is not None and np.may_share_memory(past, present)
+    if min(past_lengths) == max(past_lengths):  # the common case: one slice for the whole batch
+        spans = [(slice(None), past_lengths[0])]
+    else:  # ragged batch: a loop over the (small) batch dimension
+        spans = [(slice(b, b + 1), start) for b, start in enumerate(past_lengths)]
+    for rows, start in spans:
+        end = min(start + seq, capacity)
+        if past is not None and start and not shared:
+            np.copyto(present[rows, :, :start], past[rows, :, :start])
+        np.copyto(present[rows, :, start:end], new[rows, :, : end - start])
+        present[rows, :, end:] = 0
+
+
+def _gqa_attend(
+    queries: np.ndarray,
+    present_k: np.ndarray,
+    present_v: np.ndarray,
+    lengths: list[int],
+    past_lengths: list[int],
+    work: _GqaWork,
+    output: np.ndarray,
+    *,
+    softcap: float,
+    window: int,
+    attention_bias: np.ndarray | None,
+    sink: np.ndarray | None,
+) -> None:
+    """Causal attention of the scaled queries (B, N, S, D) over the first max(lengths)
+    cache positions, written into output (B, S, N * D). Only the valid part of the cache
+    is read, so a fixed-capacity cache costs what its filled part costs."""
+    batch, num_heads, seq, head_size = queries.shape
+    kv_heads = present_k.shape[1]
+    total = max(lengths)
+    dtype = queries.dtype
+    grouped = queries.reshape(batch, kv_heads, (num_heads // kv_heads) * seq, head_size)
+    scores = work.scores[..., :total]
+    np.matmul(grouped, np.swapaxes(present_k[:, :, :total], -1, -2), out=scores)
+    by_head = scores.reshape(batch, num_heads, seq, total)  # a view: the group axis splits
+    if softcap > 0:
+        np.divide(scores, dtype.type(softcap), out=scores)
+        np.tanh(scores, out=scores)
+        np.multiply(scores, dtype.type(softcap), out=scores)
+    if attention_bias is not None:
+        width = min(attention_bias.shape[-1], total)  # missing bias columns add 0
+        by_head[..., :width] += attention_bias[..., :width].astype(dtype, copy=False)
+    # A single new token of every sequence sees its whole valid cache: no mask needed.
+    if seq > 1 or min(lengths) != total or (window > 0 and total > window):
+        query_positions = np.asarray(past_lengths, np.int64)[:, None] + np.arange(seq)[None, :]  # (B, S)
+        keys = np.arange(total)
+        allowed = (keys[None, None, :] <= query_positions[:, :, None]) & (
+            keys[None, None, :] < np.asarray(lengths, np.int64)[:, None, None]
+        )
+        if window > 0:
+            allowed &= keys[None, None, :] > query_positions[:, :, None] - window
+        np.copyto(by_head, dtype.type(-np.inf), where=~allowed[:, None])
+    _softmax_rows(by_head, sink)
+    np.matmul(scores, present_v[:, :, :total], out=work.context)
+    attended = work.context.reshape(batch, num_heads, seq, head_size)
+    np.copyto(output.reshape(batch, seq, num_heads, head_size), attended.transpose(0, 2, 1, 3))
+
+
 @kernel_builder("GroupQueryAttention", 1, domain=_MS, multi_output=True)
 def group_query_attention(ctx: KernelContext):
     attrs = ctx.attributes
@@ -415,6 +582,7 @@ def group_query_attention(ctx: KernelContext):
         q_norm_weight=None,
         k_norm_weight=None,
         query_seqlens=None,
+        out=None,
     ):
         if seqlens_k is None or total_sequence_length is None:
             raise ValueError("GroupQueryAttention needs the seqlens_k and total_sequence_length inputs")
@@ -425,99 +593,86 @@ def group_query_attention(ctx: KernelContext):
         if query.ndim != 3:
             raise ValueError(f"query must be 3-D (B, S, hidden), got shape {query.shape}")
         batch, seq, hidden = query.shape
-        if key is None:  # packed QKV
+        if key is None:  # packed QKV: query and key heads side by side, rotated together
             if value is not None:
                 raise ValueError("packed QKV (no key input) takes no value input")
-            head_size, rest = divmod(hidden, num_heads + 2 * kv_num_heads)
-            if rest:
+            if hidden % (num_heads + 2 * kv_num_heads):
                 raise ValueError(f"packed QKV width {hidden} is not a multiple of num_heads + 2 * kv_num_heads")
-            q_width, kv_width = num_heads * head_size, kv_num_heads * head_size
-            key = query[..., q_width:q_width + kv_width]
-            value = query[..., q_width + kv_width:]
-            query = query[..., :q_width]
+            packed = _heads(query, num_heads + 2 * kv_num_heads, "packed QKV")
+            qk_heads = packed[:, :, : num_heads + kv_num_heads]
+            v_heads = packed[:, :, num_heads + kv_num_heads:]
         elif value is None:
             raise ValueError("GroupQueryAttention needs a value input with a key input")
-        q = _split_heads(query, num_heads, "query")
-        k = _split_heads(key, kv_num_heads, "key")
-        v = _split_heads(value, kv_num_heads, "value")
-        head_size = q.shape[-1]
-        if k.shape[2] != seq:
-            raise ValueError(
-                f"key has {k.shape[2]} tokens but query has {seq}; GroupQueryAttention needs equal lengths"
-            )
-        dtype = q.dtype
-        lengths = np.asarray(seqlens_k, dtype=np.int64).reshape(-1) + 1  # tokens in the cache after this step
-        if lengths.shape[0] != batch:
-            raise ValueError(f"seqlens_k has {lengths.shape[0]} entries for batch {batch}")
+        else:
+            qk_heads = None
+            q_heads = _heads(query, num_heads, "query")
+            k_heads = _heads(key, kv_num_heads, "key")
+            v_heads = _heads(value, kv_num_heads, "value")
+            if k_heads.shape[1] != seq:
+                raise ValueError(
+                    f"key has {k_heads.shape[1]} tokens but query has {seq}; GroupQueryAttention needs equal lengths"
+                )
+            if k_heads.shape[-1] != q_heads.shape[-1]:
+                raise ValueError(f"query and key head sizes differ ({q_heads.shape[-1]}, {k_heads.shape[-1]})")
+        head_size = v_heads.shape[-1]
+        dtype = query.dtype
+        lengths = [int(n) + 1 for n in np.asarray(seqlens_k).reshape(-1).tolist()]  # cached after this step
+        if len(lengths) != batch:
+            raise ValueError(f"seqlens_k has {len(lengths)} entries for batch {batch}")
         max_total = int(np.asarray(total_sequence_length).reshape(-1)[0])
         buffer = 0 if past_key is None else past_key.shape[2]
         capacity = max(max_total, buffer)
         # A first prompt fills the cache from position 0; otherwise the new tokens follow
-        # the cached ones of each batch entry.
+        # the cached ones of each batch entry (a past buffer longer than its valid part,
+        # as with a fixed-capacity cache, is read only up to seqlens_k).
         first_prompt = seq == max_total
-        past_lengths = np.zeros(batch, np.int64) if first_prompt else lengths - seq
-        if np.any(past_lengths < 0) or np.any(past_lengths > buffer) or np.any(lengths > capacity):
+        past_lengths = [0] * batch if first_prompt else [n - seq for n in lengths]
+        if min(past_lengths) < 0 or max(past_lengths) > buffer or max(lengths) > capacity:
             raise ValueError(
-                f"seqlens_k {lengths - 1} do not fit a step of {seq} tokens with a past of {buffer} "
+                f"seqlens_k {[n - 1 for n in lengths]} do not fit a step of {seq} tokens with a past of {buffer} "
                 f"and total_sequence_length {max_total}"
             )
+        shapes = ((batch, seq, num_heads * head_size), *[(batch, kv_num_heads, capacity, head_size)] * 2)
+        geometry = (batch, num_heads, kv_num_heads, seq, capacity, head_size)
+        if out is None:
+            out = tuple(np.empty(shape, dtype) for shape in shapes)
+            work = _GqaWork.allocate(dtype, *geometry)
+        else:  # the capture variant: the node's outputs, then work arrays for the unused presents
+            out = out + tuple(scratch(out[0], ("gqa-present", i), shapes[i], dtype) for i in range(len(out), 3))
+            work = _GqaWork.scratch(out[0], *geometry)
+        output, present_k, present_v = out
         if do_rotary:
             if cos_cache is None or sin_cache is None:
                 raise ValueError("do_rotary=1 needs the cos_cache and sin_cache inputs")
-            if position_ids is None:
-                positions = past_lengths[:, None] + np.arange(seq)[None, :]
-            elif first_prompt:
-                # a first prompt reads only the first position id (as onnxruntime does)
-                first = int(np.asarray(position_ids).reshape(-1)[0])
-                positions = np.broadcast_to(first + np.arange(seq)[None, :], (batch, seq))
+            cos, sin = _rotary_rows(cos_cache, sin_cache, position_ids, past_lengths, first_prompt, batch, seq)
+            if qk_heads is not None:
+                _rotate_into(qk_heads, cos, sin, interleaved, work.rotated, work.term)
             else:
-                positions = np.asarray(position_ids, dtype=np.int64).reshape(batch, seq)
-            cos = _cache_rows(cos_cache, positions, "cos_cache")[:, None]
-            sin = _cache_rows(sin_cache, positions, "sin_cache")[:, None]
-            q = _rotate(q, cos, sin, interleaved)
-            k = _rotate(k, cos, sin, interleaved)
-
-        present_k = np.zeros((batch, kv_num_heads, capacity, head_size), dtype)
-        present_v = np.zeros_like(present_k)
-        uniform = bool(np.all(past_lengths == past_lengths[0]))
-        if uniform:  # the common case: one slice for the whole batch
-            start = int(past_lengths[0])
-            if past_key is not None and start:
-                present_k[:, :, :start] = past_key[:, :, :start]
-                present_v[:, :, :start] = past_value[:, :, :start]
-            present_k[:, :, start:start + seq] = k[:, :, :capacity - start]
-            present_v[:, :, start:start + seq] = v[:, :, :capacity - start]
-        else:
-            for b in range(batch):  # ragged batch: a loop over the (small) batch dimension
-                start = int(past_lengths[b])
-                if past_key is not None:
-                    present_k[b, :, :start] = past_key[b, :, :start]
-                    present_v[b, :, :start] = past_value[b, :, :start]
-                present_k[b, :, start:start + seq] = k[b, :, :capacity - start]
-                present_v[b, :, start:start + seq] = v[b, :, :capacity - start]
-
-        scale = scale_attr or 1 / np.sqrt(head_size)
-        scores = _grouped_matmul(q * dtype.type(scale), np.swapaxes(present_k, -1, -2))  # (B, N, S, C)
-        if softcap > 0:
-            scores = np.tanh(scores / dtype.type(softcap)) * dtype.type(softcap)
-        if attention_bias is not None:
-            if attention_bias.shape[-1] < capacity:
-                pad = [(0, 0)] * (attention_bias.ndim - 1) + [(0, capacity - attention_bias.shape[-1])]
-                attention_bias = np.pad(attention_bias, pad)
-            scores = scores + attention_bias[..., :capacity].astype(dtype, copy=False)
-        query_positions = past_lengths[:, None] + np.arange(seq)[None, :]  # (B, S)
-        keys = np.arange(capacity)
-        allowed = (keys[None, None, :] <= query_positions[:, :, None]) & (keys[None, None, :] < lengths[:, None, None])
-        if window > 0:
-            allowed &= keys[None, None, :] > query_positions[:, :, None] - window
-        scores = np.where(allowed[:, None], scores, dtype.type(-np.inf))
+                _rotate_into(q_heads, cos, sin, interleaved, work.rotated[:, :, :num_heads], work.term)
+                _rotate_into(k_heads, cos, sin, interleaved, work.rotated[:, :, num_heads:], work.term)
+            qk_heads = work.rotated
+        if qk_heads is not None:
+            q_heads, k_heads = qk_heads[:, :, :num_heads], qk_heads[:, :, num_heads:]
+        _write_cache(present_k, past_key, k_heads.transpose(0, 2, 1, 3), past_lengths)
+        _write_cache(present_v, past_value, v_heads.transpose(0, 2, 1, 3), past_lengths)
+        np.multiply(q_heads.transpose(0, 2, 1, 3), dtype.type(scale_attr or 1 / np.sqrt(head_size)), out=work.queries)
         sink = None
         if head_sink is not None:
             sink = head_sink.astype(dtype, copy=False).reshape(1, num_heads, 1, 1)
         elif smooth:
             sink = np.zeros((1, 1, 1, 1), dtype)
-        probs = _softmax_rows(scores, sink)
-        out = _grouped_matmul(probs, present_v)
-        return _merge_heads(out), present_k, present_v
+        _gqa_attend(
+            work.queries, present_k, present_v, lengths, past_lengths, work, output,
+            softcap=softcap, window=window, attention_bias=attention_bias, sink=sink,
+        )
+        return output, present_k, present_v
 
-    return run
+    def kernel(*inputs):
+        return run(*inputs)
+
+    def into(out, *inputs):
+        run(*inputs, out=tuple(out) if isinstance(out, (tuple, list)) else (out,))
+
+    declare_into(into, kernel)
+    return kernel
+

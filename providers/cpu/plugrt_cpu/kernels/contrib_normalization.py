@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .._registry import declare_into, kernel
@@ -84,6 +86,70 @@ def skip_simplified_layer_normalization(x, skip, gamma, bias=None, *, epsilon=1e
 def simplified_layer_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
     y, _, inv_std = _normalize(x, scale, None, epsilon, simplified=True, axis=axis)
     return y, inv_std.astype(np.float32, copy=False)
+
+
+def _rms_into(y: np.ndarray, inv_std: np.ndarray, x: np.ndarray, gamma: np.ndarray, epsilon: float, axis: int) -> None:
+    """_normalize(x, gamma, None, epsilon, simplified=True, axis) written into y and inv_std
+    (float32 or float64 x): the same operations in the same order, so the same bits."""
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    squares = scratch(y, "squares", x.shape, x.dtype)
+    np.square(x, out=squares)
+    # np.mean's own steps (a sum, then a true division by the count as an intp, computed
+    # in float64), without its Python-level bookkeeping
+    np.add.reduce(squares, axis=axes, keepdims=True, out=inv_std)
+    np.true_divide(inv_std, np.intp(math.prod(x.shape[a] for a in axes)), out=inv_std, casting="unsafe")
+    np.add(inv_std, x.dtype.type(epsilon), out=inv_std)
+    np.sqrt(inv_std, out=inv_std)
+    np.divide(1, inv_std, out=inv_std)
+    np.multiply(x, inv_std, out=y)
+    np.multiply(y, gamma, out=y)
+
+
+def _statistics_shape(x: np.ndarray, axis: int) -> tuple[int, ...]:
+    axis = axis % x.ndim
+    return x.shape[:axis] + (1,) * (x.ndim - axis)
+
+
+def _filled(out, defaults: list[tuple[tuple[int, ...], np.dtype]]) -> tuple[np.ndarray, ...]:
+    """The capture's output buffers (the node's outputs, a leading part of the kernel's),
+    then work arrays for the outputs the node does not use."""
+    out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    extra = [scratch(out[0], ("unused", i), shape, dtype) for i, (shape, dtype) in enumerate(defaults) if i >= len(out)]
+    return out + tuple(extra)
+
+
+def _simplified_layer_normalization_into(out, x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    statistics = _statistics_shape(x, axis)
+    y, inv_std = _filled(out, [(x.shape, x.dtype), (statistics, np.dtype(np.float32))])
+    if x.dtype != np.float32 or scale.dtype != np.float32:
+        for buffer, value in zip((y, inv_std), simplified_layer_normalization(x, scale, axis=axis, epsilon=epsilon)):
+            np.copyto(buffer, value)
+        return
+    _rms_into(y, inv_std, x, scale, epsilon, axis)
+
+
+declare_into(_simplified_layer_normalization_into, simplified_layer_normalization)
+
+
+def _skip_simplified_layer_normalization_into(out, x, skip, gamma, bias=None, *, epsilon=1e-12):
+    statistics = _statistics_shape(x, -1)
+    y, mean, inv_std, total = _filled(
+        out, [(x.shape, x.dtype), (statistics, x.dtype), (statistics, x.dtype), (x.shape, x.dtype)]
+    )
+    same = x.dtype == skip.dtype == gamma.dtype and (bias is None or bias.dtype == x.dtype)
+    if x.dtype not in (np.float32, np.float64) or not same or skip.shape != x.shape:
+        results = skip_simplified_layer_normalization(x, skip, gamma, bias, epsilon=epsilon)
+        for buffer, value in zip((y, mean, inv_std, total), results):
+            np.copyto(buffer, value)
+        return
+    np.add(x, skip, out=total)
+    if bias is not None:
+        np.add(total, bias, out=total)
+    mean.fill(0)
+    _rms_into(y, inv_std, total, gamma, epsilon, -1)
+
+
+declare_into(_skip_simplified_layer_normalization_into, skip_simplified_layer_normalization)
 
 
 @kernel("FastGelu", 1, domain=_MS)

@@ -128,8 +128,22 @@ def _cast(x: np.ndarray, dtype: np.dtype, saturate: int, round_mode: str) -> np.
         return x.astype(dtype)
 
 
+# types numpy's own conversion does not cast as ONNX does (saturation, sub-byte packing)
+_NOT_NUMPY_CAST = _ML_FLOATS | _SUB_BYTE_INTS
+
+
+def _cast_into(out, x, *, to, saturate=1, round_mode="up"):
+    """Cast into ``out``: numpy's own conversion between plain numeric types, the kernel otherwise."""
+    numeric = x.dtype.kind in "biuf" and out.dtype.kind in "biuf"
+    if numeric and x.dtype not in _NOT_NUMPY_CAST and out.dtype not in _NOT_NUMPY_CAST:
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.copyto(out, x, casting="unsafe")
+        return
+    np.copyto(out, _cast(x, _target_dtype(to), saturate, _as_str(round_mode)))
+
+
 # later versions only add types
-@kernel("Cast", 1, 6, 19, 24)
+@kernel("Cast", 1, 6, 19, 24, into=_cast_into)
 def cast(x, *, to, saturate=1, round_mode="up"):
     return _cast(x, _target_dtype(to), saturate, _as_str(round_mode))
 
