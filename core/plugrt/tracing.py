@@ -263,14 +263,11 @@ def traced_session(init: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(init)
     def build(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not _profiling_requested(kwargs.get("options")):
-            self._trace = None
-            init(self, *args, **kwargs)
-            return
-        recorder = self._trace = Recorder()
+        recorder = self._trace = Recorder() if _profiling_requested(kwargs.get("options")) else None
+        # set even when None: a session built while another one builds records into its own profile only
         token = _active.set(recorder)
         try:
-            with recorder.span("session_initialization"):
+            with recorder.span("session_initialization") if recorder is not None else contextlib.nullcontext():
                 init(self, *args, **kwargs)
         finally:
             _active.reset(token)

@@ -208,6 +208,24 @@ def test_profiling_off_records_nothing_and_adds_no_per_node_work(add_relu_model)
         session.profile()
 
 
+def test_a_session_built_during_a_profiled_build_stays_out_of_its_profile(add_relu_model, monkeypatch):
+    import plugrt.passes
+
+    name_nodes = plugrt.passes.name_nodes
+    inner = []
+
+    def name_nodes_and_build_another(model):
+        if not inner:  # the inner build names its nodes too
+            inner.append(None)
+            inner[0] = plugrt.load(add_relu_model, optimization="none")  # not profiled
+        return name_nodes(model)
+
+    monkeypatch.setattr(plugrt.passes, "name_nodes", name_nodes_and_build_another)
+    events = plugrt.load(add_relu_model, profiling=True, optimization="none").profile()
+    assert len(inner) == 1
+    assert len(_named(events, "compile")) == 1 and len(_named(events, "device_selection")) == 1
+
+
 def test_profile_records_keep_shapes_not_arrays(add_relu_model):
     session = plugrt.load(add_relu_model, profiling=True, optimization="none")
     session.run({"x": np.ones((2, 4), np.float32), "y": np.ones((2, 4), np.float32)})
