@@ -4,7 +4,15 @@ The decoder is an ONNX model as onnxruntime-genai's model builder writes it: inp
 ``input_ids``, ``attention_mask`` (optionally ``position_ids``) and one past key and value
 per layer, outputs ``logits`` and the present keys and values, named as its
 ``genai_config.json`` says. Each layer's cache lives in one binding that is the past input
-and the present output at once, with a fixed capacity of ``max_length`` tokens::
+and the present output at once, with a fixed capacity of ``max_length`` tokens.
+
+When the model shares its past and present buffers (``past_present_share_buffer`` in
+``genai_config.json``: GroupQueryAttention reads the valid part of a longer past), the
+cache bindings keep their full capacity and the attention mask has the fixed shape
+``[1, max_length]``, its ones marking the valid positions. Every decode step then has the
+same shapes, so it is captured once (slot ``genai.decode.N``) and replayed; a prompt runs
+through its own slot (``genai.prefill.N``), captured for its length. A step the provider
+cannot capture runs eagerly, and ``Generator.capture_use`` says why::
 
     model = plugrt.genai.Model("tiny_llama/fp32")          # the folder with genai_config.json
     tokens = plugrt.genai.generate(model, [1, 17, 42], max_length=32)
@@ -18,17 +26,20 @@ and the present output at once, with a fixed capacity of ``max_length`` tokens::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import InvalidInputError, InvalidOptionValueError, ModelLoadError
+from .capture import Captured, CaptureReport
+from .errors import CaptureThreadError, InvalidInputError, InvalidOptionValueError, ModelLoadError, StaleCaptureError
 from .tracing import trace_generation
 
-__all__ = ["DecoderLayout", "Model", "SearchOptions", "Generator", "generate"]
+__all__ = ["CaptureUse", "DecoderLayout", "Model", "SearchOptions", "Generator", "generate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +60,7 @@ class DecoderLayout:
     context_length: int = 0
     vocab_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    past_present_share_buffer: bool = False  # the past buffer may be longer than its valid part
 
     @classmethod
     def from_genai_config(cls, path: str | os.PathLike[str]) -> "DecoderLayout":
@@ -59,6 +71,7 @@ class DecoderLayout:
             decoder = model["decoder"]
             inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
             eos = model.get("eos_token_id", ())
+            search = config.get("search", {})
             return cls(
                 input_ids=inputs.get("input_ids", "input_ids"),
                 attention_mask=inputs.get("attention_mask"),
@@ -74,6 +87,7 @@ class DecoderLayout:
                 context_length=int(model.get("context_length", 0)),
                 vocab_size=int(model.get("vocab_size", 0)),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+                past_present_share_buffer=bool(search.get("past_present_share_buffer", False)),
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"cannot read the decoder layout from {path}: {type(e).__name__}: {e}") from e
@@ -119,6 +133,73 @@ class Model:
         missing = [n for n in (layout.input_ids, *(past for past, _ in layout.cache_names())) if n not in names]
         if missing:
             raise ModelLoadError(f"the decoder {model_path} has no input(s) {missing}; its inputs are {sorted(names)}")
+        # Fixed shapes need the valid length as an input: the attention mask's content.
+        self.fixed_shape_steps = layout.past_present_share_buffer and layout.attention_mask is not None
+        self._free_caches: dict[int, list[_Cache]] = {}  # by capacity: caches no generator holds
+        self._cache_ids = itertools.count()
+
+    def _take_cache(self, capacity: int) -> "_Cache":
+        free = self._free_caches.get(capacity)
+        if free:
+            return free.pop()
+        return _Cache(self, capacity, next(self._cache_ids))
+
+    def _return_cache(self, cache: "_Cache") -> None:
+        self._free_caches.setdefault(cache.capacity, []).append(cache)
+
+
+class _Cache:
+    """One sequence's KV cache bindings, its fixed-shape attention mask and the capture
+    slots recorded with them (a capture is tied to its bindings, so a cache handed to the
+    next generator keeps its captures)."""
+
+    def __init__(self, model: Model, capacity: int, number: int):
+        layout = model.layout
+        session = model.session
+        full = (1, layout.kv_heads, capacity, layout.head_size)
+        # growing steps start from an empty logical cache; fixed-shape steps see it all
+        shape = full if model.fixed_shape_steps else (1, layout.kv_heads, 0, layout.head_size)
+        self.capacity = capacity
+        self.bindings = [
+            session.allocate_binding(input=past, output=present, dtype=np.float32, shape=shape, capacity=full)
+            for past, present in layout.cache_names()
+        ]
+        self.mask = np.zeros((1, capacity), np.int64)
+        self.slots = {"prefill": f"genai.prefill.{number}", "decode": f"genai.decode.{number}"}
+        self.captured_lengths: dict[str, int] = {}  # slot -> input_ids length it was captured for
+        self.declined: dict[str, str] = {}  # slot -> why its capture failed (not retried)
+        self.reports: dict[str, CaptureReport] = {}
+        weakref.finalize(self, _drop_slots, weakref.ref(session), tuple(self.slots.values()))
+
+    def reset(self, model: Model) -> None:
+        """Ready for a new sequence: nothing valid, logical shapes back to empty when they grow."""
+        self.mask[:] = 0
+        if not model.fixed_shape_steps:
+            layout = model.layout
+            for binding in self.bindings:
+                binding.set_shape((1, layout.kv_heads, 0, layout.head_size))
+
+
+def _drop_slots(session_ref: Any, slots: tuple[str, ...]) -> None:
+    session = session_ref()
+    if session is not None:
+        for slot in slots:
+            session.reset(slot)
+
+
+@dataclasses.dataclass
+class CaptureUse:
+    """How a :class:`Generator`'s steps ran: replayed from a capture or eagerly, with the
+    reasons of eager steps and the capture reports by phase (``prefill``, ``decode``)."""
+
+    replayed_steps: int = 0
+    eager_steps: int = 0
+    eager_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    reports: dict[str, CaptureReport] = dataclasses.field(default_factory=dict)
+
+    def _eager(self, reason: str) -> None:
+        self.eager_steps += 1
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +248,15 @@ class Generator:
     """Feeds tokens through a :class:`Model` one step at a time (batch size 1).
 
     The cache of each layer is one persistent binding serving as past input and present
-    output, its capacity ``max_length`` tokens, so a step allocates no cache memory.
+    output, its capacity ``max_length`` tokens, so a step allocates no cache memory. With
+    ``capture`` (the default) and a model whose steps have fixed shapes, prompts and
+    decode steps are replayed from captures in their own slots (see the module's notes);
+    ``capture_use`` says how each step ran.
     """
 
-    def __init__(self, model: Model, options: SearchOptions | None = None, **overrides: Any) -> None:
+    def __init__(
+        self, model: Model, options: SearchOptions | None = None, *, capture: bool = True, **overrides: Any
+    ) -> None:
         options = options or SearchOptions()
         if overrides:
             unknown = set(overrides) - {f.name for f in dataclasses.fields(SearchOptions)}
@@ -186,21 +272,26 @@ class Generator:
         self.options = options
         self.max_length = max_length
         self._rng = np.random.default_rng(options.seed)
-        session = model.session
-        self._cache = [
-            session.allocate_binding(
-                input=past, output=present, dtype=np.float32,
-                shape=(1, layout.kv_heads, 0, layout.head_size),
-                capacity=(1, layout.kv_heads, max_length, layout.head_size),
+        self._state = model._take_cache(max_length)
+        self._state.reset(model)
+        weakref.finalize(self, model._return_cache, self._state)
+        self._cache = self._state.bindings
+        self.capture_use = CaptureUse()
+        if not capture:
+            self._eager_reason: str | None = "capture=False"
+        elif not model.fixed_shape_steps:
+            self._eager_reason = (
+                "the cache grows every step (the model does not declare past_present_share_buffer "
+                "with an attention mask), so no two steps have the same shapes"
             )
-            for past, present in layout.cache_names()
-        ]
+        else:
+            self._eager_reason = None
         self._sequence: list[int] = []
         self._pending: list[int] = []  # tokens appended but not yet run through the model
         self._cached = 0  # tokens whose keys and values are in the cache
         self._logits: np.ndarray | None = None
         self._done = False
-        self._trace = trace_generation(session, max_length, options)  # a gen_ai span when profiling
+        self._trace = trace_generation(model.session, max_length, options)  # a gen_ai span when profiling
 
     # -- feeding ----------------------------------------------------------------------------
 
@@ -231,13 +322,54 @@ class Generator:
         total = self._cached + tokens.shape[1]
         feeds: dict[str, np.ndarray] = {layout.input_ids: tokens}
         if layout.attention_mask is not None:
-            feeds[layout.attention_mask] = np.ones((1, total), np.int64)
+            if self.model.fixed_shape_steps:
+                # the mask keeps its shape; its ones say how much of the cache is valid
+                self._state.mask[0, self._cached:total] = 1
+                feeds[layout.attention_mask] = self._state.mask
+            else:
+                feeds[layout.attention_mask] = np.ones((1, total), np.int64)
         if layout.position_ids is not None:
             feeds[layout.position_ids] = np.arange(self._cached, total, dtype=np.int64)[None, :]
-        outputs = self.model.session.run(feeds, [layout.logits], bindings=self._cache)
-        self._logits = np.asarray(outputs[layout.logits])[0, -1]
+        logits = self._step(feeds, "decode" if tokens.shape[1] == 1 else "prefill")
+        self._logits = np.asarray(logits)[0, -1]
         self._cached = total
         self._pending = []
+
+    def _step(self, feeds: dict[str, np.ndarray], phase: str) -> Any:
+        """The step's logits: replayed from the phase's capture (made first when there is
+        none for these shapes), or run eagerly with the reason counted."""
+        logits_name = self.model.layout.logits
+        session, state, use = self.model.session, self._state, self.capture_use
+        reason = self._eager_reason or state.declined.get(phase)
+        if reason is None:
+            slot = state.slots[phase]
+            length = feeds[self.model.layout.input_ids].shape[1]
+            if state.captured_lengths.get(phase) != length:
+                result = session.try_capture(feeds, bindings=self._cache, slot=slot)
+                if not isinstance(result, Captured):
+                    why = "; ".join(f"{node}: {why}" for node, why in result.report) or "declined"
+                    state.declined[phase] = reason = f"the {phase} step cannot be captured ({why})"
+                else:
+                    state.captured_lengths[phase] = length
+                    state.reports[phase] = result.report
+            if reason is None:
+                use.reports[phase] = state.reports[phase]
+                try:
+                    try:
+                        replayed = session.replay(feeds, bindings=self._cache, slot=slot)
+                    except CaptureThreadError:  # captured on another thread: its buffers are not ours
+                        replayed = session.replay(feeds, bindings=self._cache, slot=slot, copy_outputs=True)
+                except StaleCaptureError as e:
+                    state.captured_lengths.pop(phase, None)
+                    reason = f"the {phase} capture went stale ({e.reason})"
+                else:
+                    if replayed.replayed:
+                        use.replayed_steps += 1
+                    else:
+                        use._eager(replayed.reason)
+                    return replayed[logits_name]
+        use._eager(reason or "")
+        return session.run(feeds, [logits_name], bindings=self._cache)[logits_name]
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -274,9 +406,10 @@ class Generator:
         return self._logits.copy()
 
 
-def generate(model: Model, prompt: Sequence[int] | np.ndarray, **options: Any) -> list[int]:
-    """The tokens generated after ``prompt`` (``options``: :class:`SearchOptions` fields)."""
-    generator = Generator(model, SearchOptions(**options))
+def generate(model: Model, prompt: Sequence[int] | np.ndarray, *, capture: bool = True, **options: Any) -> list[int]:
+    """The tokens generated after ``prompt`` (``options``: :class:`SearchOptions` fields;
+    ``capture``: replay steps from captures where the model allows, see :class:`Generator`)."""
+    generator = Generator(model, SearchOptions(**options), capture=capture)
     generator.append_tokens(prompt)
     start = len(generator.get_sequence())
     while not generator.is_done():

@@ -70,10 +70,25 @@ def test_kv_cache_lives_in_bindings_of_fixed_capacity(fp32_model):
     layout = fp32_model.layout
     caches = generator._cache
     assert len(caches) == 2 * layout.num_layers
-    for binding in caches:
+    for binding in caches:  # past and present share the buffer: every step sees all of it
+        assert binding.capacity == binding.shape == (1, layout.kv_heads, 20, layout.head_size)
+    # the prompt and two decoded tokens have run; the third token waits for the next step
+    assert generator._state.mask.tolist() == [[1] * (len(PROMPT) + 2) + [0] * (20 - len(PROMPT) - 2)]
+
+
+def test_cache_grows_in_its_bindings_without_a_shared_buffer():
+    layout = genai.DecoderLayout.from_genai_config(ASSETS / "fp32" / "genai_config.json")
+    model = genai.Model(ASSETS / "fp32", layout=dataclasses.replace(layout, past_present_share_buffer=False))
+    generator = genai.Generator(model, max_length=20)
+    generator.append_tokens(PROMPT)
+    for _ in range(3):
+        generator.generate_next_token()
+    for binding in generator._cache:
         assert binding.capacity == (1, layout.kv_heads, 20, layout.head_size)
-        # the prompt and two decoded tokens have run; the third token waits for the next step
         assert binding.shape == (1, layout.kv_heads, len(PROMPT) + 2, layout.head_size)
+    assert generator.capture_use.replayed_steps == 0
+    assert generator.capture_use.eager_steps == 3
+    assert "grows every step" in next(iter(generator.capture_use.eager_reasons))
 
 
 def test_top_k_one_sampling_is_greedy(fp32_model):

@@ -1,0 +1,174 @@
+"""Decode steps with a fixed-capacity KV cache: captured without seams on the CPU provider,
+replayed bitwise equal to eager steps and without allocating, tokens as onnxruntime-genai's."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plugrt import genai
+
+ASSETS = Path(__file__).parent / "assets" / "tiny_llama"
+PROMPT = [1, 17, 42, 99, 7, 200, 3]
+DECODE_STEPS = 16
+MAX_LENGTH = 64
+# What one replay of the decode step may allocate (tracemalloc's peak during it): the
+# Python objects of the replay loop and numpy's views (a few KiB), far below one eager
+# step, which allocates its activations and a copy of every layer's cache
+# (test_an_eager_step_allocates_more_than_the_replay_bound checks that). The peak is
+# reset before each step: tracemalloc counts Python's free lists as live memory, so a
+# peak kept over many steps creeps up with them, replay or not.
+REPLAY_BYTES = 8192
+
+
+@pytest.fixture(scope="module")
+def fp32_model() -> genai.Model:
+    return genai.Model(ASSETS / "fp32")
+
+
+def _prefilled(model: genai.Model, *, capture: bool, max_length: int = MAX_LENGTH) -> genai.Generator:
+    generator = genai.Generator(model, max_length=max_length, capture=capture)
+    generator.append_tokens(PROMPT)
+    generator.generate_next_token()
+    return generator
+
+
+def test_builder_model_declares_a_shared_cache_buffer(fp32_model):
+    assert fp32_model.layout.past_present_share_buffer
+    assert fp32_model.fixed_shape_steps
+
+
+def test_decode_step_of_the_fp32_model_captures_with_no_seams(fp32_model):
+    generator = _prefilled(fp32_model, capture=True)
+    generator.generate_next_token()
+    report = generator.capture_use.reports["decode"]
+    assert report.seams == []
+    assert len(report.segments) == 1
+    steps = [step.name for compiled in fp32_model.session._built.compiled for step in compiled.steps]
+    assert report.segments[0] == steps
+    assert any("GroupQueryAttention" in name for name in report.segments[0])
+
+
+def test_prefill_and_decode_use_their_own_capture_slots(fp32_model):
+    generator = _prefilled(fp32_model, capture=True)
+    generator.generate_next_token()
+    slots = generator._state.slots
+    assert slots["prefill"] != slots["decode"]
+    assert set(generator.capture_use.reports) == {"prefill", "decode"}
+    assert generator.capture_use.replayed_steps == 2
+    assert generator.capture_use.eager_steps == 0
+
+
+def test_decode_replay_is_bitwise_equal_to_eager_steps_over_16_steps(fp32_model):
+    replayed = _prefilled(fp32_model, capture=True)
+    eager = _prefilled(fp32_model, capture=False)
+    for _ in range(DECODE_STEPS):
+        token = replayed.generate_next_token()
+        assert eager.generate_next_token() == token
+        assert replayed.get_logits().tobytes() == eager.get_logits().tobytes()
+    for mine, theirs in zip(replayed._cache, eager._cache):
+        assert mine.read().tobytes() == theirs.read().tobytes()
+    assert replayed.capture_use.replayed_steps == DECODE_STEPS + 1  # and the prefill
+    assert replayed.capture_use.eager_steps == 0
+    assert eager.capture_use.eager_reasons == {"capture=False": DECODE_STEPS + 1}
+
+
+def test_decode_replay_allocates_no_arrays(fp32_model):
+    generator = _prefilled(fp32_model, capture=True)
+    generator.generate_next_token()  # captures the decode step
+    stats = fp32_model.session.capture_stats
+    replays = stats.replays
+    counted = []
+    tracemalloc.start()
+    try:
+        for _ in range(DECODE_STEPS):
+            before = stats.bytes_allocated_during_replay
+            tracemalloc.reset_peak()
+            generator.generate_next_token()
+            counted.append(stats.bytes_allocated_during_replay - before)
+    finally:
+        tracemalloc.stop()
+    assert stats.replays == replays + DECODE_STEPS
+    assert max(counted) < REPLAY_BYTES
+
+
+def test_an_eager_step_allocates_more_than_the_replay_bound(fp32_model):
+    generator = _prefilled(fp32_model, capture=False)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        generator.generate_next_token()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak > REPLAY_BYTES
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_captured_greedy_tokens_match_onnxruntime_genai(precision):
+    og = pytest.importorskip("onnxruntime_genai")
+    max_length = len(PROMPT) + DECODE_STEPS + 1
+    reference = og.Model(str(ASSETS / precision))
+    params = og.GeneratorParams(reference)
+    params.set_search_options(do_sample=False, max_length=max_length)
+    expected_generator = og.Generator(reference, params)
+    expected_generator.append_tokens(np.array([PROMPT], np.int32))
+    expected = []
+    while not expected_generator.is_done():
+        expected_generator.generate_next_token()
+        expected.append(int(expected_generator.get_next_tokens()[0]))
+    generator = genai.Generator(genai.Model(ASSETS / precision), max_length=max_length)
+    generator.append_tokens(PROMPT)
+    tokens = []
+    while not generator.is_done():
+        tokens.append(generator.generate_next_token())
+    assert tokens == expected
+    assert generator.capture_use.replayed_steps == DECODE_STEPS + 1
+    assert generator.capture_use.eager_steps == 0
+
+
+def test_fixed_capacity_steps_match_onnxruntime_on_a_longer_past():
+    """onnxruntime's GroupQueryAttention given the same full-capacity past buffers and
+    fixed-shape mask (its shared-buffer layout) gives the same logits at every step."""
+    ort = pytest.importorskip("onnxruntime")
+    folder = ASSETS / "fp32"
+    layout = genai.DecoderLayout.from_genai_config(folder / "genai_config.json")
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    generator = genai.Generator(genai.Model(folder), max_length=MAX_LENGTH)
+    generator.append_tokens(PROMPT)
+    cache = {past: np.zeros((1, layout.kv_heads, MAX_LENGTH, layout.head_size), np.float32)
+             for past, _ in layout.cache_names()}
+    mask = np.zeros((1, MAX_LENGTH), np.int64)
+    ids = np.array([PROMPT], np.int64)
+    valid = 0
+    for _ in range(DECODE_STEPS + 1):
+        mask[0, valid:valid + ids.shape[1]] = 1
+        valid += ids.shape[1]
+        outputs = dict(zip(names, session.run(names, {"input_ids": ids, "attention_mask": mask, **cache})))
+        cache = {past: outputs[present] for past, present in layout.cache_names()}
+        token = generator.generate_next_token()
+        np.testing.assert_allclose(generator.get_logits(), outputs["logits"][0, -1], rtol=0, atol=1e-4)
+        assert token == int(np.argmax(outputs["logits"][0, -1]))
+        ids = np.array([[token]], np.int64)
+    assert generator.capture_use.replayed_steps == DECODE_STEPS + 1
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_with_its_reason(fp32_model, monkeypatch):
+    from plugrt.capture import NotCapturable
+
+    declined = NotCapturable([("node", "no capture here")])
+    monkeypatch.setattr(type(fp32_model.session), "try_capture", lambda self, *a, **k: declined)
+    generator = genai.Generator(genai.Model(ASSETS / "fp32"), max_length=MAX_LENGTH)
+    generator.append_tokens(PROMPT)
+    for _ in range(3):
+        generator.generate_next_token()
+    reasons = generator.capture_use.eager_reasons
+    assert generator.capture_use.replayed_steps == 0
+    assert sum(reasons.values()) == 3
+    assert all("no capture here" in reason for reason in reasons)
+    assert any(reason.startswith("the decode step") for reason in reasons)
