@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from .errors import KernelError, OptionError, PlugrtError, UnsupportedOpError
 from .provider import Step
-from .tracing import duration, micros, node_event
+from .tracing import complete_event, micros, node_event
 
 __all__ = ["Plan", "StepInfo"]
 
@@ -265,18 +265,7 @@ class Plan:
         for record in records:
             index, start, end, tid = record[:4]
             if index < 0:
-                events.append(
-                    {
-                        "cat": "Session",
-                        "pid": pid,
-                        "tid": tid,
-                        "dur": duration(start, end, origin),
-                        "ts": micros(start, origin),
-                        "ph": "X",
-                        "name": "model_run",
-                        "args": {},
-                    }
-                )
+                events.append(complete_event("model_run", "Session", pid, tid, start, end, origin, {}))
                 continue
             info = infos[index]
             events.append(node_event(origin, pid, info.name, info.op_type, info.provider, record, parameters[index]))

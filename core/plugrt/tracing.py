@@ -35,6 +35,7 @@ __all__ = [
     "ProfiledSession",
     "Recorder",
     "active_recorder",
+    "complete_event",
     "duration",
     "instant",
     "loading_span_name",
@@ -67,6 +68,22 @@ def duration(start: float, end: float, origin: float) -> float:
     """``end - start`` in microseconds, such that ``ts + dur`` is ``end``'s ``ts``: spans
     that follow each other never overlap after rounding."""
     return round(micros(end, origin) - micros(start, origin), 3)
+
+
+def complete_event(
+    name: str, cat: str, pid: int, tid: int, start: float, end: float, origin: float, args: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A complete event (``"ph": "X"``) as onnxruntime writes it, its fields in its order."""
+    return {
+        "cat": cat,
+        "pid": pid,
+        "tid": tid,
+        "dur": duration(start, end, origin),
+        "ts": micros(start, origin),
+        "ph": "X",
+        "name": name,
+        "args": dict(args),
+    }
 
 
 def _tracer() -> Any:
@@ -123,16 +140,7 @@ class Recorder:
     ) -> None:
         """A finished span from ``start`` to ``end`` (``perf_counter`` readings)."""
         self.events.append(
-            {
-                "cat": cat,
-                "pid": self.pid,
-                "tid": threading.get_native_id(),
-                "dur": duration(start, end, self.origin),
-                "ts": self.micros(start),
-                "ph": "X",
-                "name": name,
-                "args": dict(args or {}),
-            }
+            complete_event(name, cat, self.pid, threading.get_native_id(), start, end, self.origin, args or {})
         )
 
     @contextlib.contextmanager
@@ -314,24 +322,16 @@ def node_event(
                 parameter += tensor[2]
             else:
                 activation += tensor[2]
-    return {
-        "cat": "Node",
-        "pid": pid,
-        "tid": tid,
-        "dur": duration(start, end, recorder_origin),
-        "ts": micros(start, recorder_origin),
-        "ph": "X",
-        "name": f"{name}_kernel_time",
-        "args": {
-            "op_name": op_name,
-            "provider": provider,
-            "input_type_shape": _type_shapes(inputs),
-            "output_type_shape": _type_shapes(outputs),
-            "activation_size": str(activation),
-            "parameter_size": str(parameter),
-            "output_size": str(sum(t[2] for t in outputs if t is not None)),
-        },
+    args = {
+        "op_name": op_name,
+        "provider": provider,
+        "input_type_shape": _type_shapes(inputs),
+        "output_type_shape": _type_shapes(outputs),
+        "activation_size": str(activation),
+        "parameter_size": str(parameter),
+        "output_size": str(sum(t[2] for t in outputs if t is not None)),
     }
+    return complete_event(f"{name}_kernel_time", "Node", pid, tid, start, end, recorder_origin, args)
 
 
 def _export_runs(recorder: Recorder, plan: Any) -> None:
