@@ -34,7 +34,6 @@ __all__ = [
     "GenerationTrace",
     "ProfiledSession",
     "Recorder",
-    "active_recorder",
     "complete_event",
     "duration",
     "instant",
@@ -125,9 +124,6 @@ class Recorder:
         self.events: list[dict[str, Any]] = []
         self.tracer = _tracer()
 
-    def now(self) -> float:
-        return _clock()
-
     def micros(self, moment: float) -> float:
         """``moment`` (a ``perf_counter`` reading) in microseconds since the origin."""
         return micros(moment, self.origin)
@@ -200,10 +196,6 @@ class Recorder:
 
 
 # -- the active recorder (build phase) -----------------------------------------------------
-
-
-def active_recorder() -> Recorder | None:
-    return _active.get()
 
 
 def span(name: str, **args: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
