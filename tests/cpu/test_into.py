@@ -519,6 +519,12 @@ NN = [
         constants={"w": W_CONV[:8, :1].copy(), "b": B_16[:8].copy()},
     ),
     Case(
+        "Conv-depthwise-strided",
+        "y = Conv<group = 8, pads = [1, 1, 1, 1], strides = [2, 2], dilations = [1, 2]>(x, w, b)",
+        inputs(**X_NCHW),
+        constants={"w": W_CONV[:8, :1].copy(), "b": B_16[:8].copy()},
+    ),
+    Case(
         "Conv-depthwise-channels-last-strided",
         "y = Conv<group = 64, pads = [1, 1, 1, 1], strides = [2, 2]>(x, w, b)",
         inputs(x=normal(2, 64, 8, 8)),

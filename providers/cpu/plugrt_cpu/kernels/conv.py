@@ -7,7 +7,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from plugrt.threads import blas_threads
+from plugrt.threads import blas_threads, parallel_for
 from plugrt.weights import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
@@ -37,6 +37,8 @@ from .elementwise import scratch, with_small_buffers
 # ---------------------------------------------------------------------------
 # Conv
 # ---------------------------------------------------------------------------
+
+_DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 planes of 28 x 30 beat 8 and 128)
 
 
 class _ConvPlan:
@@ -73,7 +75,7 @@ class _ConvPlan:
             return
         if w_shape[1] == 1 and group > 1:
             self.kind = "depthwise"
-            self._plan_depthwise(spatial, kernel, strides, dilations, pb, out)
+            self._plan_depthwise(spatial, kernel, strides, dilations, pb, out, n * group, group, itemsize)
             return
         self.kind = "im2col"
         # A strided window reads each stride phase of the input with unit steps once that
@@ -109,6 +111,9 @@ class _ConvPlan:
         dilations: list[int],
         pb: list[int],
         out: list[int],
+        rows: int,
+        group: int,
+        itemsize: int,
     ) -> None:
         """Depthwise taps as flat shifts of stride-phase planes.
 
@@ -147,6 +152,30 @@ class _ConvPlan:
         if all(st == 1 for st in strides):
             self.tap_grid_steps = [d * ps for d, ps in zip(dilations, plane_strides)]
         self.kernel = list(kernel)
+        # With long planes for the channel count, one product per group (taps gathered into
+        # columns) beats a multiply-add pass per tap; on short planes the per-group calls
+        # cost more than the passes (measured: 2 rows per position is about even).
+        self.depthwise_product = rows * 2 <= self.grid
+        # the product's grid (group, multiplier, out[0], *plane[1:]) cropped to the output
+        self.product_crop = (slice(None), slice(None)) + tuple(slice(0, o) for o in out)
+        # The taps of one phase read its plane at offsets forming a grid (a step per
+        # axis), so one strided view copies them all; the columns hold the taps phase by
+        # phase, in ``tap_order``.
+        self.phase_grids = []
+        order: list[int] = []
+        for phase in self.phase_fill:
+            members = [(index, shift) for index, (ph, shift) in enumerate(zip(phases, shifts)) if ph == phase]
+            per_axis = [sorted({shift[i] for _, shift in members}) for i in range(rank)]
+            steps = [(a[1] - a[0] if len(a) > 1 else 0) * ps for a, ps in zip(per_axis, plane_strides)]
+            start = sum(a[0] * ps for a, ps in zip(per_axis, plane_strides))
+            self.phase_grids.append(([len(a) for a in per_axis], steps, start))
+            order += [index for index, _ in members]
+        self.tap_order = tuple(order)
+        self.plane_layout = (tuple(plane), tuple(self.phase_fill))
+        # Blocks of groups whose columns stay in cache; the work sizes the threads.
+        column_bytes = len(phases) * self.grid * itemsize
+        self.depthwise_block = max(1, min(group, _DEPTHWISE_BLOCK_BYTES // max(1, column_bytes)))
+        self.depthwise_work = group * len(phases) * self.grid * (1 + self.m // group)
 
 
 class _ConvWeight:
@@ -156,6 +185,16 @@ class _ConvWeight:
         self.shape = tuple(w.shape)
         m = w.shape[0]
         self.gemm = np.ascontiguousarray(w.reshape(group, m // group, -1), dtype=dtype)
+        self._reordered: dict[tuple[int, ...], np.ndarray] = {}
+
+    def taps_in(self, order: tuple[int, ...]) -> np.ndarray:
+        """``gemm`` with its taps (last axis) in ``order``, made once per order."""
+        if order == tuple(range(len(order))):
+            return self.gemm
+        taps = self._reordered.get(order)
+        if taps is None:
+            taps = self._reordered[order] = np.ascontiguousarray(self.gemm[:, :, list(order)])
+        return taps
 
 
 class _Convolution:
@@ -211,8 +250,10 @@ class _Convolution:
                 y += bias
             if self.relu:
                 np.maximum(y, 0, out=y)
+        elif plan.kind == "depthwise" and plan.depthwise_product:
+            y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
-            y = self._depthwise(x, wg, plan, bias, y)
+            y = self._depthwise_taps(x, wg, plan, bias, y)
         elif conv_gemm.usable(plan.shifted, x.dtype):
             taps = conv_gemm.tap_weights(weight, math.prod(weight.shape[2:]))
             y = plan.shifted(x, taps, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
@@ -220,7 +261,93 @@ class _Convolution:
             y = self._im2col(x, wg, plan, bias, y)
         return y.reshape(n, m, *plan.out)
 
-    def _depthwise(
+    def _depthwise_product(
+        self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Depthwise (one input channel per group) as a batched product per group:
+        the taps gathered from stride-phase planes into columns (group, taps, grid),
+        then weights (group, multiplier, taps) @ columns, cropped from the grid.
+
+        Every tap is one contiguous copy per group, and the products run in BLAS, which
+        beats a multiply-add pass per tap. Groups go in blocks that stay in cache, spread
+        over the cores by ``parallel_for``; the work arrays are this thread's workspaces,
+        so the ``into`` variant (``y`` given) allocates nothing once they have grown.
+        """
+        n, g = x.shape[:2]
+        mult = wg.shape[1]
+        into = y is not None
+        if y is None:
+            y = np.empty((n, g * mult, plan.out_size), dtype=x.dtype)
+        y = y.reshape(n, g * mult, plan.out_size)
+        if n * g == 0 or plan.out_size == 0:
+            y.fill(0)
+            return y
+        blas_threads(0)  # one product per group is far too small for BLAS threads
+        block = plan.depthwise_block
+        out_rank = len(plan.out)
+        bias_rows = None if bias is None else bias.reshape(g, mult, *([1] * out_rank))
+        for image in range(n):
+            xi = x[image]
+            yi = y[image].reshape(g, mult, *plan.out)
+
+            def blocks(start: int, stop: int, xi: np.ndarray = xi, yi: np.ndarray = yi) -> None:
+                for g0 in range(start, stop, block):
+                    g1 = min(stop, g0 + block)
+                    if into:
+                        with_small_buffers(self._depthwise_block, xi, wg, plan, bias_rows, yi, g0, g1)
+                    else:
+                        self._depthwise_block(xi, wg, plan, bias_rows, yi, g0, g1)
+
+            parallel_for(g, blocks, plan.depthwise_work, grain=block)
+        return y
+
+    def _depthwise_block(
+        self,
+        xi: np.ndarray,
+        wg: np.ndarray,
+        plan: _ConvPlan,
+        bias_rows: np.ndarray | None,
+        yi: np.ndarray,
+        g0: int,
+        g1: int,
+    ) -> None:
+        """Groups [g0, g1) of one image, into ``yi`` (group, multiplier, *out); ``wg``
+        holds the taps in column order (plan.tap_order)."""
+        count = g1 - g0
+        phases = len(plan.phase_fill)
+        planes, stale = _workspace("depthwise-planes", (phases, count, *plan.plane_shape), xi.dtype, plan.plane_layout)
+        if stale:  # the padding around each plane's filled region must read as zero
+            planes.fill(0)
+        flat = planes.reshape(phases, count, -1)
+        for k, (dst, src) in enumerate(plan.phase_fill.values()):
+            planes[k][dst] = xi[(slice(g0, g1),) + src[1:]]
+        length = plan.grid
+        cols, _ = _workspace("depthwise-cols", (count, len(plan.depthwise_taps), length), xi.dtype)
+        item = xi.dtype.itemsize
+        column = 0
+        for k, (counts, steps, start) in enumerate(plan.phase_grids):
+            taps = math.prod(counts)
+            plane = flat[k, :, start:]
+            windows = np.lib.stride_tricks.as_strided(
+                plane,
+                shape=(count, *counts, length),
+                strides=(plane.strides[0], *(step * item for step in steps), item),
+                writeable=False,
+            )
+            np.copyto(cols[:, column : column + taps].reshape(count, *counts, length), windows)
+            column += taps
+        grid, _ = _workspace("depthwise-grid", (count, wg.shape[1], length), xi.dtype)
+        np.matmul(wg[g0:g1], cols, out=grid)
+        cropped = grid.reshape(count, wg.shape[1], plan.out[0], *plan.plane_shape[1:])[plan.product_crop]
+        target = yi[g0:g1]
+        if bias_rows is None:
+            np.copyto(target, cropped)
+        else:
+            np.add(cropped, bias_rows[g0:g1], out=target)
+        if self.relu:
+            np.maximum(target, 0, out=target)
+
+    def _depthwise_taps(
         self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
     ) -> np.ndarray:
         """Per (image, channel) row: the sum over taps of weight * shifted phase plane.
