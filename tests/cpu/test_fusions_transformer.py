@@ -120,6 +120,20 @@ def test_self_attention_without_projection_biases_runs_as_one_step():
     _assert_fused(_attention(bias=False), {"x": _random(2, _SEQ, _WIDTH, seed=5)}, ["SelfAttention"])
 
 
+def test_self_attention_heads_in_parallel_chunks_give_the_serial_result(monkeypatch):
+    from plugrt import threads
+
+    model, feeds = _attention(), {"x": _random(3, _SEQ, _WIDTH, seed=6)}
+    serial = plugrt.load(model, device="cpu").run(feeds)["y"]
+    calls = []
+    monkeypatch.setattr(threads, "PARALLEL_MIN_WORK", 0)  # every size is worth splitting
+    monkeypatch.setattr(fusions_transformer, "threads_for", lambda work: 2)
+    monkeypatch.setattr(fusions_transformer, "parallel_for", lambda *a, **k: calls.append(a) or threads.parallel_for(*a, **k))
+    parallel = plugrt.load(model, device="cpu").run(feeds)["y"]
+    assert calls and calls[0][0] == 3 * _HEADS
+    np.testing.assert_array_equal(parallel, serial)
+
+
 def test_self_attention_whose_scores_are_a_graph_output_is_not_fused():
     model = _attention(extra_output=f"float[N, {_HEADS}, {_SEQ}, {_SEQ}] s")
     ops, _ = _run(model, {"x": _random(2, _SEQ, _WIDTH)})
