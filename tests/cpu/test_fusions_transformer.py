@@ -74,7 +74,9 @@ def loops(request, monkeypatch):
 # Self-attention
 
 
-def _attention(scaling: str = "t = Mul (s, scale)", bias: bool = True, extra_output: str = "") -> bytes:
+def _attention(
+    scaling: str = "t = Mul (s, scale)", bias: bool = True, extra_output: str = "", dtype: type = np.float32
+) -> bytes:
     def project(name: str, perm: str) -> str:
         product = f"{name}m = MatMul (x, w{name})\n{name}b = Add ({name}m, b{name})"
         if not bias:
@@ -100,13 +102,16 @@ def _attention(scaling: str = "t = Mul (s, scale)", bias: bool = True, extra_out
     constants = {f"w{n}": _random(_WIDTH, _WIDTH, seed=i) * 0.5 for i, n in enumerate("qkv")}
     if bias:
         constants.update({f"b{n}": _random(_WIDTH, seed=10 + i) for i, n in enumerate("qkv")})
+    if dtype == np.float64:
+        text = text.replace("float[", "double[")
+    floats = {
+        "scale": np.asarray(1 / math.sqrt(_SIZE)), "root": np.asarray(math.sqrt(_SIZE)), "two": np.asarray(2.0), **constants
+    }
     return _model(
         text,
         split=np.array([0, 0, _HEADS, _SIZE], np.int64),
         merge=np.array([0, 0, _WIDTH], np.int64),
-        scale=np.float32(1 / math.sqrt(_SIZE)),
-        root=np.float32(math.sqrt(_SIZE)),
-        **constants,
+        **{name: array.astype(dtype) for name, array in floats.items()},
     )
 
 
@@ -114,6 +119,16 @@ def _attention(scaling: str = "t = Mul (s, scale)", bias: bool = True, extra_out
 @pytest.mark.parametrize("scaling", ["t = Mul (s, scale)", "t = Mul (scale, s)", "t = Div (s, root)", ""])
 def test_self_attention_subgraph_runs_as_one_step(batch, scaling):
     _assert_fused(_attention(scaling), {"x": _random(batch, _SEQ, _WIDTH, seed=5)}, ["SelfAttention"])
+
+
+def test_double_self_attention_runs_as_one_step_when_its_scale_fits_the_attribute():
+    feeds = {"x": _random(2, _SEQ, _WIDTH, seed=5).astype(np.float64)}
+    _assert_fused(_attention("t = Div (s, two)", dtype=np.float64), feeds, ["SelfAttention"])
+
+
+def test_double_self_attention_whose_scale_float32_cannot_hold_keeps_its_steps():
+    ops, _ = _run(_attention("t = Div (s, root)", dtype=np.float64), {"x": _random(2, _SEQ, _WIDTH).astype(np.float64)})
+    assert "SelfAttention" not in ops and "Div" in ops
 
 
 def test_self_attention_without_projection_biases_runs_as_one_step():

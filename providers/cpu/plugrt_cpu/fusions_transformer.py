@@ -57,7 +57,9 @@ def _drop_unused_initializers(graph: ir.Graph, values: list[ir.Value]) -> None:
     fused constant; keeping both would hold the weights twice)."""
     for value in values:
         name = value.name
-        if name is not None and not value.uses() and not value.is_graph_output() and name in graph.initializers:
+        if name is None or name not in graph.initializers or value.is_graph_input():
+            continue
+        if not value.uses() and not value.is_graph_output():
             graph.initializers.pop(name)
 
 
@@ -132,13 +134,19 @@ def _scaling(scores: ir.Value, softmax: ir.Node) -> tuple[ir.Value, list[ir.Node
         a, b = node.inputs
         divides = node.op_type == "Div"
         factor = _scalar(b)
-        if factor is not None and a is not None:
+        if factor is not None and a is not None and _float32_exact(factor):
             return a, [node], factor, divides
         factor = None if divides else _scalar(a)
-        if factor is not None and b is not None:
+        if factor is not None and b is not None and _float32_exact(factor):
             return b, [node], factor, False
         return None
     return scores, [], 1.0, False
+
+
+def _float32_exact(factor: float) -> bool:
+    """Whether the float32 attribute that carries ``factor`` holds it exactly (a float64
+    model's 1/sqrt(d) does not: such a model keeps its Mul)."""
+    return float(np.float32(factor)) == factor
 
 
 def _softmax_over_last_axis(node: ir.Node, opset: int) -> bool:
