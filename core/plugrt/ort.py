@@ -29,6 +29,7 @@ from ._ort_values import IOBinding, OrtValue, RunOptions, guarded_run, host_valu
 from .errors import KernelError, NotSupportedError, OptionError, ProviderUnavailableError, UnknownOptionError
 from .options import OPTIONS
 from .session import Session, TensorInfo
+from .weights import WeightStore
 
 __all__ = [
     "InferenceSession",
@@ -135,8 +136,6 @@ _LOG_LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging
 
 #: onnxruntime APIs plugrt does not offer, and what to use instead.
 _ALTERNATIVES = {
-    "add_initializer": "put the initializer in the model (onnx.numpy_helper.from_array) before loading it",
-    "add_external_initializers": "keep external data beside the model file; plugrt reads it lazily",
     "register_custom_ops_library": "write an execution provider package (docs/writing-a-provider.md)",
     "add_free_dimension_override_by_name": "pass inputs of the size you want: symbolic dims bind per run",
     "add_free_dimension_override_by_denotation": "pass inputs of the size you want: symbolic dims bind per run",
@@ -173,6 +172,20 @@ class SessionOptions:
         self.use_deterministic_compute = False  # plugrt's kernels are deterministic anyway
         self.use_per_session_threads = True
         self._configs: dict[str, str] = {}
+        self._weights: WeightStore | None = None
+
+    def add_initializer(self, name: str, value: Any) -> None:
+        """Use ``value`` (an OrtValue or a numpy array, kept without a copy) for the model's
+        initializer ``name``. Sessions made with these options also share all their other
+        weights (a plugrt.WeightStore)."""
+        if self._weights is None:
+            self._weights = WeightStore()
+        self._weights.add_initializer(name, value.numpy() if isinstance(value, OrtValue) else value)
+
+    def add_external_initializers(self, names: Sequence[str], values: Sequence[Any]) -> None:
+        """:meth:`add_initializer` for each name and value."""
+        for name, value in zip(names, values, strict=True):
+            self.add_initializer(name, value)
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         """Set an onnxruntime config key or a plugrt option; an unknown key raises now."""
@@ -201,6 +214,8 @@ class SessionOptions:
             if key in IGNORED_CONFIG_KEYS:
                 continue
             options[MAPPED_CONFIG_KEYS.get(key, key)] = value
+        if self._weights is not None:
+            options["weights"] = self._weights
         return options
 
     def __getattr__(self, name: str) -> Any:

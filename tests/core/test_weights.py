@@ -220,3 +220,21 @@ def test_session_stats_show_the_stores_counters():
     second = plugrt.load(model, device="cpu", weights=store)
     assert second.stats().weights["reused"] == 2
     assert second.stats().weights["bytes_reused"] == 2 * 64 * 64 * 4
+
+
+def test_ort_session_options_add_initializer_overrides_a_weight_as_onnxruntime_does():
+    import onnxruntime
+
+    model = dense_model(32).SerializeToString()
+    weight = np.random.default_rng(5).standard_normal((32, 32), dtype=np.float32)
+    x = np.random.default_rng(6).standard_normal((3, 32), dtype=np.float32)
+    ort_options = onnxruntime.SessionOptions()
+    ort_value = onnxruntime.OrtValue.ortvalue_from_numpy(weight)
+    ort_options.add_initializer("W", ort_value)
+    (expected,) = onnxruntime.InferenceSession(model, ort_options, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    options = plugrt.SessionOptions()
+    options.add_initializer("W", plugrt.OrtValue.ortvalue_from_numpy(weight))
+    (result,) = plugrt.InferenceSession(model, options).run(None, {"x": x})
+    np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
