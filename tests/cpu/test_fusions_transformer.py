@@ -117,7 +117,7 @@ def _attention(
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("scaling", ["t = Mul (s, scale)", "t = Mul (scale, s)", "t = Div (s, root)", ""])
-def test_self_attention_subgraph_runs_as_one_step(batch, scaling):
+def test_self_attention_subgraph_runs_as_one_step(loops, batch, scaling):
     _assert_fused(_attention(scaling), {"x": _random(batch, _SEQ, _WIDTH, seed=5)}, ["SelfAttention"])
 
 
@@ -135,7 +135,7 @@ def test_self_attention_without_projection_biases_runs_as_one_step():
     _assert_fused(_attention(bias=False), {"x": _random(2, _SEQ, _WIDTH, seed=5)}, ["SelfAttention"])
 
 
-def test_self_attention_heads_in_parallel_chunks_give_the_serial_result(monkeypatch):
+def test_self_attention_heads_in_parallel_chunks_give_the_serial_result(loops, monkeypatch):
     from plugrt import threads
 
     model, feeds = _attention(), {"x": _random(3, _SEQ, _WIDTH, seed=6)}

@@ -299,15 +299,22 @@ def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
         statistics = work("statistics", (batch, heads, seq, 1), qkv.dtype)
         factor = scores.dtype.type(scale)
         scaling = None if scale == 1.0 else np.divide if divide else np.multiply
+        loops = compiled_loops() if scores.dtype == np.float32 else None
+        multiplier = scores.dtype.type(1.0 / scale if divide else scale)
 
         def head_range(start: int, stop: int) -> None:
             for index in range(start, stop):
                 n, h = divmod(index, heads)
                 head_scores = scores[n, h]
                 np.matmul(q[n, h], k_t[n, h], out=head_scores)
-                if scaling is not None:
-                    scaling(head_scores, factor, out=head_scores)
-                _softmax_rows(head_scores, statistics[n, h])
+                if loops is not None:  # the scaling, max and sum passes compiled; numpy's exp
+                    loops.scale_and_shift_rows(head_scores, multiplier)
+                    np.exp(head_scores, out=head_scores)
+                    loops.normalize_rows(head_scores)
+                else:
+                    if scaling is not None:
+                        scaling(head_scores, factor, out=head_scores)
+                    _softmax_rows(head_scores, statistics[n, h])
                 np.matmul(head_scores, v[n, h], out=context[n, h])
 
         blas_threads(seq * size * seq)  # one product per head: too small to split

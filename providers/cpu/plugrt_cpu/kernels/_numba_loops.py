@@ -1,4 +1,4 @@
-"""numba-compiled float32 loops for the transformer's row kernels (GELU, residual LayerNorm): one pass where numpy needs ~25.
+"""numba-compiled float32 loops for the transformer's row kernels (GELU, residual LayerNorm, softmax around numpy's exp): one pass where numpy needs several.
 
 Imported only through :func:`plugrt_cpu.kernels.elementwise.compiled_loops`, which
 returns None when numba is missing or ``PLUGRT_NUMBA=0``; every caller has a numpy path
@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["gelu_erf", "skip_layer_norm"]
+__all__ = ["gelu_erf", "normalize_rows", "scale_and_shift_rows", "skip_layer_norm"]
 
 _compiled = numba.njit(
     fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True
@@ -72,3 +72,34 @@ def skip_layer_norm(a, b, gamma, beta, epsilon, out):  # pragma: no cover  (comp
         mean32 = _F(mean)
         for j in range(width):
             out[r, j] = (out[r, j] - mean32) * inv_std * gamma[j] + beta[j]
+
+
+@_compiled
+def scale_and_shift_rows(x, factor):  # pragma: no cover  (compiled)
+    """x = x * factor - max(x * factor) per row of the 2-D float32 ``x``, in place: the
+    first half of a softmax (a NaN in a row makes the whole row NaN after the exp, as the
+    numpy max would)."""
+    rows, width = x.shape
+    for r in range(rows):
+        peak = -np.inf
+        for j in range(width):
+            v = x[r, j] * factor
+            x[r, j] = v
+            if v > peak:
+                peak = v
+        for j in range(width):
+            x[r, j] -= peak
+
+
+@_compiled
+def normalize_rows(x):  # pragma: no cover  (compiled)
+    """x /= sum(x) per row of the 2-D float32 ``x``, in place (as a multiplication by the
+    reciprocal: within an ulp of the division)."""
+    rows, width = x.shape
+    for r in range(rows):
+        total = _F(0.0)
+        for j in range(width):
+            total += x[r, j]
+        inverse = _F(1.0) / total
+        for j in range(width):
+            x[r, j] *= inverse
