@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 
 from ._dtypes import numpy_dtype, onnx_type
 from .ir_utils import constant_array, graph_free_values, implicit_inputs, is_constant, subgraphs, tensor_array
+from .weights import shared_transform
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -60,6 +61,7 @@ __all__ = [
     "implicit_inputs",
     "graph_free_values",
     "subgraphs",
+    "shared_transform",
 ]
 
 PROTOCOL_VERSION = 1

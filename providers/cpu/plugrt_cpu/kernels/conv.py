@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from plugrt.threads import blas_threads, parallel_for
-from plugrt.weights import shared_transform
+from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._window import (

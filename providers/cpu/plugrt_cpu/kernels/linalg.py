@@ -8,7 +8,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from plugrt.weights import shared_transform
+from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from .elementwise import scratch
