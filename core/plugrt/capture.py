@@ -103,9 +103,11 @@ class CaptureBuffers:
         arrays: dict[Any, Any],
         last_use: dict[Any, int] | None = None,
         memories: Sequence[MemoryCapability] = (),
+        carried: dict[Any, Any] | None = None,
     ):
         self._arrays = dict(arrays)
         self._last_use = last_use or {}  # value -> index of the last step reading it
+        self._carried = carried or {}  # output value -> input value one binding carries both of
         self._memories = list(memories)
         self._step = 0
         self._pool: dict[Any, list[Any]] = {}  # host: nbytes, device: (memory, shape, dtype) -> free roots
@@ -165,6 +167,14 @@ class CaptureBuffers:
         flags = getattr(array, "flags", None)
         contiguous = bool(flags.c_contiguous) if flags is not None else True
         return root is not None and self._live.get(id(root)) == 1 and contiguous
+
+    def carried_over(self, output: Any, input: Any) -> bool:
+        """True when one binding is both ``input``'s buffer and ``output``'s destination
+        (state such as a KV cache) and no later step reads ``input``: the current step
+        may write ``output`` into the input's buffer, where the run would store it anyway."""
+        if output is None or input is None or self._carried.get(output) is not input:
+            return False
+        return self._last_use.get(input, -1) <= self._step
 
     def step_done(self, step: Step) -> None:
         index = self._step
@@ -284,7 +294,14 @@ class CapturedPlan:
                 index += 1
         for value in plan.outputs:
             last_use[value] = index
-        ctx = CaptureBuffers(arrays, last_use, spaces.memories)
+        input_values = {spec.name: value for spec, value in zip(signature.specs, plan.inputs)}
+        output_values = dict(zip(output_names, plan.outputs))
+        carried = {
+            output_values[b.output]: input_values[b.input]
+            for b in self.bindings
+            if b.input in input_values and b.output in output_values
+        }
+        ctx = CaptureBuffers(arrays, last_use, spaces.memories, carried)
         by_name = {p.name: p for p in providers}
         runs: list[Callable[[], None]] = []
         nodes: list[tuple[str, bool | None, str]] = []

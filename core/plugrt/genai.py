@@ -36,7 +36,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from .capture import Captured, CaptureReport
-from .errors import CaptureThreadError, InvalidInputError, InvalidOptionValueError, ModelLoadError, StaleCaptureError
+from .errors import (
+    CaptureThreadError,
+    InvalidInputError,
+    InvalidOptionValueError,
+    ModelLoadError,
+    PlugrtError,
+    StaleCaptureError,
+)
+from .provider import NotCapturable
 from .tracing import trace_generation
 
 __all__ = ["CaptureUse", "DecoderLayout", "Model", "SearchOptions", "Generator", "generate"]
@@ -345,9 +353,12 @@ class Generator:
             slot = state.slots[phase]
             length = feeds[self.model.layout.input_ids].shape[1]
             if state.captured_lengths.get(phase) != length:
-                result = session.try_capture(feeds, bindings=self._cache, slot=slot)
+                try:
+                    result: Captured | NotCapturable = session.try_capture(feeds, bindings=self._cache, slot=slot)
+                except PlugrtError as e:  # the eager run below says so again if the step itself fails
+                    result = NotCapturable([("", f"{type(e).__name__}: {e}")])
                 if not isinstance(result, Captured):
-                    why = "; ".join(f"{node}: {why}" for node, why in result.report) or "declined"
+                    why = "; ".join(f"{node}: {why}" if node else why for node, why in result.report) or "declined"
                     state.declined[phase] = reason = f"the {phase} step cannot be captured ({why})"
                 else:
                     state.captured_lengths[phase] = length

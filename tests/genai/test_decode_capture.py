@@ -52,6 +52,16 @@ def test_decode_step_of_the_fp32_model_captures_with_no_seams(fp32_model):
     assert any("GroupQueryAttention" in name for name in report.segments[0])
 
 
+def test_captured_decode_writes_the_new_keys_and_values_into_the_cache_bindings(fp32_model):
+    generator = _prefilled(fp32_model, capture=True)
+    generator.generate_next_token()
+    captured = fp32_model.session._captures.get(generator._state.slots["decode"])
+    outputs = dict(zip(captured.output_names, captured._outputs))
+    for binding in generator._cache:  # the present is the past's own buffer: nothing to copy
+        assert outputs[binding.output] is binding.buffer
+    assert not any(outputs[fp32_model.layout.logits] is b.buffer for b in generator._cache)
+
+
 def test_prefill_and_decode_use_their_own_capture_slots(fp32_model):
     generator = _prefilled(fp32_model, capture=True)
     generator.generate_next_token()
@@ -172,3 +182,45 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_with_its_reason(fp32_model,
     assert sum(reasons.values()) == 3
     assert all("no capture here" in reason for reason in reasons)
     assert any(reason.startswith("the decode step") for reason in reasons)
+
+
+def _contrib_model(op: str, domain: str, inputs: dict[str, np.ndarray], outputs: list[str], **attributes) -> bytes:
+    from onnx import TensorProto, helper
+
+    node = helper.make_node(op, list(inputs), outputs, domain=domain, **attributes)
+    graph = helper.make_graph(
+        [node], op,
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(array.shape)) for name, array in inputs.items()],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8).SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "op,domain,shapes,outputs,attributes",
+    [
+        ("SkipSimplifiedLayerNormalization", "com.microsoft",
+         {"x": (2, 5, 1024), "skip": (2, 5, 1024), "gamma": (1024,), "bias": (1024,)},
+         ["y", "mean", "inv_std", "sum"], {"epsilon": 1e-6}),
+        ("SkipSimplifiedLayerNormalization", "com.microsoft",
+         {"x": (3, 7, 96), "skip": (3, 7, 96), "gamma": (96,)}, ["y"], {}),
+        ("SimplifiedLayerNormalization", "", {"x": (3, 7, 1000), "scale": (1000,)}, ["y", "inv_std"], {"epsilon": 1e-5}),
+        ("SimplifiedLayerNormalization", "", {"x": (4, 6, 10), "scale": (6, 10)}, ["y"], {"axis": 1}),
+    ],
+)
+def test_rms_normalization_capture_variants_replay_bitwise(op, domain, shapes, outputs, attributes):
+    import plugrt
+    from plugrt.capture import Captured
+
+    def feeds(seed):
+        rng = np.random.default_rng(seed)
+        return {name: (rng.standard_normal(shape) * 3).astype(np.float32) for name, shape in shapes.items()}
+
+    session = plugrt.load(_contrib_model(op, domain, feeds(0), outputs, **attributes), optimization="none")
+    result = session.try_capture(feeds(1))
+    assert isinstance(result, Captured) and result.report.seams == []
+    for seed in (2, 3):
+        eager, replayed = session.run(feeds(seed)), session.replay(feeds(seed))
+        for name in outputs:
+            assert eager[name].tobytes() == np.asarray(replayed[name]).tobytes(), name

@@ -54,7 +54,11 @@ def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], N
     into = into_of(step)
     if into is None or not all(isinstance(r, (np.ndarray, np.generic)) for r in recorded):
         return eager_replay(step, inputs, recorded, ctx), "its kernel has no out= variant"
-    buffers = _in_place(step, spec, inputs, recorded, ctx) or [ctx.buffer_like(r) for r in recorded]
+    buffers = (
+        _in_place(step, spec, inputs, recorded, ctx)
+        or _carried_over(step, into, inputs, recorded, ctx)
+        or [ctx.buffer_like(r) for r in recorded]
+    )
     out = tuple(buffers) if step.multi_output else buffers[0]
     replay = functools.partial(into, out, *inputs)
     replay()
@@ -77,6 +81,32 @@ def _in_place(step: Step, spec, inputs: list, recorded: list, ctx: CaptureContex
     if any(other is not None and np.shares_memory(first, other) for other in inputs[1:]):
         return None
     return [first] if ctx.can_overwrite(step.inputs[0], first) else None
+
+
+def _carried_over(step: Step, into, inputs: list, recorded: list, ctx: CaptureContext) -> list | None:
+    """The buffers of a step whose ``into`` declares ``writes_over_inputs`` ({output index:
+    input index}) when one binding carries such an input in and the output out (a KV cache
+    updated in place): that input's own buffer for the output, new buffers for the rest."""
+    pairs = getattr(into, "writes_over_inputs", None)
+    carried_over = getattr(ctx, "carried_over", None)
+    if not pairs or carried_over is None:
+        return None
+    shared: dict[int, np.ndarray] = {}
+    for output, input in pairs.items():
+        if output >= len(recorded) or input >= len(inputs):
+            continue
+        source, result = inputs[input], recorded[output]
+        if (
+            isinstance(source, np.ndarray)
+            and isinstance(result, np.ndarray)
+            and source.shape == result.shape
+            and source.dtype == result.dtype
+            and carried_over(step.outputs[output], step.inputs[input])
+        ):
+            shared[output] = source
+    if not shared:
+        return None
+    return [shared[i] if i in shared else ctx.buffer_like(r) for i, r in enumerate(recorded)]
 
 
 def into_of(step: Step) -> Callable[..., Any] | None:

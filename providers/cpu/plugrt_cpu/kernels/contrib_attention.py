@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -110,12 +111,13 @@ def rotary_embedding(
 def _softmax_rows(scores: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:
     """Softmax over the last axis, in place; ``sink`` (broadcastable to the row max) adds
     exp(sink) to each denominator (smooth softmax / attention sinks)."""
-    row_max = np.max(scores, axis=-1, keepdims=True)
+    # the ufuncs' own reductions: np.max and np.sum without their Python-level wrappers
+    row_max = np.maximum.reduce(scores, axis=-1, keepdims=True)
     if sink is not None:
         row_max = np.maximum(row_max, sink)
     np.subtract(scores, row_max, out=scores)
     np.exp(scores, out=scores)
-    total = np.sum(scores, axis=-1, keepdims=True)
+    total = np.add.reduce(scores, axis=-1, keepdims=True)
     if sink is not None:
         total += np.exp(sink - row_max)
     scores /= total
@@ -411,6 +413,23 @@ class _GqaWork:
         return cls(*(scratch(out, name, shape, out.dtype) for name, shape in zip(cls._NAMES, cls._shapes(*geometry))))
 
 
+class _WorkByOutput:
+    """The capture variant's work arrays, found again in one look-up per call: keyed on
+    the output buffer (held weakly) and the geometry, which a capture keeps fixed."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Any, tuple[int, ...], _GqaWork]] = {}
+
+    def get(self, out: np.ndarray, geometry: tuple[int, ...]) -> _GqaWork:
+        entry = self._entries.get(id(out))
+        if entry is not None and entry[0]() is out and entry[1] == geometry:
+            return entry[2]
+        work = _GqaWork.scratch(out, *geometry)
+        self._entries[id(out)] = (weakref.ref(out), geometry, work)
+        weakref.finalize(out, self._entries.pop, id(out), None)
+        return work
+
+
 def _heads(x: np.ndarray, heads: int, name: str) -> np.ndarray:
     """(batch, seq, heads * size) -> (batch, seq, heads, size), a view."""
     batch, seq, hidden = x.shape
@@ -563,6 +582,7 @@ def group_query_attention(ctx: KernelContext):
     interleaved = bool(attrs.get("rotary_interleaved", 0))
     window = int(attrs.get("local_window_size", -1))
     smooth = int(attrs.get("smooth_softmax", -1)) == 1
+    works = _WorkByOutput()
 
     def run(
         query,
@@ -639,7 +659,7 @@ def group_query_attention(ctx: KernelContext):
             work = _GqaWork.allocate(dtype, *geometry)
         else:  # the capture variant: the node's outputs, then work arrays for the unused presents
             out = out + tuple(scratch(out[0], ("gqa-present", i), shapes[i], dtype) for i in range(len(out), 3))
-            work = _GqaWork.scratch(out[0], *geometry)
+            work = works.get(out[0], geometry)
         output, present_k, present_v = out
         if do_rotary:
             if cos_cache is None or sin_cache is None:
@@ -673,6 +693,9 @@ def group_query_attention(ctx: KernelContext):
     def into(out, *inputs):
         run(*inputs, out=tuple(out) if isinstance(out, (tuple, list)) else (out,))
 
+    # A capture may give the presents the past buffers themselves when one binding carries
+    # both (onnxruntime's past_present_share_buffer): only the new tokens are written then.
+    into.writes_over_inputs = {1: 3, 2: 4}  # type: ignore[attr-defined]
     declare_into(into, kernel)
     return kernel
 

@@ -94,13 +94,19 @@ def _rms_into(y: np.ndarray, inv_std: np.ndarray, x: np.ndarray, gamma: np.ndarr
     axes = tuple(range(axis % x.ndim, x.ndim))
     squares = scratch(y, "squares", x.shape, x.dtype)
     np.square(x, out=squares)
-    # np.mean's own steps (a sum, then a true division by the count as an intp, computed
-    # in float64), without its Python-level bookkeeping
+    # np.mean's own steps, a sum then a division by the count, without its Python-level
+    # bookkeeping. np.mean divides in float64 and rounds to x's type; dividing in x's type
+    # by the exactly representable count gives the same bits (a quotient rounded through
+    # float64 is rounded correctly for float32).
     np.add.reduce(squares, axis=axes, keepdims=True, out=inv_std)
-    np.true_divide(inv_std, np.intp(math.prod(x.shape[a] for a in axes)), out=inv_std, casting="unsafe")
+    count = math.prod(x.shape[a] for a in axes)
+    if count < 2**24:
+        np.divide(inv_std, x.dtype.type(count), out=inv_std)
+    else:
+        np.true_divide(inv_std, np.intp(count), out=inv_std, casting="unsafe")
     np.add(inv_std, x.dtype.type(epsilon), out=inv_std)
     np.sqrt(inv_std, out=inv_std)
-    np.divide(1, inv_std, out=inv_std)
+    np.divide(x.dtype.type(1), inv_std, out=inv_std)
     np.multiply(x, inv_std, out=y)
     np.multiply(y, gamma, out=y)
 

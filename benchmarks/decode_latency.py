@@ -1,0 +1,215 @@
+"""Per-token decode latency: plugrt replaying captured steps, plugrt eager, onnxruntime-genai and onnxruntime.
+
+usage: python benchmarks/decode_latency.py [--precisions fp32,int4] [--tokens 64] [--rounds 7]
+
+On the model builder's tiny Llama decoders (``tests/genai/assets/tiny_llama``), in one
+process: each round generates ``--tokens`` greedy tokens after a 7-token prompt with every
+runtime at once, the runtimes taking turns step by step in a rotating order (so load from
+other processes hits them alike), and times each decode step (``generate_next_token``
+after the first token; the first decode step, where plugrt makes its decode capture, is
+reported on its own). Prints the median per-token latency of each runtime and the ratios.
+Every runtime must produce the same tokens (checked; exit status 1 otherwise).
+
+- ``plugrt replay``: ``plugrt.genai.Generator`` (fixed-capacity cache, decode replayed).
+- ``plugrt eager``: the same with ``capture=False`` (the same fixed-shape steps, run plainly).
+- ``onnxruntime-genai``: its greedy ``Generator`` (past and present share one buffer).
+- ``onnxruntime``: a plain ``InferenceSession`` loop feeding each present back as the
+  next past (the cache grows; no IO binding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from plugrt import genai
+
+ASSETS = Path(__file__).resolve().parents[1] / "tests" / "genai" / "assets" / "tiny_llama"
+PROMPT = [1, 17, 42, 99, 7, 200, 3]
+
+
+def _quiet_genai_copy(folder: Path, target: Path, threads: int) -> Path:
+    """The model folder with onnxruntime-genai's session given the threads compare.py gives
+    onnxruntime (its genai_config.json takes no session config entries such as spinning)."""
+    shutil.copytree(folder, target)
+    config_path = target / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    options = config["model"]["decoder"].setdefault("session_options", {})
+    options["intra_op_num_threads"] = threads
+    options["inter_op_num_threads"] = 1
+    config_path.write_text(json.dumps(config, indent=4))
+    return target
+
+
+class _Runner:
+    """One runtime: ``start()`` prefills and returns the first token; ``step()`` one decode step."""
+
+    name = ""
+
+    def start(self, max_length: int) -> int:
+        raise NotImplementedError
+
+    def step(self) -> int:
+        raise NotImplementedError
+
+
+class _Plugrt(_Runner):
+    def __init__(self, model: genai.Model, capture: bool):
+        self.model, self.capture = model, capture
+        self.name = "plugrt replay" if capture else "plugrt eager"
+
+    def start(self, max_length: int) -> int:
+        self.generator = genai.Generator(self.model, max_length=max_length, capture=self.capture)
+        self.generator.append_tokens(PROMPT)
+        return self.generator.generate_next_token()
+
+    def step(self) -> int:
+        return self.generator.generate_next_token()
+
+
+class _OnnxruntimeGenai(_Runner):
+    name = "onnxruntime-genai"
+
+    def __init__(self, folder: Path):
+        import onnxruntime_genai as og
+
+        self.og = og
+        self.model = og.Model(str(folder))
+
+    def start(self, max_length: int) -> int:
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=max_length)
+        self.generator = self.og.Generator(self.model, params)
+        self.generator.append_tokens(np.array([PROMPT], np.int32))
+        return self.step()
+
+    def step(self) -> int:
+        self.generator.generate_next_token()
+        return int(self.generator.get_next_tokens()[0])
+
+
+class _Onnxruntime(_Runner):
+    name = "onnxruntime"
+
+    def __init__(self, folder: Path, threads: int):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        self.layout = genai.DecoderLayout.from_genai_config(folder / "genai_config.json")
+        self.names = [o.name for o in self.session.get_outputs()]
+
+    def start(self, max_length: int) -> int:
+        layout = self.layout
+        empty = np.zeros((1, layout.kv_heads, 0, layout.head_size), np.float32)
+        self.past = {past: empty for past, _ in layout.cache_names()}
+        self.length = 0
+        self.ids = np.array([PROMPT], np.int64)
+        return self.step()
+
+    def step(self) -> int:
+        layout = self.layout
+        self.length += self.ids.shape[1]
+        feeds = {layout.input_ids: self.ids, "attention_mask": np.ones((1, self.length), np.int64), **self.past}
+        outputs = dict(zip(self.names, self.session.run(self.names, feeds)))
+        self.past = {past: outputs[present] for past, present in layout.cache_names()}
+        token = int(np.argmax(outputs[layout.logits][0, -1]))
+        self.ids = np.array([[token]], np.int64)
+        return token
+
+
+def _generate_together(runners: list[_Runner], tokens: int, rotation: int) -> dict[str, tuple[list[int], list[float]]]:
+    """Every runner's tokens and decode step times, the runners taking turns step by step."""
+    results: dict[str, tuple[list[int], list[float]]] = {}
+    order = runners[rotation % len(runners):] + runners[: rotation % len(runners)]
+    for runner in order:
+        results[runner.name] = ([runner.start(len(PROMPT) + tokens)], [])
+    for step in range(tokens - 1):
+        for runner in order[step % len(order):] + order[: step % len(order)]:
+            generated, times = results[runner.name]
+            begin = time.perf_counter()
+            generated.append(runner.step())
+            times.append(time.perf_counter() - begin)
+    return results
+
+
+def measure(precision: str, tokens: int, rounds: int, threads: int, scratch: Path) -> bool:
+    folder = ASSETS / precision
+    model = genai.Model(folder)
+    runners: list[_Runner] = [_Plugrt(model, capture=True), _Plugrt(model, capture=False)]
+    try:
+        runners.append(_OnnxruntimeGenai(_quiet_genai_copy(folder, scratch / precision, threads)))
+    except ImportError:
+        print("onnxruntime-genai is not installed: left out")
+    try:
+        runners.append(_Onnxruntime(folder, threads))
+    except ImportError:
+        print("onnxruntime is not installed: left out")
+    steps: dict[str, list[float]] = {r.name: [] for r in runners}
+    first: dict[str, list[float]] = {r.name: [] for r in runners}
+    outputs: dict[str, list[int]] = {}
+    for round_index in range(rounds + 1):  # round 0 warms up
+        for name, (generated, times) in _generate_together(runners, tokens, round_index).items():
+            outputs.setdefault(name, generated)
+            if round_index:
+                steps[name].extend(times[1:])
+                first[name].append(times[0])
+    medians = {name: statistics.median(times) * 1e6 for name, times in steps.items()}
+    print(f"\n{precision}: {tokens} tokens after a {len(PROMPT)}-token prompt, {rounds} rounds")
+    print(f"{'runtime':<20} {'median us/token':>16} {'p90':>9} {'first decode step us':>22}")
+    for name, times in steps.items():
+        p90 = float(np.percentile(times, 90)) * 1e6
+        print(f"{name:<20} {medians[name]:>16.1f} {p90:>9.1f} {statistics.median(first[name]) * 1e6:>22.1f}")
+    generator = runners[0].generator  # type: ignore[attr-defined]
+    use = generator.capture_use
+    report = use.reports.get("decode")
+    seams = "no capture" if report is None else f"{len(report.segments)} segment(s), {len(report.seams)} seam(s)"
+    print(f"plugrt decode capture: {seams}; last generation: {use.replayed_steps} replayed, {use.eager_steps} eager")
+    pairs = [
+        ("plugrt replay", "plugrt eager"),
+        ("plugrt replay", "onnxruntime-genai"),
+        ("plugrt eager", "onnxruntime-genai"),
+        ("plugrt replay", "onnxruntime"),
+        ("onnxruntime", "onnxruntime-genai"),
+    ]
+    for a, b in pairs:
+        if a in medians and b in medians:
+            print(f"  {a} / {b}: {medians[a] / medians[b]:.2f}x")
+    reference = outputs["plugrt replay"]
+    same = True
+    for name, generated in outputs.items():
+        if generated != reference:
+            print(f"  tokens differ: {name} {generated} vs plugrt replay {reference}")
+            same = False
+    return same
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precisions", default="fp32,int4")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime's intra-op threads")
+    args = parser.parse_args(argv)
+    print(f"cores usable: {len(os.sched_getaffinity(0))}, load average: {os.getloadavg()}")
+    ok = True
+    with tempfile.TemporaryDirectory() as scratch:
+        for precision in args.precisions.split(","):
+            ok &= measure(precision, args.tokens, args.rounds, args.threads, Path(scratch))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
