@@ -85,6 +85,16 @@ class WeightStore:
         with self._lock:
             return dataclasses.replace(self._stats)
 
+    def clear(self) -> None:
+        """Let go of every array and prepared form held (sessions keep those they use);
+        later sessions start afresh. The reuse counters are kept."""
+        with self._lock:
+            self._stats.arrays = self._stats.bytes = self._stats.transforms = self._stats.transform_bytes = 0
+            self._arrays.clear()
+            self._key_of.clear()
+            self._transforms.clear()
+            self._named.clear()
+
     def add_initializer(self, name: str, array: Any) -> None:
         """Use ``array`` for the initializer ``name`` in every session built with this store
         from now on (it must match the model's dtype and shape). The store keeps a read-only

@@ -238,3 +238,15 @@ def test_ort_session_options_add_initializer_overrides_a_weight_as_onnxruntime_d
     options.add_initializer("W", plugrt.OrtValue.ortvalue_from_numpy(weight))
     (result,) = plugrt.InferenceSession(model, options).run(None, {"x": x})
     np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cleared_store_holds_nothing_and_shares_nothing_old():
+    model = dense_model(64).SerializeToString()
+    store = plugrt.WeightStore()
+    first = plugrt.load(model, device="cpu", weights=store)
+    store.clear()
+    assert len(store) == 0
+    assert (store.stats().arrays, store.stats().bytes) == (0, 0)
+    second = plugrt.load(model, device="cpu", weights=store)
+    assert not np.shares_memory(initializer_array(first, "W"), initializer_array(second, "W"))
+    assert len(store) == 2
