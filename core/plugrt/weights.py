@@ -230,7 +230,7 @@ def _freeze(made: Any) -> None:
                     attribute.flags.writeable = False
 
 
-def _nbytes(made: Any, source: np.ndarray) -> int:
+def _nbytes(made: Any, source: Any) -> int:
     """The bytes of the arrays in ``made`` that are not views of ``source``."""
     items = made if isinstance(made, (tuple, list)) else [made]
     arrays = []
