@@ -75,17 +75,21 @@ def test_gemm_without_blas_symbols_computes_with_numpy(without_blas):
     np.testing.assert_allclose(c, a @ b + 1.0, rtol=1e-5, atol=1e-5)
 
 
-# --- the shifted-GEMM convolution
+# --- the convolution on a grid of phase planes
 
-# (input shape, weight shape, attributes): every one takes the shifted path.
-_SHIFTED = {
+# (input shape, weight shape, attributes): each computed on the grid
+_GRID = {
     "3x3-same": ((2, 32, 12, 20), (24, 32, 3, 3), {"pads": [1, 1, 1, 1]}),
     "asymmetric-pads": ((1, 32, 24, 22), (16, 32, 3, 2), {"pads": [2, 0, 1, 1]}),
-    "dilated": ((1, 16, 30, 30), (8, 16, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+    "dilated": ((1, 16, 48, 48), (8, 16, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
     "grouped": ((1, 64, 28, 28), (32, 16, 3, 3), {"pads": [1, 1, 1, 1], "group": 4}),
-    "valid-5x5": ((1, 16, 40, 40), (8, 16, 5, 5), {}),
+    "valid-5x5": ((1, 16, 60, 60), (8, 16, 5, 5), {}),
     "1d": ((2, 32, 50), (16, 32, 3), {"pads": [1, 1]}),
-    "3d": ((1, 16, 6, 28, 28), (8, 16, 3, 3, 3), {"pads": [1, 1, 1, 1, 1, 1]}),
+    "3d": ((1, 16, 4, 56, 56), (8, 16, 3, 3, 3), {"pads": [1, 1, 1, 1, 1, 1]}),
+    "strided": ((2, 32, 56, 56), (32, 32, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    "grouped-strided-dilated": (
+        (1, 64, 61, 61), (24, 32, 3, 3), {"pads": [2, 1, 2, 1], "strides": [2, 3], "dilations": [2, 1], "group": 2}
+    ),
 }
 
 
@@ -106,18 +110,19 @@ def _conv_model(x_shape, w: np.ndarray, b: np.ndarray | None, attributes: dict, 
     return model.SerializeToString()
 
 
-def _takes_shifted_path(x_shape, w_shape, attributes) -> bool:
+def _on_grid(x_shape, w_shape, attributes) -> bool:
+    """Whether the Conv kernel computes these shapes on the grid."""
     from plugrt_cpu.kernels import conv as convolution
 
     op = convolution._Convolution(attributes)
-    return getattr(op._plans(tuple(x_shape), tuple(w_shape), 4), "shifted", None) is not None
+    return getattr(op._plans(tuple(x_shape), tuple(w_shape), 4), "grid", None) is not None
 
 
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
-@pytest.mark.parametrize("case", list(_SHIFTED), ids=list(_SHIFTED))
-def test_shifted_convolution_matches_onnxruntime(case, relu):
-    x_shape, w_shape, attributes = _SHIFTED[case]
-    assert _takes_shifted_path(x_shape, w_shape, attributes)
+@pytest.mark.parametrize("case", list(_GRID), ids=list(_GRID))
+def test_grid_convolution_matches_onnxruntime(case, relu):
+    x_shape, w_shape, attributes = _GRID[case]
+    assert _on_grid(x_shape, w_shape, attributes)
     x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2) * 0.2, _random(w_shape[0], seed=3)
     model = _conv_model(x_shape, w, b, attributes, relu)
     (actual,) = plugrt.load(model, device="cpu").run({"x": x}).values()
@@ -125,9 +130,9 @@ def test_shifted_convolution_matches_onnxruntime(case, relu):
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_shifted_convolution_in_float64_matches_the_reference():
-    x_shape, w_shape, attributes = (1, 16, 9, 20), (4, 16, 3, 3), {"pads": [1, 1, 1, 1]}
-    assert _takes_shifted_path(x_shape, w_shape, attributes)
+@pytest.mark.parametrize("case", ["3x3-same", "strided"])
+def test_grid_convolution_in_float64_matches_the_reference(case):
+    x_shape, w_shape, attributes = _GRID[case]
     x, w = _random(*x_shape, seed=1, dtype=np.float64), _random(*w_shape, seed=2, dtype=np.float64)
     model = _conv_model(x_shape, w, None, attributes, dtype=np.float64)
     (actual,) = plugrt.load(model, device="cpu").run({"x": x}).values()
@@ -136,8 +141,9 @@ def test_shifted_convolution_in_float64_matches_the_reference():
     np.testing.assert_allclose(actual, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_shifted_convolution_without_blas_symbols_falls_back_to_im2col(without_blas):
-    x_shape, w_shape, attributes = _SHIFTED["3x3-same"]
+@pytest.mark.parametrize("case", ["3x3-same", "strided"])
+def test_grid_convolution_without_blas_symbols_falls_back_to_im2col(case, without_blas):
+    x_shape, w_shape, attributes = _GRID[case]
     x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2), _random(w_shape[0], seed=3)
     model = _conv_model(x_shape, w, b, attributes)
     (actual,) = plugrt.load(model, device="cpu").run({"x": x}).values()
@@ -148,22 +154,24 @@ def test_shifted_convolution_without_blas_symbols_falls_back_to_im2col(without_b
 @pytest.mark.parametrize(
     "x_shape, w_shape, attributes",
     [
-        ((1, 32, 14, 14), (8, 32, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),  # strided
-        ((1, 3, 56, 56), (8, 3, 3, 3), {"pads": [1, 1, 1, 1]}),  # too shallow for one GEMM per tap
         ((1, 64, 4, 4), (8, 64, 3, 3), {"pads": [1, 1, 1, 1]}),  # junk columns: half the grid
+        ((1, 64, 14, 14), (8, 64, 3, 3), {"pads": [1, 1, 1, 1]}),  # 14 of 16 columns: measured slower
         ((1, 64, 14, 14), (8, 64, 1, 1), {}),  # pointwise
+        ((1, 3, 80, 80), (16, 3, 7, 7), {"pads": [3, 3, 3, 3], "strides": [2, 2]}),  # 3 channels: shallow GEMMs
+        ((1, 16, 28, 28), (64, 16, 3, 3), {"pads": [1, 1, 1, 1]}),  # 4 outputs per input channel
     ],
-    ids=["strided", "shallow", "narrow", "pointwise"],
+    ids=["narrow", "fourteen-wide", "pointwise", "shallow", "fan-out"],
 )
-def test_shifted_path_is_not_taken_where_im2col_does_better(x_shape, w_shape, attributes):
-    assert not _takes_shifted_path(x_shape, w_shape, attributes)
+def test_grid_is_not_used_where_im2col_does_better(x_shape, w_shape, attributes):
+    assert not _on_grid(x_shape, w_shape, attributes)
 
 
-def test_shifted_convolution_is_captured_and_replays_without_allocating():
-    x_shape, w_shape, attributes = _SHIFTED["grouped"]
-    pads = ", ".join(map(str, attributes["pads"]))
+@pytest.mark.parametrize("case", ["grouped", "grouped-strided-dilated"])
+def test_grid_convolution_is_captured_and_replays_without_allocating(case):
+    x_shape, w_shape, attributes = _GRID[case]
+    text = ", ".join(f"{k} = [{', '.join(map(str, v))}]" if isinstance(v, list) else f"{k} = {v}" for k, v in attributes.items())
     model = one_node(
-        f"y = Conv<group = 4, pads = [{pads}]>(x, w, b)",
+        f"y = Conv<{text}>(x, w, b)",
         {"x": _random(*x_shape)},
         {"y": "float"},
         constants={"w": _random(*w_shape, seed=2), "b": _random(w_shape[0], seed=3)},
@@ -171,8 +179,8 @@ def test_shifted_convolution_is_captured_and_replays_without_allocating():
     check_captured(model, lambda rng: {"x": rng.standard_normal(x_shape).astype(np.float32)})
 
 
-def test_shifted_convolution_with_a_fed_weight_replays_without_allocating():
-    x_shape, w_shape, _ = _SHIFTED["3x3-same"]
+def test_grid_convolution_with_a_fed_weight_replays_without_allocating():
+    x_shape, w_shape, _ = _GRID["3x3-same"]
     model = one_node("y = Conv<pads = [1, 1, 1, 1]>(x, w)", {"x": _random(*x_shape), "w": _random(*w_shape)}, {"y": "float"})
     check_captured(
         model,

@@ -101,7 +101,7 @@ class _ConvPlan:
             layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
         self.gemm_work = (m // group) * (c // group) * ksize * rows * rest
-        self.shifted = conv_gemm.shifted_plan(x_shape, w_shape, strides, dilations, pb, pe, out, group)
+        self.grid = conv_gemm.grid_plan(x_shape, w_shape, strides, dilations, pb, out, group)
 
     def _plan_depthwise(
         self,
@@ -293,9 +293,8 @@ class _Convolution:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
             y = self._depthwise_taps(x, wg, plan, bias, y)
-        elif conv_gemm.usable(plan.shifted, x.dtype):
-            taps = conv_gemm.tap_weights(weight, math.prod(weight.shape[2:]))
-            y = plan.shifted(x, taps, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
+        elif conv_gemm.usable(plan.grid, x.dtype):
+            y = plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
         else:
             y = self._im2col(x, wg, plan, bias, y)
         return y.reshape(n, m, *plan.out)
