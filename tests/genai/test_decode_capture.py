@@ -25,8 +25,13 @@ REPLAY_BYTES = 8192
 
 
 @pytest.fixture(scope="module")
-def fp32_model() -> genai.Model:
-    return genai.Model(ASSETS / "fp32")
+def models() -> dict[str, genai.Model]:
+    return {precision: genai.Model(ASSETS / precision) for precision in ("fp32", "int4")}
+
+
+@pytest.fixture(scope="module")
+def fp32_model(models) -> genai.Model:
+    return models["fp32"]
 
 
 def _prefilled(model: genai.Model, *, capture: bool, max_length: int = MAX_LENGTH) -> genai.Generator:
@@ -41,13 +46,15 @@ def test_builder_model_declares_a_shared_cache_buffer(fp32_model):
     assert fp32_model.fixed_shape_steps
 
 
-def test_decode_step_of_the_fp32_model_captures_with_no_seams(fp32_model):
-    generator = _prefilled(fp32_model, capture=True)
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_decode_step_of_the_builder_model_captures_with_no_seams(models, precision):
+    model = models[precision]
+    generator = _prefilled(model, capture=True)
     generator.generate_next_token()
     report = generator.capture_use.reports["decode"]
     assert report.seams == []
     assert len(report.segments) == 1
-    steps = [step.name for compiled in fp32_model.session._built.compiled for step in compiled.steps]
+    steps = [step.name for compiled in model.session._built.compiled for step in compiled.steps]
     assert report.segments[0] == steps
     assert any("GroupQueryAttention" in name for name in report.segments[0])
 
@@ -72,9 +79,10 @@ def test_prefill_and_decode_use_their_own_capture_slots(fp32_model):
     assert generator.capture_use.eager_steps == 0
 
 
-def test_decode_replay_is_bitwise_equal_to_eager_steps_over_16_steps(fp32_model):
-    replayed = _prefilled(fp32_model, capture=True)
-    eager = _prefilled(fp32_model, capture=False)
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_decode_replay_is_bitwise_equal_to_eager_steps_over_16_steps(models, precision):
+    replayed = _prefilled(models[precision], capture=True)
+    eager = _prefilled(models[precision], capture=False)
     for _ in range(DECODE_STEPS):
         token = replayed.generate_next_token()
         assert eager.generate_next_token() == token

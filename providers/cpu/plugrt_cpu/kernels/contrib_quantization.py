@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .._registry import KernelContext, kernel, kernel_builder
+from .._registry import KernelContext, declare_into, kernel, kernel_builder
 from .quantization import _dequantize, _quantize
 
 _MS = "com.microsoft"
@@ -160,6 +160,21 @@ def matmul_nbits(ctx: KernelContext):
             y += bias.astype(w.dtype, copy=False)
         return y.astype(out_dtype, copy=False)
 
+    def into(out, a, b, scales, zero_points=None, g_idx=None, bias=None):
+        """run written into ``out``: the product straight into it when the weight was
+        dequantized at build and A, the weight and out share a type (int8 activations
+        are still made per call, activation-sized)."""
+        w = cached
+        if w is None or b.size == 0 or a.dtype != w.dtype or out.dtype != w.dtype or a.shape[-1:] != (k,):
+            np.copyto(out, run(a, b, scales, zero_points, g_idx, bias))
+            return
+        if int8_activations and (zero_points is None or zero_points.dtype == np.uint8):
+            a = _int8_blocks(a, block_size)
+        np.matmul(a, w, out=out)
+        if bias is not None:
+            out += bias.astype(w.dtype, copy=False)
+
+    declare_into(into, run)
     return run
 
 
