@@ -298,3 +298,17 @@ def test_fused_encoder_is_captured_whole_and_replays_without_allocating(loops):
     for feeds in (first, second, first):
         np.testing.assert_array_equal(session.replay(feeds)["hidden_states"], session.run(feeds)["hidden_states"])
     assert _traced_peak(lambda: session.replay(second)) < 8192
+
+
+def test_fusions_pass_over_nodes_without_inputs():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 3] x) => (float[2, 3] y) {
+            r = RandomNormal <shape = [2, 3], seed = 1.0> ()
+            y = Add (x, r)
+        }
+        """
+    )
+    ops, outputs = _run(model, {"x": np.zeros((2, 3), np.float32)})
+    assert ops == ["RandomNormal", "Add"] and outputs[0].shape == (2, 3)

@@ -246,9 +246,11 @@ class FuseSkipLayerNormPass(_NodePass):
 
     def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
         found = _layer_norm_parameters(node)
+        if found is None:
+            return False
         total = node.inputs[0]
         add = total.producer() if total is not None else None
-        if found is None or total is None or not _is(add, "Add") or _sole_reader(total) is not node:
+        if total is None or not _is(add, "Add") or _sole_reader(total) is not node:
             return False
         scale, bias, epsilon = found
         inputs = [add.inputs[0], add.inputs[1], scale, *([bias] if bias is not None else [])]
