@@ -4,11 +4,14 @@ usage: python benchmarks/decode_latency.py [--precisions fp32,int4] [--tokens 64
 
 On the model builder's tiny Llama decoders (``tests/genai/assets/tiny_llama``), in one
 process: each round generates ``--tokens`` greedy tokens after a 7-token prompt with every
-runtime at once, the runtimes taking turns step by step in a rotating order (so load from
-other processes hits them alike), and times each decode step (``generate_next_token``
-after the first token; the first decode step, where plugrt makes its decode capture, is
-reported on its own). Prints the median per-token latency of each runtime and the ratios.
-Every runtime must produce the same tokens (checked; exit status 1 otherwise).
+runtime, in a rotating order, and times each decode step (``generate_next_token`` after
+the first token; the first decode step, where plugrt makes its decode capture, is
+reported on its own). ``--turns generation`` (the default) lets each runtime generate all
+its tokens before the next starts, as one application would; ``--turns step`` has the
+runtimes take turns step by step, so load from other processes hits them alike (but each
+finds the caches and its threads as the others left them). Prints the median per-token
+latency of each runtime and the ratios. Every runtime must produce the same tokens
+(checked; exit status 1 otherwise).
 
 - ``plugrt replay``: ``plugrt.genai.Generator`` (fixed-capacity cache, decode replayed).
 - ``plugrt eager``: the same with ``capture=False`` (the same fixed-shape steps, run plainly).
@@ -130,22 +133,35 @@ class _Onnxruntime(_Runner):
         return token
 
 
-def _generate_together(runners: list[_Runner], tokens: int, rotation: int) -> dict[str, tuple[list[int], list[float]]]:
-    """Every runner's tokens and decode step times, the runners taking turns step by step."""
+def _generate_in_turns(
+    runners: list[_Runner], tokens: int, rotation: int, by_step: bool
+) -> dict[str, tuple[list[int], list[float]]]:
+    """Every runner's tokens and decode step times; the runners take turns step by step
+    (``by_step``) or generation by generation."""
     results: dict[str, tuple[list[int], list[float]]] = {}
     order = runners[rotation % len(runners):] + runners[: rotation % len(runners)]
+
+    def step(runner: _Runner) -> None:
+        generated, times = results[runner.name]
+        begin = time.perf_counter()
+        generated.append(runner.step())
+        times.append(time.perf_counter() - begin)
+
+    if by_step:
+        for runner in order:
+            results[runner.name] = ([runner.start(len(PROMPT) + tokens)], [])
+        for index in range(tokens - 1):
+            for runner in order[index % len(order):] + order[: index % len(order)]:
+                step(runner)
+        return results
     for runner in order:
         results[runner.name] = ([runner.start(len(PROMPT) + tokens)], [])
-    for step in range(tokens - 1):
-        for runner in order[step % len(order):] + order[: step % len(order)]:
-            generated, times = results[runner.name]
-            begin = time.perf_counter()
-            generated.append(runner.step())
-            times.append(time.perf_counter() - begin)
+        for _ in range(tokens - 1):
+            step(runner)
     return results
 
 
-def measure(precision: str, tokens: int, rounds: int, threads: int, scratch: Path) -> bool:
+def measure(precision: str, tokens: int, rounds: int, threads: int, scratch: Path, by_step: bool) -> bool:
     folder = ASSETS / precision
     model = genai.Model(folder)
     runners: list[_Runner] = [_Plugrt(model, capture=True), _Plugrt(model, capture=False)]
@@ -161,13 +177,14 @@ def measure(precision: str, tokens: int, rounds: int, threads: int, scratch: Pat
     first: dict[str, list[float]] = {r.name: [] for r in runners}
     outputs: dict[str, list[int]] = {}
     for round_index in range(rounds + 1):  # round 0 warms up
-        for name, (generated, times) in _generate_together(runners, tokens, round_index).items():
+        for name, (generated, times) in _generate_in_turns(runners, tokens, round_index, by_step).items():
             outputs.setdefault(name, generated)
             if round_index:
                 steps[name].extend(times[1:])
                 first[name].append(times[0])
     medians = {name: statistics.median(times) * 1e6 for name, times in steps.items()}
-    print(f"\n{precision}: {tokens} tokens after a {len(PROMPT)}-token prompt, {rounds} rounds")
+    turns = "step by step" if by_step else "generation by generation"
+    print(f"\n{precision}: {tokens} tokens after a {len(PROMPT)}-token prompt, {rounds} rounds, turns {turns}")
     print(f"{'runtime':<20} {'median us/token':>16} {'p90':>9} {'first decode step us':>22}")
     for name, times in steps.items():
         p90 = float(np.percentile(times, 90)) * 1e6
@@ -201,13 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", default="fp32,int4")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--turns", choices=("generation", "step"), default="generation")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime's intra-op threads")
     args = parser.parse_args(argv)
     print(f"cores usable: {len(os.sched_getaffinity(0))}, load average: {os.getloadavg()}")
     ok = True
     with tempfile.TemporaryDirectory() as scratch:
         for precision in args.precisions.split(","):
-            ok &= measure(precision, args.tokens, args.rounds, args.threads, Path(scratch))
+            ok &= measure(precision, args.tokens, args.rounds, args.threads, Path(scratch), args.turns == "step")
     return 0 if ok else 1
 
 
