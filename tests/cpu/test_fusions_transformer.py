@@ -312,3 +312,16 @@ def test_fusions_pass_over_nodes_without_inputs():
     )
     ops, outputs = _run(model, {"x": np.zeros((2, 3), np.float32)})
     assert ops == ["RandomNormal", "Add"] and outputs[0].shape == (2, 3)
+
+
+def test_fused_encoder_replays_without_allocating_with_heads_in_parallel(monkeypatch):
+    from plugrt import threads
+
+    monkeypatch.setattr(threads, "PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(fusions_transformer, "threads_for", lambda work: 2)
+    model = make_encoder(layers=1, hidden=64, heads=4, sequence=32, vocab=50).SerializeToString()
+    session = plugrt.load(model, device="cpu")
+    feeds = encoder_inputs(2, sequence=32, vocab=50)
+    assert isinstance(session.try_capture(feeds), Captured)
+    np.testing.assert_array_equal(session.replay(feeds)["hidden_states"], session.run(feeds)["hidden_states"])
+    assert _traced_peak(lambda: session.replay(feeds)) < 8192
