@@ -145,6 +145,7 @@ class Model:
         self.fixed_shape_steps = layout.past_present_share_buffer and layout.attention_mask is not None
         self._free_caches: dict[int, list[_Cache]] = {}  # by capacity: caches no generator holds
         self._cache_ids = itertools.count()
+        self._prompt_lengths: set[int] = set()  # lengths of the prompts run so far
 
     def _take_cache(self, capacity: int) -> "_Cache":
         free = self._free_caches.get(capacity)
@@ -200,13 +201,24 @@ class CaptureUse:
     """How a :class:`Generator`'s steps ran: replayed from a capture or eagerly, with the
     reasons of eager steps and the capture reports by phase (``prefill``, ``decode``)."""
 
-    replayed_steps: int = 0
-    eager_steps: int = 0
+    replayed: dict[str, int] = dataclasses.field(default_factory=dict)  # phase -> steps
+    eager: dict[str, int] = dataclasses.field(default_factory=dict)  # phase -> steps
     eager_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     reports: dict[str, CaptureReport] = dataclasses.field(default_factory=dict)
 
-    def _eager(self, reason: str) -> None:
-        self.eager_steps += 1
+    @property
+    def replayed_steps(self) -> int:
+        return sum(self.replayed.values())
+
+    @property
+    def eager_steps(self) -> int:
+        return sum(self.eager.values())
+
+    def _replayed(self, phase: str) -> None:
+        self.replayed[phase] = self.replayed.get(phase, 0) + 1
+
+    def _eager(self, phase: str, reason: str) -> None:
+        self.eager[phase] = self.eager.get(phase, 0) + 1
         self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
 
 
@@ -345,13 +357,19 @@ class Generator:
 
     def _step(self, feeds: dict[str, np.ndarray], phase: str) -> Any:
         """The step's logits: replayed from the phase's capture (made first when there is
-        none for these shapes), or run eagerly with the reason counted."""
+        none for these shapes), or run eagerly with the reason counted. A prompt is
+        captured only when a prompt of its length comes again: a capture costs about two
+        runs, paid back only by replays."""
         logits_name = self.model.layout.logits
         session, state, use = self.model.session, self._state, self.capture_use
+        length = feeds[self.model.layout.input_ids].shape[1]
         reason = self._eager_reason or state.declined.get(phase)
+        if reason is None and phase == "prefill" and state.captured_lengths.get(phase) != length:
+            if length not in self.model._prompt_lengths:
+                reason = "a prompt of a new length (captured when a prompt of its length comes again)"
+            self.model._prompt_lengths.add(length)
         if reason is None:
             slot = state.slots[phase]
-            length = feeds[self.model.layout.input_ids].shape[1]
             if state.captured_lengths.get(phase) != length:
                 try:
                     result: Captured | NotCapturable = session.try_capture(feeds, bindings=self._cache, slot=slot)
@@ -375,11 +393,11 @@ class Generator:
                     reason = f"the {phase} capture went stale ({e.reason})"
                 else:
                     if replayed.replayed:
-                        use.replayed_steps += 1
+                        use._replayed(phase)
                     else:
-                        use._eager(replayed.reason)
+                        use._eager(phase, replayed.reason)
                     return replayed[logits_name]
-        use._eager(reason or "")
+        use._eager(phase, reason or "")
         return session.run(feeds, [logits_name], bindings=self._cache)[logits_name]
 
     # -- stepping ---------------------------------------------------------------------------

@@ -69,14 +69,21 @@ def test_captured_decode_writes_the_new_keys_and_values_into_the_cache_bindings(
     assert not any(outputs[fp32_model.layout.logits] is b.buffer for b in generator._cache)
 
 
-def test_prefill_and_decode_use_their_own_capture_slots(fp32_model):
-    generator = _prefilled(fp32_model, capture=True)
-    generator.generate_next_token()
-    slots = generator._state.slots
+def test_prefill_and_decode_use_their_own_capture_slots():
+    model = genai.Model(ASSETS / "fp32")
+    first = _prefilled(model, capture=True)
+    first.generate_next_token()
+    # a prompt is captured once its length comes again; the decode step at once
+    assert first.capture_use.eager == {"prefill": 1}
+    assert first.capture_use.replayed == {"decode": 1}
+    assert "a prompt of a new length" in next(iter(first.capture_use.eager_reasons))
+    second = _prefilled(model, capture=True)
+    second.generate_next_token()
+    assert second.capture_use.replayed == {"prefill": 1, "decode": 1}
+    assert second.capture_use.eager == {}
+    slots = second._state.slots
     assert slots["prefill"] != slots["decode"]
-    assert set(generator.capture_use.reports) == {"prefill", "decode"}
-    assert generator.capture_use.replayed_steps == 2
-    assert generator.capture_use.eager_steps == 0
+    assert set(second.capture_use.reports) == {"prefill", "decode"}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
@@ -89,8 +96,8 @@ def test_decode_replay_is_bitwise_equal_to_eager_steps_over_16_steps(models, pre
         assert replayed.get_logits().tobytes() == eager.get_logits().tobytes()
     for mine, theirs in zip(replayed._cache, eager._cache):
         assert mine.read().tobytes() == theirs.read().tobytes()
-    assert replayed.capture_use.replayed_steps == DECODE_STEPS + 1  # and the prefill
-    assert replayed.capture_use.eager_steps == 0
+    assert replayed.capture_use.replayed["decode"] == DECODE_STEPS
+    assert "decode" not in replayed.capture_use.eager
     assert eager.capture_use.eager_reasons == {"capture=False": DECODE_STEPS + 1}
 
 
@@ -145,8 +152,8 @@ def test_captured_greedy_tokens_match_onnxruntime_genai(precision):
     while not generator.is_done():
         tokens.append(generator.generate_next_token())
     assert tokens == expected
-    assert generator.capture_use.replayed_steps == DECODE_STEPS + 1
-    assert generator.capture_use.eager_steps == 0
+    assert generator.capture_use.replayed["decode"] == DECODE_STEPS
+    assert "decode" not in generator.capture_use.eager
 
 
 def test_fixed_capacity_steps_match_onnxruntime_on_a_longer_past():
@@ -173,7 +180,7 @@ def test_fixed_capacity_steps_match_onnxruntime_on_a_longer_past():
         np.testing.assert_allclose(generator.get_logits(), outputs["logits"][0, -1], rtol=0, atol=1e-4)
         assert token == int(np.argmax(outputs["logits"][0, -1]))
         ids = np.array([[token]], np.int64)
-    assert generator.capture_use.replayed_steps == DECODE_STEPS + 1
+    assert generator.capture_use.replayed["decode"] == DECODE_STEPS
 
 
 def test_a_step_that_cannot_be_captured_runs_eagerly_with_its_reason(fp32_model, monkeypatch):
@@ -187,9 +194,8 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_with_its_reason(fp32_model,
         generator.generate_next_token()
     reasons = generator.capture_use.eager_reasons
     assert generator.capture_use.replayed_steps == 0
-    assert sum(reasons.values()) == 3
-    assert all("no capture here" in reason for reason in reasons)
-    assert any(reason.startswith("the decode step") for reason in reasons)
+    assert generator.capture_use.eager == {"prefill": 1, "decode": 2}
+    assert reasons["the decode step cannot be captured (node: no capture here)"] == 2
 
 
 def _contrib_model(op: str, domain: str, inputs: dict[str, np.ndarray], outputs: list[str], **attributes) -> bytes:
@@ -232,3 +238,18 @@ def test_rms_normalization_capture_variants_replay_bitwise(op, domain, shapes, o
         eager, replayed = session.run(feeds(seed)), session.replay(feeds(seed))
         for name in outputs:
             assert eager[name].tobytes() == np.asarray(replayed[name]).tobytes(), name
+
+
+def test_tokens_appended_between_steps_replay_like_eager_steps(fp32_model):
+    replayed = _prefilled(fp32_model, capture=True)
+    eager = _prefilled(fp32_model, capture=False)
+    for turn in range(3):  # each turn: a chunk of new tokens after the generated one, then decode
+        for generator in (replayed, eager):
+            generator.append_tokens([5 + turn, 60, 61 + turn])
+        for _ in range(3):
+            assert replayed.generate_next_token() == eager.generate_next_token()
+            assert replayed.get_logits().tobytes() == eager.get_logits().tobytes()
+    assert replayed.get_sequence() == eager.get_sequence()
+    # the 4-token chunks run through the prompt slot: captured at their second turn
+    assert replayed.capture_use.replayed.get("prefill", 0) >= 1
+    assert replayed.capture_use.replayed["decode"] == 6
