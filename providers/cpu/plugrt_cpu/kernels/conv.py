@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from plugrt.threads import blas_threads, parallel_for
-from plugrt.weights import shared_transform
+from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._window import (
@@ -32,6 +32,7 @@ from ._window import (
     _zeroed,
 )
 from . import conv_gemm
+from ._relu import relu_into
 from .elementwise import scratch, with_small_buffers
 
 # ---------------------------------------------------------------------------
@@ -288,7 +289,7 @@ class _Convolution:
             if bias is not None:
                 y += bias
             if self.relu:
-                np.maximum(y, 0, out=y)
+                relu_into(y, y)
         elif plan.kind == "depthwise" and plan.depthwise_product:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
@@ -397,7 +398,7 @@ class _Convolution:
             else:
                 np.add(cropped, bias_rows[g0:g1], out=target)
         if self.relu:
-            np.maximum(target, 0, out=target)
+            relu_into(target, target)
 
     def _depthwise_taps(
         self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
@@ -480,7 +481,7 @@ class _Convolution:
                 if biases is not None:
                     elementwise(np.add, acc, biases[:, j, None], acc)
             if self.relu:
-                np.maximum(acc, 0, out=acc)
+                relu_into(acc, acc)
             if channels_last:
                 yr[:, j] = np.moveaxis(acc.reshape(*grid_shape, rows)[plan.crop[1:]], -1, 0)
             else:

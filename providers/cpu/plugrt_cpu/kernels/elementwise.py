@@ -11,6 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._registry import KernelContext, capture_variant, declare_into, kernel, kernel_builder
+from ._relu import relu_into
 
 __all__ = ["compiled_loops", "erf", "sigmoid", "scratch", "with_small_buffers"]
 
@@ -624,11 +625,11 @@ kernel("Sigmoid", 1)(sigmoid)
 
 @kernel("Relu", 1, inplace=True)
 def relu(x):
-    return np.maximum(x, 0)
+    return relu_into(np.empty_like(x), x)
 
 
 def _relu_into(out, x):
-    np.maximum(x, 0, out=out)
+    relu_into(out, x)
 
 
 declare_into(_relu_into, relu)
