@@ -214,6 +214,98 @@ def test_conv_whose_output_is_a_graph_output_is_not_fused():
 
 
 # ---------------------------------------------------------------------------------------
+# (2b) Conv + Add (+ Relu): the residual of ResNet-style blocks
+
+
+def _conv_add(
+    channels: int, out_channels: int, kernel_size: int, size: int, *, stride: int = 1, add: str = "Add",
+    relu: bool = True, z_shape: tuple[int, ...] | None = None,
+) -> tuple[bytes, dict[str, np.ndarray]]:
+    pad = kernel_size // 2
+    out = (size + 2 * pad - kernel_size) // stride + 1
+    y_shape = (2, out_channels, out, out)
+    z_shape = z_shape or y_shape
+    dims = lambda shape: ", ".join(map(str, shape))  # noqa: E731
+    last = "y = Relu (s)" if relu else "y = Identity (s)"
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[2, {channels}, {size}, {size}] x, float[{dims(z_shape)}] z) => (float[{dims(y_shape)}] y) {{
+        c = Conv <pads = [{pad}, {pad}, {pad}, {pad}], strides = [{stride}, {stride}]> (x, w, b)
+        s = {add} (z, c)
+        {last}
+    }}
+    """
+    weight = _random(out_channels, channels, kernel_size, kernel_size) * 0.2
+    feeds = {"x": _random(2, channels, size, size, seed=9), "z": _random(*z_shape, seed=10)}
+    return _model(text, w=weight, b=_random(out_channels, seed=1)), feeds
+
+
+@pytest.mark.parametrize(
+    "channels, out_channels, kernel_size, size, stride, add",
+    [(32, 64, 1, 10, 1, "Sum"), (32, 64, 1, 11, 2, "Add"), (24, 16, 3, 24, 1, "Sum"), (4, 6, 3, 9, 1, "Add")],
+    ids=["pointwise", "strided_pointwise", "tap_grid", "im2col"],
+)
+def test_conv_add_relu_runs_as_one_fused_conv(channels, out_channels, kernel_size, size, stride, add):
+    model, feeds = _conv_add(channels, out_channels, kernel_size, size, stride=stride, add=add)
+    _assert_fused(model, feeds, ["FusedConv"])
+
+
+def test_conv_add_without_relu_runs_as_one_fused_conv():
+    model, feeds = _conv_add(32, 64, 1, 10, relu=False)
+    _assert_fused(model, feeds, ["FusedConv", "Identity"])
+
+
+def test_conv_add_of_a_broadcast_residual_runs_as_one_fused_conv():
+    model, feeds = _conv_add(32, 64, 1, 10, z_shape=(1, 64, 1, 1))
+    _assert_fused(model, feeds, ["FusedConv"])
+
+
+def test_conv_add_whose_sum_is_read_twice_keeps_the_relu_apart():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[1, 3, 8, 8] x, float[1, 4, 6, 6] z) => (float[1, 4, 6, 6] y, float[1, 4, 6, 6] t) {
+            c = Conv (x, w)
+            s = Add (c, z)
+            y = Relu (s)
+            t = Sigmoid (s)
+        }
+        """,
+        w=_BN_CONSTANTS["w"],
+    )
+    _assert_fused(model, {"x": _random(1, 3, 8, 8, seed=9), "z": _random(1, 4, 6, 6, seed=10)}, ["FusedConv", "Relu", "Sigmoid"])
+
+
+@pytest.mark.parametrize(
+    "channels, out_channels, kernel_size, size, z_shape",
+    [(32, 64, 1, 10, None), (24, 16, 3, 24, None), (4, 6, 3, 9, None), (32, 64, 1, 10, (1, 64, 1, 1))],
+    ids=["pointwise", "tap_grid", "im2col", "broadcast_residual"],
+)
+def test_fused_conv_add_is_captured_and_replays_without_allocating(channels, out_channels, kernel_size, size, z_shape):
+    model, feeds = _conv_add(channels, out_channels, kernel_size, size, z_shape=z_shape)
+    _assert_replays_without_allocating(model, feeds, ["FusedConv"])
+
+
+def _assert_replays_without_allocating(model: bytes, feeds: dict[str, np.ndarray], expected_ops: list[str]) -> None:
+    """At level "all" the plan runs ``expected_ops``, all captured; a replay gives what a run
+    gives (also for new values) and allocates nothing."""
+    from cpu.test_into import REPLAY_BYTES, replay_bytes
+
+    session = plugrt.load(model, device="cpu", optimization="all", profiling=True)
+    session.run(feeds)
+    assert [e["args"]["op_name"] for e in session.profile() if e["cat"] == "Node"] == expected_ops
+    session = plugrt.load(model, device="cpu", optimization="all")
+    assert isinstance(session.try_capture(feeds), Captured)
+    assert session.capture_report.seams == []
+    other = {name: value[::-1].copy() for name, value in feeds.items()}
+    for values in (feeds, other):
+        eager, replayed = session.run(values), session.replay(values)
+        for name in eager:
+            np.testing.assert_array_equal(replayed[name], eager[name])
+    assert replay_bytes(lambda: session.replay(other), small_buffers=True) < REPLAY_BYTES
+
+
+# ---------------------------------------------------------------------------------------
 # (3) MatMul + Add
 
 

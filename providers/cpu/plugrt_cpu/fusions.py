@@ -28,6 +28,7 @@ from plugrt.passes import CLAIMED_BY
 
 from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder, declare_into
 from .kernels import conv as convolution
+from .kernels import conv_residual
 from .kernels import elementwise, normalization
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ __all__ = [
     "DOMAIN_VERSION",
     "fusion_passes",
     "FoldChannelAffinePass",
+    "FuseConvAddPass",
     "FuseConvReluPass",
     "FuseMatMulBiasPass",
     "FuseLayerNormPass",
@@ -51,10 +53,10 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def fusion_passes() -> list[InPlacePass]:
-    """The CPU fusions in the order they must run (folding before the Relu fusion that
-    looks for a Conv right before the Relu)."""
+    """The CPU fusions in the order they must run (folding before the Add and Relu fusions
+    that look for a Conv right before them; Conv + Add + Relu before Conv + Relu)."""
     return [
-        FoldChannelAffinePass(), FuseConvReluPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(),
+        FoldChannelAffinePass(), FuseConvAddPass(), FuseConvReluPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(),
         *fusions_transformer.transformer_passes(),
     ]
 
@@ -327,7 +329,39 @@ class FoldChannelAffinePass(_NodePass):
 
 
 # ---------------------------------------------------------------------------------------
-# (2) Conv + Relu: one FusedConv step that applies the Relu in place
+# (2) Conv + Add (+ Relu): one FusedConv step that accumulates the product onto the residual
+
+
+class FuseConvAddPass(_NodePass):
+    """Conv whose output only an Add (or a two-input Sum) reads, adding another value z, and
+    the Relu when one alone reads the sum: ``plugrt.cpu::FusedConv(x, w, b, z)`` (with
+    activation="Relu" for the Relu), the residual connection of ResNet-style blocks."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "Conv") or len(node.outputs) != 1:
+            return False
+        add = _sole_reader(node.outputs[0])
+        if not (_is(add, "Add") or (_is(add, "Sum") and len(add.inputs) == 2)):
+            return False
+        if "broadcast" in add.attributes:  # Add before opset 7: broadcasting from an axis
+            return False
+        z = _other_input(add, node.outputs[0])
+        if z is None:
+            return False
+        pattern, attributes = [node, add], list(node.attributes.values())
+        relu = _sole_reader(add.outputs[0])
+        if _is(relu, "Relu"):
+            pattern.append(relu)
+            attributes.append(ir.AttrString("activation", "Relu"))
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        inputs = [node.inputs[0], node.inputs[1], bias, z]
+        fused = _private_node(model, "FusedConv", inputs, node.name or "conv", attributes)
+        _replace(model.graph, pattern, fused)
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# (3) Conv + Relu: one FusedConv step that applies the Relu in place
 
 
 class FuseConvReluPass(_NodePass):
@@ -346,7 +380,7 @@ class FuseConvReluPass(_NodePass):
 
 
 # ---------------------------------------------------------------------------------------
-# (3) MatMul + Add of a constant bias: one FusedMatMul step
+# (4) MatMul + Add of a constant bias: one FusedMatMul step
 
 
 class FuseMatMulBiasPass(_NodePass):
@@ -374,7 +408,7 @@ class FuseMatMulBiasPass(_NodePass):
 
 
 # ---------------------------------------------------------------------------------------
-# (4a) LayerNorm written out as ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add
+# (5a) LayerNorm written out as ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add
 
 
 def _reduce_axes(node: ir.Node, opset: int) -> tuple[int, ...] | None:
@@ -462,7 +496,7 @@ def _normalized_shape_constant(value: ir.Value, axis: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------
-# (4b) Gelu written out with Erf or Tanh
+# (5b) Gelu written out with Erf or Tanh
 
 _SQRT_2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -573,12 +607,17 @@ class FuseGeluPass(_NodePass):
 
 @kernel_builder("FusedConv", DOMAIN_VERSION, domain=DOMAIN)
 def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
-    """The Conv kernel with the Relu applied to each output block while it is in cache."""
+    """Conv (x, w, b) with the Relu applied to each output block while it is in cache; with a
+    fourth input z, Conv + z (then the Relu when activation="Relu")."""
     attributes = dict(ctx.attributes)
     activation = attributes.pop("activation", None)
-    if activation != "Relu":
+    residual = ctx.num_inputs > 3
+    if activation != "Relu" and not (residual and activation is None):
         raise NotImplementedError(f"FusedConv: activation={activation!r} is not supported (only 'Relu')")
-    return convolution.build_conv(dataclasses.replace(ctx, op_type="Conv", domain="", attributes=attributes), relu=True)
+    conv_ctx = dataclasses.replace(ctx, op_type="Conv", domain="", attributes=attributes)
+    if residual:
+        return conv_residual.build_residual_conv(conv_ctx, relu=activation == "Relu")
+    return convolution.build_conv(conv_ctx, relu=True)
 
 
 @kernel("FusedMatMul", DOMAIN_VERSION, domain=DOMAIN)

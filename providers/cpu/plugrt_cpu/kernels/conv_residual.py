@@ -1,0 +1,121 @@
+"""Conv whose output is added to a residual, then optionally clamped (Relu): the sum written by the convolution's own GEMMs."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from plugrt.provider import shared_transform
+from plugrt.threads import blas_threads
+
+from .._registry import KernelContext, declare_into
+from . import _gemm, conv_gemm
+from . import conv as convolution
+from ._window import _cast_into_scratch, _compute_dtype, _copy_to_workspace
+from .elementwise import scratch, with_small_buffers
+
+__all__ = ["build_residual_conv"]
+
+
+def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndarray]:
+    """The kernel of ``Relu(Conv(x, w, b) + z)`` (without the Relu when ``relu`` is false)
+    for a node with inputs (x, w, b, z).
+
+    Where the residual ``z`` has the output's shape and dtype, the output starts as
+    ``z + b`` and the products accumulate onto it (BLAS ``beta=1``): a pointwise Conv in one
+    GEMM per image, a Conv on the tap grid adding ``z`` as it crops. No separate pass adds
+    the residual, and no sum is allocated besides the output. Anything else (a
+    broadcasting residual, other dtypes, no direct BLAS) computes the Conv, then the sum.
+    """
+    op = convolution._Convolution(ctx.attributes)
+    w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
+    b_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
+    if w_const is not None:
+        dtype = _compute_dtype(w_const.dtype)
+        # the key build_conv uses, so that a WeightStore shares one prepared weight
+        how = ("Conv.W", repr(sorted(ctx.attributes.items())), False, dtype.str)
+        w_prepared = shared_transform(w_const, how, lambda: op.prepare_weight(w_const, dtype))
+        b_prepared = op.prepare_bias(b_const, dtype) if b_const is not None else None
+
+    def prepared(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> tuple[np.dtype, Any, np.ndarray | None]:
+        dtype = _compute_dtype(x.dtype)
+        weight = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
+        bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
+        return dtype, weight, bias
+
+    def fused(x: np.ndarray, weight: Any, bias: np.ndarray | None, z: np.ndarray, y: np.ndarray | None) -> np.ndarray | None:
+        """The sum computed by the product itself, into ``y`` or a new array; None where
+        this shape, dtype or library does not allow it."""
+        if x.dtype != z.dtype or not _gemm.available(x.dtype):
+            return None
+        plan = op._plans(x.shape, weight.shape, x.dtype.itemsize)
+        if z.shape != (x.shape[0], plan.m, *plan.out):
+            return None
+        if plan.kind == "pointwise" and op.group == 1:
+            return _pointwise(x, weight.gemm[0], bias, z, plan, relu, y)
+        grid = getattr(plan, "grid", None)
+        if plan.kind == "im2col" and grid is not None and conv_gemm.usable(grid, x.dtype):
+            return grid(x, weight, bias, relu, y, residual=z)
+        return None
+
+    def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.ndarray) -> np.ndarray:
+        dtype, weight, bias = prepared(x, w, b)
+        xc = x.astype(dtype, copy=False)
+        y = fused(xc, weight, bias, z, None) if x.dtype == dtype else None
+        if y is None:
+            y = op(xc, weight, bias).astype(x.dtype, copy=False) + z
+            if relu:
+                np.maximum(y, 0, out=y)
+        return y
+
+    def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.ndarray) -> None:
+        dtype, weight, bias = prepared(x, w, b)
+        if x.dtype == dtype == out.dtype and out.flags.c_contiguous:
+            if with_small_buffers(fused, x, weight, bias, z, out) is not None:
+                return
+        xc = _cast_into_scratch(out, "x", x, dtype)
+        plan = op._plans(xc.shape, weight.shape, dtype.itemsize)
+        shape = (xc.shape[0], plan.m, *plan.out)
+        y = out if out.shape == shape and out.dtype == dtype and out.flags.c_contiguous else scratch(out, "y", shape, dtype)
+        op(xc, weight, bias, y)
+        with_small_buffers(_add_into, y, z, out)
+        if relu:
+            np.maximum(out, 0, out=out)
+
+    declare_into(run_into, run)
+    return run
+
+
+def _pointwise(
+    x: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    z: np.ndarray,
+    plan: Any,
+    relu: bool,
+    y: np.ndarray | None,
+) -> np.ndarray:
+    """A 1x1 Conv (one group) accumulated onto ``z + bias``: one GEMM per image."""
+    n, c = x.shape[:2]
+    size = plan.out_size
+    if y is None:
+        y = np.add(z, bias.reshape(-1, *([1] * len(plan.out)))) if bias is not None else z.copy()
+    elif bias is not None:
+        np.add(z, bias.reshape(-1, *([1] * len(plan.out))), out=y)
+    else:
+        np.copyto(y, z)
+    xs = x[plan.src] if plan.copy_input else x
+    if not xs.flags.c_contiguous:
+        xs = _copy_to_workspace("residual_pointwise", xs)
+    rows = y.reshape(n, plan.m, size)
+    columns = xs.reshape(n, c, size)
+    blas_threads(plan.gemm_work)
+    for image in range(n):
+        _gemm.gemm(weight, columns[image], rows[image], 1.0)
+    if relu:
+        np.maximum(y, 0, out=y)
+    return y
+
+
+def _add_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.add(a, b, out=out, casting="unsafe")
