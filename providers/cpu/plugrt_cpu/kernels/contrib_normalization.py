@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from typing import Any
 
 import numpy as np
 
@@ -71,11 +73,63 @@ def skip_layer_normalization(x, skip, gamma, beta=None, bias=None, *, epsilon=1e
     return y, mean, inv_std, total
 
 
+def decode_loops() -> Any:
+    """The numba-compiled RMS loops (``kernels._numba_decode``), or None when numba is not
+    installed or the environment sets ``PLUGRT_NUMBA=0``. Imported on first use."""
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        return None
+    try:
+        from . import _numba_decode
+    except ImportError:
+        return None
+    return _numba_decode
+
+
+_F32 = np.dtype(np.float32)
+_NO_BIAS = np.zeros(1, np.float32)  # the compiled loop's "no bias" (a length other than the width)
+
+
+def _compiled_rms(x: np.ndarray, gamma: np.ndarray, *others: np.ndarray | None) -> Any:
+    """The compiled loops when they apply: float32 throughout, normalization over the last
+    axis with a gamma (and bias) of its width; else None (the numpy path)."""
+    if x.dtype != _F32 or gamma.dtype != _F32 or x.ndim < 1 or x.shape[-1] < 2 or gamma.shape != x.shape[-1:]:
+        return None
+    if any(o is not None and (o.dtype != _F32 or o.shape != x.shape[-1:]) for o in others):
+        return None
+    return decode_loops()
+
+
+def _rows(array: np.ndarray) -> np.ndarray | None:
+    """A C-contiguous array as 2-D rows (a view), or None."""
+    return array.reshape(-1, array.shape[-1]) if array.flags.c_contiguous else None
+
+
+def _skip_rms_compiled(loops: Any, x, skip, gamma, bias, epsilon, y, mean, inv_std, total) -> bool:
+    """The compiled skip + RMS loop into the four outputs; False when their layout does not fit."""
+    rows = [_rows(a) for a in (y, total)]
+    if rows[0] is None or rows[1] is None or not inv_std.flags.c_contiguous:
+        return False
+    a = _rows(np.ascontiguousarray(x))
+    b = _rows(np.ascontiguousarray(skip))
+    loops.skip_rms_rows(
+        a, b, _NO_BIAS if bias is None else bias, float(epsilon), gamma, rows[0], inv_std.reshape(-1), rows[1]
+    )
+    mean.fill(0)
+    return True
+
+
 @kernel("SkipSimplifiedLayerNormalization", 1, domain=_MS, multi_output=True)
 def skip_simplified_layer_normalization(x, skip, gamma, bias=None, *, epsilon=1e-12):
     hidden = x.shape[-1]
     for name, value in (("gamma", gamma), ("bias", bias)):
         _check_hidden(name, value, hidden)
+    loops = _compiled_rms(x, gamma, bias) if skip.shape == x.shape and skip.dtype == x.dtype else None
+    if loops is not None:
+        statistics = x.shape[:-1] + (1,)
+        y, total = np.empty(x.shape, _F32), np.empty(x.shape, _F32)
+        mean, inv_std = np.empty(statistics, _F32), np.empty(statistics, _F32)
+        _skip_rms_compiled(loops, x, skip, gamma, bias, epsilon, y, mean, inv_std, total)
+        return y, mean, inv_std, total
     total = _skip_sum(x, skip, bias)
     y, mean, inv_std = _normalize(total, gamma, None, epsilon, simplified=True)
     return y, mean, inv_std, total
@@ -84,6 +138,11 @@ def skip_simplified_layer_normalization(x, skip, gamma, bias=None, *, epsilon=1e
 # onnxruntime registers SimplifiedLayerNormalization in the default (ai.onnx) domain.
 @kernel("SimplifiedLayerNormalization", 1, multi_output=True)
 def simplified_layer_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    loops = _compiled_rms(x, scale) if axis in (-1, x.ndim - 1) else None
+    if loops is not None:
+        y, inv_std = np.empty(x.shape, _F32), np.empty(x.shape[:-1] + (1,), _F32)
+        loops.rms_rows(_rows(np.ascontiguousarray(x)), scale, float(epsilon), _rows(y), inv_std.reshape(-1))
+        return y, inv_std
     y, _, inv_std = _normalize(x, scale, None, epsilon, simplified=True, axis=axis)
     return y, inv_std.astype(np.float32, copy=False)
 
@@ -127,6 +186,10 @@ def _filled(out, defaults: list[tuple[tuple[int, ...], np.dtype]]) -> tuple[np.n
 def _simplified_layer_normalization_into(out, x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
     statistics = _statistics_shape(x, axis)
     y, inv_std = _filled(out, [(x.shape, x.dtype), (statistics, np.dtype(np.float32))])
+    loops = _compiled_rms(x, scale) if axis in (-1, x.ndim - 1) else None
+    if loops is not None and y.flags.c_contiguous and inv_std.flags.c_contiguous:
+        loops.rms_rows(_rows(np.ascontiguousarray(x)), scale, float(epsilon), _rows(y), inv_std.reshape(-1))
+        return
     if x.dtype != np.float32 or scale.dtype != np.float32:
         for buffer, value in zip((y, inv_std), simplified_layer_normalization(x, scale, axis=axis, epsilon=epsilon)):
             np.copyto(buffer, value)
@@ -142,6 +205,9 @@ def _skip_simplified_layer_normalization_into(out, x, skip, gamma, bias=None, *,
     y, mean, inv_std, total = _filled(
         out, [(x.shape, x.dtype), (statistics, x.dtype), (statistics, x.dtype), (x.shape, x.dtype)]
     )
+    loops = _compiled_rms(x, gamma, bias) if skip.shape == x.shape and skip.dtype == x.dtype else None
+    if loops is not None and _skip_rms_compiled(loops, x, skip, gamma, bias, epsilon, y, mean, inv_std, total):
+        return
     same = x.dtype == skip.dtype == gamma.dtype and (bias is None or bias.dtype == x.dtype)
     if x.dtype not in (np.float32, np.float64) or not same or skip.shape != x.shape:
         results = skip_simplified_layer_normalization(x, skip, gamma, bias, epsilon=epsilon)

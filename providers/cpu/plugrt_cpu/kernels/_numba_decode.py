@@ -1,0 +1,55 @@
+"""numba-compiled float32 loops for a decoder step's row kernels (RMS normalization with and without a residual sum): one pass where numpy needs eight calls.
+
+Imported only through :func:`plugrt_cpu.kernels.contrib_normalization.decode_loops`,
+which returns None when numba is missing or ``PLUGRT_NUMBA=0``; the callers' numpy path
+then gives the same values to float32 rounding. Sums of squares accumulate in float64.
+Compiled code is cached on disk (``cache=True``). No fastmath: NaN and infinity
+propagate as in numpy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+__all__ = ["rms_rows", "skip_rms_rows"]
+
+_compiled = numba.njit(nogil=True, boundscheck=False, error_model="numpy", cache=True)
+
+
+@_compiled
+def rms_rows(x, gamma, epsilon, y, inv_std):  # pragma: no cover  (compiled; covered through its callers)
+    """y = x / sqrt(mean(x^2) + epsilon) * gamma per row of the 2-D float32 ``x``; the
+    reciprocal root of each row into ``inv_std`` (one value per row)."""
+    rows, width = x.shape
+    for r in range(rows):
+        total = 0.0
+        for c in range(width):
+            v = np.float64(x[r, c])
+            total += v * v
+        inv = np.float32(1.0 / math.sqrt(total / width + epsilon))
+        inv_std[r] = inv
+        for c in range(width):
+            y[r, c] = x[r, c] * inv * gamma[c]
+
+
+@_compiled
+def skip_rms_rows(a, b, bias, epsilon, gamma, y, inv_std, total):  # pragma: no cover  (compiled)
+    """total = a + b (+ bias, a 1-element array meaning none), then rms_rows(total) into
+    y and inv_std; 2-D float32 ``a`` and ``b`` of one shape."""
+    rows, width = a.shape
+    with_bias = bias.shape[0] == width
+    for r in range(rows):
+        squares = 0.0
+        for c in range(width):
+            v = a[r, c] + b[r, c]
+            if with_bias:
+                v += bias[c]
+            total[r, c] = v
+            squares += np.float64(v) * np.float64(v)
+        inv = np.float32(1.0 / math.sqrt(squares / width + epsilon))
+        inv_std[r] = inv
+        for c in range(width):
+            y[r, c] = total[r, c] * inv * gamma[c]
