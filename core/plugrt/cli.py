@@ -87,7 +87,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         print(f"latency: {times[0] * 1e3:.3f} ms (first run; use --repeat N for a median)")
     if args.profile is not None:
-        path = session.end_profiling(args.profile)
+        try:
+            path = session.end_profiling(args.profile)
+        except OSError as exc:
+            raise SystemExit(f"plugrt run: cannot write the profile to {args.profile!r}: {exc}") from exc
         print(f"profile: {path} (onnxruntime's format; open it in Perfetto or chrome://tracing)")
     return 0
 

@@ -110,6 +110,12 @@ def test_cli_profile_is_a_valid_chrome_trace(tmp_path):
         open_ends.append(end)
 
 
+def test_cli_profile_to_an_unwritable_path_says_so(tmp_path):
+    missing = tmp_path / "no such folder" / "profile.json"
+    with pytest.raises(SystemExit, match="cannot write the profile to .*no such folder"):
+        main(["run", "--profile", str(missing)])
+
+
 def test_build_phases_are_session_spans_inside_the_session_initialization(tmp_path):
     events = _profile_by_cli(tmp_path)
     session_events = {e["name"]: e for e in events if e["cat"] == "Session"}
