@@ -9,6 +9,7 @@ import numpy as np
 
 from .._registry import KernelContext, declare_into, kernel, kernel_builder
 from .attention import _grouped_matmul, _merge_heads, _split_heads
+from .contrib_normalization import decode_loops
 from .elementwise import scratch
 
 _MS = "com.microsoft"
@@ -535,6 +536,15 @@ def _gqa_attend(
     kv_heads = present_k.shape[1]
     total = max(lengths)
     dtype = queries.dtype
+    if softcap <= 0 and attention_bias is None and sink is None and dtype == np.float32:
+        loops = decode_loops()
+        if loops is not None and output.flags.c_contiguous and present_k.dtype == present_v.dtype == np.float32:
+            # one compiled loop for scores, softmax and the weighted sum
+            loops.causal_attention(
+                queries, present_k, present_v, np.asarray(lengths, np.int64), np.asarray(past_lengths, np.int64),
+                window, work.scores.reshape(-1), output,
+            )
+            return
     grouped = queries.reshape(batch, kv_heads, (num_heads // kv_heads) * seq, head_size)
     scores = work.scores[..., :total]
     np.matmul(grouped, np.swapaxes(present_k[:, :, :total], -1, -2), out=scores)
