@@ -50,8 +50,10 @@ class _PoolPlan:
                 continue
             axis_taps = [t for t in _taps([spatial[i]], [kernel[i]], [strides[i]], [dilations[i]], [pb[i]], [0], [out[i]])]
             lead = (slice(None),) * (2 + i)
-            full = next((t for t in axis_taps if t.bounds[0] == (0, out[i])), None)
-            others = [(lead + t.dst, lead + t.src) for t in axis_taps if not t.empty and t is not full]
+            # Taps that cover every output start the result: the first two combined in one
+            # pass, rather than a copy of one and a pass for the other.
+            full = [t for t in axis_taps if t.bounds[0] == (0, out[i])][:2]
+            others = [(lead + t.dst, lead + t.src) for t in axis_taps if not t.empty and t not in full]
             flat = None
             if strides[i] == 1 and 0 < out[i] <= spatial[i]:
                 # Short rows make per-row work dominate: shift the whole flattened array at
@@ -61,7 +63,7 @@ class _PoolPlan:
                 inner = (max(b[0] for b in bounds), min(b[1] for b in bounds))
                 border = [o for o in range(out[i]) if not inner[0] <= o < inner[1]]
                 flat = (offsets, [(o, [off for off, (b, e) in zip(offsets, bounds) if b <= o < e]) for o in border])
-            self.axis_passes.append((2 + i, out[i], lead + full.src if full is not None else None, others, flat))
+            self.axis_passes.append((2 + i, out[i], [lead + t.src for t in full], others, flat))
         # One window over the whole unpadded input, as at the end of many CNNs.
         self.whole_window = all(o == 1 for o in out) and list(kernel) == spatial and not any(pb) and not any(pe) and all(
             d == 1 for d in dilations
@@ -105,14 +107,17 @@ def _separable_pool(
     """Max or sum over the window, one spatial axis after another; always a fresh array
     (from ``allocate(slot, shape, dtype)``: work arrays in an ``into`` variant)."""
     y = x
-    for k, (axis, size, full_src, others, flat) in enumerate(plan.axis_passes):
+    for k, (axis, size, full_srcs, others, flat) in enumerate(plan.axis_passes):
         if flat is not None and y.flags.c_contiguous:
             y = _pool_axis_flat(y, axis, size, flat, combine, identity, _slots_of(allocate, k))
             continue
-        if full_src is not None:
-            start = y[full_src]  # a tap that covers every output starts the result
+        if full_srcs:
+            start = y[full_srcs[0]]
             acc = allocate(k, start.shape, y.dtype)
-            np.copyto(acc, start)
+            if len(full_srcs) > 1:
+                combine(start, y[full_srcs[1]], out=acc)
+            else:
+                np.copyto(acc, start)
         else:
             shape = list(y.shape)
             shape[axis] = size
@@ -143,15 +148,22 @@ def _pool_axis_flat(
     acc = allocate("acc", y.shape, y.dtype)  # as long as the input on ``axis``; cropped at the end
     src, dst = y.reshape(-1), acc.reshape(-1)
     total = src.size
-    for k, off in enumerate(offsets):
-        shift = off * inner
-        lo, hi = max(0, -shift), total - max(0, shift)
-        if k == 0:
-            dst[:lo] = identity
-            dst[hi:] = identity
-            dst[lo:hi] = src[lo + shift : hi + shift]
-        else:
-            combine(dst[lo:hi], src[lo + shift : hi + shift], out=dst[lo:hi])
+    shifts = [off * inner for off in offsets]
+    # The first two taps are combined in one pass where both read inside the array;
+    # elsewhere they read past its ends, only at border positions, which are redone below.
+    first = shifts[:2]
+    lo = min(total, max(0, *(-shift for shift in first)))
+    hi = max(lo, total - max(0, *first))
+    dst[:lo] = identity
+    dst[hi:] = identity
+    if len(first) == 1:
+        dst[lo:hi] = src[lo + first[0] : hi + first[0]]
+    else:
+        combine(src[lo + first[0] : hi + first[0]], src[lo + first[1] : hi + first[1]], out=dst[lo:hi])
+    for shift in shifts[2:]:
+        lo = min(total, max(0, -shift))
+        hi = max(lo, total - max(0, shift))
+        combine(dst[lo:hi], src[lo + shift : hi + shift], out=dst[lo:hi])
     # The shifts mixed neighbouring rows into the border positions: redo those exactly.
     lead = (slice(None),) * axis
     for position, valid in border:
