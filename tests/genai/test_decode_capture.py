@@ -24,6 +24,15 @@ MAX_LENGTH = 64
 REPLAY_BYTES = 8192
 
 
+@pytest.fixture(params=["numba", "numpy"])
+def loops(request, monkeypatch) -> str:
+    """The CPU kernels' compiled decode loops on (when numba is installed) or off."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("PLUGRT_NUMBA", "1" if request.param == "numba" else "0")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def models() -> dict[str, genai.Model]:
     return {precision: genai.Model(ASSETS / precision) for precision in ("fp32", "int4")}
@@ -87,7 +96,7 @@ def test_prefill_and_decode_use_their_own_capture_slots():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
-def test_decode_replay_is_bitwise_equal_to_eager_steps_over_16_steps(models, precision):
+def test_decode_replay_is_bitwise_equal_to_eager_steps_over_16_steps(models, precision, loops):
     replayed = _prefilled(models[precision], capture=True)
     eager = _prefilled(models[precision], capture=False)
     for _ in range(DECODE_STEPS):
@@ -134,7 +143,7 @@ def test_an_eager_step_allocates_more_than_the_replay_bound(fp32_model):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
-def test_captured_greedy_tokens_match_onnxruntime_genai(precision):
+def test_captured_greedy_tokens_match_onnxruntime_genai(precision, loops):
     og = pytest.importorskip("onnxruntime_genai")
     max_length = len(PROMPT) + DECODE_STEPS + 1
     reference = og.Model(str(ASSETS / precision))
@@ -156,7 +165,7 @@ def test_captured_greedy_tokens_match_onnxruntime_genai(precision):
     assert "decode" not in generator.capture_use.eager
 
 
-def test_fixed_capacity_steps_match_onnxruntime_on_a_longer_past():
+def test_fixed_capacity_steps_match_onnxruntime_on_a_longer_past(loops):
     """onnxruntime's GroupQueryAttention given the same full-capacity past buffers and
     fixed-shape mask (its shared-buffer layout) gives the same logits at every step."""
     ort = pytest.importorskip("onnxruntime")
