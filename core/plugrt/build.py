@@ -24,6 +24,7 @@ from .provider import (
 )
 from .tracing import instant, span
 from .transfers import MemorySpaces
+from .weights import shared_transform
 
 if TYPE_CHECKING:
     from .intent import Selection
@@ -136,6 +137,12 @@ def _compile_all(
         active = [p for p in active if p.name != name]
 
 
+def _constant_on(target: MemoryCapability, array: Any) -> Any:
+    """A constant moved to ``target``'s default device, once for every session of a WeightStore."""
+    device = target.default_device
+    return shared_transform(array, ("to_device", target.memory, str(device)), lambda: target.to_device(array, device))
+
+
 def _build_subgraph(
     graph: ir.Graph, outer: Sequence[ir.Value], *, provider: ExecutionProvider, opset_imports: dict[str, int]
 ) -> Plan:
@@ -210,7 +217,7 @@ def build_graph(
                 moved = moved_to.get((value, space))
                 if moved is None:
                     moved = ir.Value(name=f"{value.name}@{part.provider}")
-                    device_constants[moved] = target.to_device(tensor_array(value.const_value), target.default_device)
+                    device_constants[moved] = _constant_on(target, tensor_array(value.const_value))
                     moved_to[(value, space)] = moved
                 remap[value] = moved
                 continue

@@ -234,12 +234,15 @@ def _nbytes(made: Any, source: Any) -> int:
     """The bytes of the arrays in ``made`` that are not views of ``source``."""
     items = made if isinstance(made, (tuple, list)) else [made]
     arrays = []
+    total = 0
     for item in items:
         if isinstance(item, np.ndarray):
             arrays.append(item)
+        elif isinstance(getattr(item, "nbytes", None), int):
+            total += item.nbytes  # an array of another library (device memory)
         elif hasattr(item, "__dict__"):
             arrays.extend(a for a in vars(item).values() if isinstance(a, np.ndarray))
-    return sum(a.nbytes for a in arrays if not np.may_share_memory(a, source))
+    return total + sum(a.nbytes for a in arrays if not np.may_share_memory(a, source))
 
 
 def _content_key(array: np.ndarray) -> Hashable:

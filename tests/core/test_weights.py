@@ -250,3 +250,27 @@ def test_a_cleared_store_holds_nothing_and_shares_nothing_old():
     second = plugrt.load(model, device="cpu", weights=store)
     assert not np.shares_memory(initializer_array(first, "W"), initializer_array(second, "W"))
     assert len(store) == 2
+
+
+def test_constants_moved_to_a_device_memory_are_moved_once_for_sessions_of_a_store():
+    import importlib_metadata
+
+    from plugrt.registry import ProviderRegistry
+
+    group = "plugrt.providers"
+    fake = importlib_metadata.EntryPoint("plugin", "device.fake_device:plugin", group)
+    registry = ProviderRegistry(entry_points=[*importlib_metadata.entry_points(group=group), fake])
+    model = dense_model(64).SerializeToString()
+    store = plugrt.WeightStore()
+    first = plugrt.load(model, providers=["fakedevice", "cpu"], registry=registry, weights=store)
+    device = first.selection.providers[0]
+    assert first.placement.nodes_per_provider == {"fakedevice": 2}
+    built = device.allocated
+    second = plugrt.load(model, providers=["fakedevice", "cpu"], registry=registry, weights=store)
+    assert second.selection.providers[0] is device
+    assert device.allocated == built  # B and W are already on the device
+    plugrt.load(model, providers=["fakedevice", "cpu"], registry=registry)
+    assert device.allocated - built == 2 * 64 * 64 * 4  # without the store: both again
+    x = np.ones((2, 64), np.float32)
+    expected = onnx.reference.ReferenceEvaluator(dense_model(64)).run(None, {"x": x})[0]
+    np.testing.assert_allclose(second.run({"x": x})["y"], expected, rtol=1e-4, atol=1e-3)
