@@ -208,6 +208,30 @@ def test_layer_norm_whose_mean_is_read_is_not_fused():
 
 
 # ---------------------------------------------------------------------------------------
+# GELU of a MatMul + bias
+
+_MATMUL_GELU = """
+    <ir_version: 8, opset_import: ["" : 20]>
+    g (float[N, 16, 64] x) => (float[N, 16, 256] y) {
+        m = MatMul (x, w)
+        h = Add (m, b)
+        y = Gelu <approximate = "APPROXIMATE"> (h)
+    }
+"""
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gelu_of_a_matmul_and_bias_runs_as_one_step(loops, batch):
+    model = _model(_MATMUL_GELU.replace("APPROXIMATE", "none"), w=_random(64, 256) * 0.3, b=_random(256, seed=1))
+    _assert_fused(model, {"x": _random(batch, 16, 64, seed=2)}, ["FusedMatMulGelu"])
+
+
+def test_tanh_gelu_of_a_matmul_keeps_its_own_step():
+    model = _model(_MATMUL_GELU.replace("APPROXIMATE", "tanh"), w=_random(64, 256) * 0.3, b=_random(256, seed=1))
+    _assert_fused(model, {"x": _random(2, 16, 64, seed=2)}, ["FusedMatMul", "Gelu"])
+
+
+# ---------------------------------------------------------------------------------------
 # GELU's compiled loop
 
 
@@ -272,6 +296,7 @@ def test_small_encoder_runs_fused_and_matches_onnxruntime(loops, decomposed):
     ops, _ = _run(model, feeds)
     assert ops.count("SelfAttention") == 2
     assert ops.count("SkipLayerNormalization") == 5  # after the embeddings and twice a layer
+    assert ops.count("FusedMatMulGelu") == 2 and "Gelu" not in ops
     assert "Softmax" not in ops and "Transpose" not in ops
     _assert_fused(model, feeds, ops, atol=2e-5)
 

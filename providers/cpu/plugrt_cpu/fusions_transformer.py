@@ -12,6 +12,8 @@ intermediate value is read inside the pattern alone and is not a graph output.
   weights side by side (one GEMM for q, k and v).
 - :class:`FuseSkipLayerNormPass`: ``LayerNormalization(a + b)`` over the last axis whose
   statistics outputs nobody reads: ``plugrt.cpu::SkipLayerNormalization``.
+- :class:`FuseBiasGeluPass`: an erf GELU of a MatMul + bias:
+  ``plugrt.cpu::FusedMatMulGelu`` (bias and GELU in one pass over the product).
 """
 
 from __future__ import annotations
@@ -27,17 +29,17 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, thread
 
 from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
-from .kernels import normalization
+from .kernels import elementwise, normalization
 from .kernels.elementwise import compiled_loops, scratch
 
-__all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass"]
+__all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def transformer_passes() -> list[_NodePass]:
     """The transformer fusions, in order (both after FuseMatMulBiasPass and FuseLayerNormPass)."""
-    return [FuseSelfAttentionPass(), FuseSkipLayerNormPass()]
+    return [FuseSelfAttentionPass(), FuseSkipLayerNormPass(), FuseBiasGeluPass()]
 
 
 def _is_ours(node: ir.Node | None, op_type: str) -> bool:
@@ -261,6 +263,32 @@ class FuseSkipLayerNormPass(_NodePass):
 
 
 # ---------------------------------------------------------------------------------------
+# (3) GELU of a MatMul + bias
+
+
+def _exact_gelu(node: ir.Node | None) -> bool:
+    """Whether ``node`` is an erf GELU: plugrt.cpu::Gelu or ONNX Gelu with approximate="none"."""
+    if not (_is(node, "Gelu") or _is_ours(node, "Gelu")) or node is None:
+        return False
+    return node.attributes.get_string("approximate", "none") == "none"
+
+
+class FuseBiasGeluPass(_NodePass):
+    """``plugrt.cpu::FusedMatMul`` whose output only an erf GELU reads:
+    ``plugrt.cpu::FusedMatMulGelu`` (the bias added inside the GELU's pass)."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is_ours(node, "FusedMatMul") or len(node.inputs) != 3:
+            return False
+        gelu = _sole_reader(node.outputs[0])
+        if gelu is None or not _exact_gelu(gelu):
+            return False
+        fused = _private_node(model, "FusedMatMulGelu", node.inputs, node.name or "matmul_gelu", [])
+        _replace(model.graph, [node, gelu], fused)
+        return True
+
+
+# ---------------------------------------------------------------------------------------
 # Kernels of the plugrt.cpu nodes
 
 
@@ -416,3 +444,48 @@ def _zeros(width: int) -> np.ndarray:
         zeros = _ZEROS[width] = np.zeros(width, np.float32)
         zeros.flags.writeable = False
     return zeros
+
+
+@kernel_builder("FusedMatMulGelu", DOMAIN_VERSION, domain=DOMAIN)
+def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """GELU(a @ w + bias): the product as one GEMM over a's rows, then the bias and the
+    GELU in one compiled pass (float32 with numba), else numpy's bias add and GELU."""
+    gelu = elementwise.gelu(dataclasses.replace(ctx, op_type="Gelu", attributes={"approximate": "none"}))
+    gelu_into = capture_variant(gelu)
+
+    def product(out: np.ndarray, a: np.ndarray, w: np.ndarray) -> None:
+        if a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
+            np.matmul(a.reshape(-1, a.shape[-1]), w, out=out.reshape(-1, w.shape[1]))
+        else:
+            np.matmul(a, w, out=out)
+
+    def compiled(out: np.ndarray, bias: np.ndarray) -> bool:
+        if out.dtype != np.float32 or bias.dtype != np.float32 or not out.flags.c_contiguous or out.ndim < 1:
+            return False
+        loops = compiled_loops()
+        if loops is None:
+            return False
+        loops.bias_gelu_rows(out.reshape(-1, out.shape[-1]), bias)
+        return True
+
+    def run(a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        out = np.empty((*a.shape[:-1], w.shape[1]), np.result_type(a, w))
+        product(out, a, w)
+        if compiled(out, bias):
+            return out
+        out += bias
+        return gelu(out)
+
+    def run_into(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> None:
+        product(out, a, w)
+        if compiled(out, bias):
+            return
+        biased = scratch(out, "biased", out.shape, out.dtype)
+        np.add(out, bias, out=biased)
+        if gelu_into is None:
+            np.copyto(out, gelu(biased))
+        else:
+            gelu_into(out, biased)
+
+    declare_into(run_into, run)
+    return run

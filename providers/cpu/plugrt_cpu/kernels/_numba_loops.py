@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["gelu_erf", "normalize_rows", "scale_and_shift_rows", "skip_layer_norm"]
+__all__ = ["bias_gelu_rows", "gelu_erf", "normalize_rows", "scale_and_shift_rows", "skip_layer_norm"]
 
 _compiled = numba.njit(
     fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True
@@ -28,25 +28,39 @@ _F = np.float32
 
 
 @_compiled
+def _gelu(v):  # pragma: no cover  (compiled; inlined into the loops below)
+    """0.5 * v * (1 + erf(v / sqrt(2))) for one float32, erf as elementwise._erf_float32
+    computes it (the same rational fit, clamped at +-4)."""
+    z = min(max(v * _F(0.7071067811865476), _F(-4.0)), _F(4.0))
+    t = z * z
+    p = _F(1.9864886927765341e-6) * t + _F(2.8449755476522498e-4)
+    p = p * t + _F(3.8820289464572449e-3)
+    p = p * t + _F(5.3097641382377289e-2)
+    p = p * t + _F(1.9351990776871800e-1)
+    p = p * t + _F(1.1283791397845179)
+    q = _F(3.7413503706159646e-5) * t + _F(1.1851778678227299e-3)
+    q = q * t + _F(1.5204678532240398e-2)
+    q = q * t + _F(1.1533889148043141e-1)
+    q = q * t + _F(5.0483511927805172e-1)
+    q = q * t + _F(1.0)
+    e = min(max(z * p / q, _F(-1.0)), _F(1.0))
+    return _F(0.5) * v * (_F(1.0) + e)
+
+
+@_compiled
 def gelu_erf(x, out):  # pragma: no cover  (compiled; covered through its callers)
-    """out = 0.5 * x * (1 + erf(x / sqrt(2))) over flat float32 arrays, erf as
-    elementwise._erf_float32 computes it (the same rational fit, clamped at +-4)."""
+    """out = GELU(x) over flat float32 arrays."""
     for i in range(x.size):
-        v = x[i]
-        z = min(max(v * _F(0.7071067811865476), _F(-4.0)), _F(4.0))
-        t = z * z
-        p = _F(1.9864886927765341e-6) * t + _F(2.8449755476522498e-4)
-        p = p * t + _F(3.8820289464572449e-3)
-        p = p * t + _F(5.3097641382377289e-2)
-        p = p * t + _F(1.9351990776871800e-1)
-        p = p * t + _F(1.1283791397845179)
-        q = _F(3.7413503706159646e-5) * t + _F(1.1851778678227299e-3)
-        q = q * t + _F(1.5204678532240398e-2)
-        q = q * t + _F(1.1533889148043141e-1)
-        q = q * t + _F(5.0483511927805172e-1)
-        q = q * t + _F(1.0)
-        e = min(max(z * p / q, _F(-1.0)), _F(1.0))
-        out[i] = _F(0.5) * v * (_F(1.0) + e)
+        out[i] = _gelu(x[i])
+
+
+@_compiled
+def bias_gelu_rows(x, bias):  # pragma: no cover  (compiled)
+    """x = GELU(x + bias) in place, over the rows of the 2-D float32 ``x``."""
+    rows, width = x.shape
+    for r in range(rows):
+        for j in range(width):
+            x[r, j] = _gelu(x[r, j] + bias[j])
 
 
 @_compiled
