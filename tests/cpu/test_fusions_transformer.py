@@ -282,6 +282,16 @@ def test_compiled_loops_are_off_when_the_environment_says_so(monkeypatch):
         elementwise.compiled_loops.cache_clear()
 
 
+def test_compiled_loops_are_none_when_numba_cannot_be_imported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
+    monkeypatch.delitem(sys.modules, "plugrt_cpu.kernels._numba_loops", raising=False)
+    elementwise.compiled_loops.cache_clear()
+    try:
+        assert elementwise.compiled_loops() is None
+    finally:
+        elementwise.compiled_loops.cache_clear()
+
+
 # ---------------------------------------------------------------------------------------
 # The benchmark's encoder, small
 
