@@ -138,10 +138,24 @@ class WeightStore:
         self._stats.bytes_reused += held.nbytes
         return _as_tensor(held, tensor)
 
-    def _transform(self, source: Any, transform: Hashable, make: Callable[[], T]) -> T:
+    def _source_key(self, source: Any) -> Hashable | None:
+        """The content key of a source (None when unknown: then nothing can be matched)."""
+        if source is None:
+            return ("absent",)
+        if isinstance(source, tuple):
+            keys = tuple(self._source_key(s) for s in source)
+            return None if any(k is None for k in keys) else keys
         key = self._key_of.get(id(source))
-        if key is None or self._arrays.get(key) is not source:
-            return make()  # not one of ours: its content is unknown, so nothing to match
+        if key is not None and self._arrays.get(key) is source:
+            return key
+        if isinstance(source, np.ndarray) and source.dtype != object and source.nbytes < MIN_SHARED_BYTES:
+            return _content_key(source)  # too small for the store to hold, cheap to hash here
+        return None
+
+    def _transform(self, source: Any, transform: Hashable, make: Callable[[], T]) -> T:
+        key = self._source_key(source)
+        if key is None:
+            return make()
         with self._lock:
             held = self._transforms.get((key, transform))
             if held is not None:
@@ -169,8 +183,9 @@ def shared_transform(source: Any, transform: Hashable, make: Callable[[], T]) ->
     """``make()``, shared between the sessions of one :class:`WeightStore`.
 
     For providers: call it at compile time for anything prepared from a constant input
-    (``source``, as the provider received it). When the session being built has a store
-    and ``source`` is one of its arrays, the result is kept under (``source``'s content,
+    (``source``, as the provider received it, or a tuple of them, None for an absent one).
+    When the session being built has a store that holds ``source`` (initializers under
+    1 KiB are matched by content), the result is kept under (``source``'s content,
     ``transform``) and every later session gets that same object instead of a new one.
     ``transform`` must name everything the result depends on besides ``source``'s content
     (the op, attributes, dtype), e.g. ``("Gemm.B", trans_b, alpha)``. Arrays in a shared
@@ -231,7 +246,7 @@ def _freeze(made: Any) -> None:
 
 
 def _nbytes(made: Any, source: Any) -> int:
-    """The bytes of the arrays in ``made`` that are not views of ``source``."""
+    """The bytes of the arrays in ``made`` that are not views of ``source`` (or of one of them)."""
     items = made if isinstance(made, (tuple, list)) else [made]
     arrays = []
     total = 0
@@ -242,7 +257,8 @@ def _nbytes(made: Any, source: Any) -> int:
             total += item.nbytes  # an array of another library (device memory)
         elif hasattr(item, "__dict__"):
             arrays.extend(a for a in vars(item).values() if isinstance(a, np.ndarray))
-    return total + sum(a.nbytes for a in arrays if not np.may_share_memory(a, source))
+    sources = [s for s in (source if isinstance(source, tuple) else (source,)) if isinstance(s, np.ndarray)]
+    return total + sum(a.nbytes for a in arrays if not any(np.may_share_memory(a, s) for s in sources))
 
 
 def _content_key(array: np.ndarray) -> Hashable:

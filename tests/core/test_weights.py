@@ -274,3 +274,23 @@ def test_constants_moved_to_a_device_memory_are_moved_once_for_sessions_of_a_sto
     x = np.ones((2, 64), np.float32)
     expected = onnx.reference.ReferenceEvaluator(dense_model(64)).run(None, {"x": x})[0]
     np.testing.assert_allclose(second.run({"x": x})["y"], expected, rtol=1e-4, atol=1e-3)
+
+
+def test_a_decoders_dequantized_int4_weights_are_made_once_for_two_sessions():
+    # onnxruntime-genai's builder's tiny int4 Llama: MatMulNBits weights dequantized at build
+    path = os.path.join(os.path.dirname(__file__), "..", "genai", "assets", "tiny_llama", "int4", "model.onnx")
+    model = onnx.load(path, load_external_data=False)
+    nbits = sum(node.op_type == "MatMulNBits" for node in model.graph.node)
+    assert nbits > 0
+    store = plugrt.WeightStore()
+    first = plugrt.load(path, device="cpu", weights=store)
+    made = store.stats().transforms
+    second = plugrt.load(path, device="cpu", weights=store)
+    stats = store.stats()
+    assert made >= nbits
+    assert (stats.transforms, stats.transforms_reused) == (made, made)
+    feeds = plugrt.inputs.example_inputs(first.inputs, dims={"batch_size": 1, "sequence_length": 3,
+                                                             "past_sequence_length": 0, "total_sequence_length": 3})
+    feeds["attention_mask"] = np.ones((1, 3), np.int64)  # a prompt of 3 tokens, no padding
+    for name, value in first.run(feeds).items():
+        np.testing.assert_array_equal(second.run(feeds)[name], value)

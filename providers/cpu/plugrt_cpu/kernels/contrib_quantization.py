@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, declare_into, kernel, kernel_builder
 from .quantization import _dequantize, _quantize
@@ -139,7 +140,12 @@ def matmul_nbits(ctx: KernelContext):
     cached = None
     if all(fixed(i) for i in range(1, 5)) and constants[1] is not None and constants[1].size:
         # the weight is an initializer: dequantize it once, here
-        cached = _nbits_weight(constants[1], constants[2], constants[3], constants[4], n, k, bits, block_size, work)
+        # one dequantized weight for every session of a WeightStore (a prefill and a decode graph)
+        cached = shared_transform(
+            tuple(constants[1:5]),
+            ("MatMulNBits", n, k, bits, block_size, work.str),
+            lambda: _nbits_weight(constants[1], constants[2], constants[3], constants[4], n, k, bits, block_size, work),
+        )
 
     def run(a, b, scales, zero_points=None, g_idx=None, bias=None):
         if a.shape[-1:] != (k,):
