@@ -1,4 +1,4 @@
-"""numba-compiled float32 loops for a decoder step's kernels (RMS normalization with and without a residual sum, causal grouped attention over a cache): one call where numpy needs eight to fifteen.
+"""numba-compiled float32 loops for a decoder step's kernels (RMS normalization with and without a residual sum; rotary embedding into a KV cache and causal grouped attention over it): one call where numpy needs eight to twenty.
 
 Imported only through :func:`plugrt_cpu.kernels.contrib_normalization.decode_loops`,
 which returns None when numba is missing or ``PLUGRT_NUMBA=0``; the callers' numpy path
@@ -14,7 +14,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["causal_attention", "rms_rows", "skip_rms_rows"]
+__all__ = ["causal_attention", "rms_rows", "rotate_into_cache", "skip_rms_rows"]
 
 _compiled = numba.njit(nogil=True, boundscheck=False, error_model="numpy", cache=True)
 
@@ -89,3 +89,43 @@ def causal_attention(queries, keys, values, lengths, past_lengths, window, work,
                     for t in range(start, end):
                         acc += work[t] * values[b, kv, t, d]
                     out[b, s, h * head_size + d] = acc / total
+
+
+@_compiled
+def _rotate_row(x, cos, sin, position, interleaved, scale, out):  # pragma: no cover  (compiled)
+    """out = x with its first 2 * half channels rotated by cos/sin row ``position``
+    (adjacent pairs when ``interleaved``, the two halves otherwise), times ``scale``."""
+    half = cos.shape[1]
+    for j in range(half):
+        first = 2 * j if interleaved else j
+        second = first + 1 if interleaved else j + half
+        c, s = cos[position, j], sin[position, j]
+        out[first] = (x[first] * c - x[second] * s) * scale
+        out[second] = (x[first] * s + x[second] * c) * scale
+    for d in range(2 * half, x.shape[0]):
+        out[d] = x[d] * scale
+
+
+@_compiled
+def rotate_into_cache(
+    q, k, v, cos, sin, positions, interleaved, scale, queries, present_k, present_v, past_lengths
+):  # pragma: no cover  (compiled)
+    """Queries (B, N, S, D) = q (B, S, N, D) rotated and times ``scale``; the rotated keys
+    and the values (B, S, Hkv, D) written into cache rows past_lengths[b] + s of present
+    (B, Hkv, capacity, D), those within its capacity. cos/sin rows are picked by
+    positions (B, S); a cos of width 0 rotates nothing."""
+    batch, seq, num_heads, _ = q.shape
+    kv_heads = k.shape[2]
+    capacity = present_k.shape[2]
+    one = np.float32(1.0)
+    for b in range(batch):
+        for s in range(seq):
+            position = positions[b, s]
+            for h in range(num_heads):
+                _rotate_row(q[b, s, h], cos, sin, position, interleaved, scale, queries[b, h, s])
+            row = past_lengths[b] + s
+            if row < capacity:
+                for h in range(kv_heads):
+                    _rotate_row(k[b, s, h], cos, sin, position, interleaved, one, present_k[b, h, row])
+                    for d in range(v.shape[3]):
+                        present_v[b, h, row, d] = v[b, s, h, d]

@@ -497,11 +497,37 @@ def _rotary_rows(
     return cos, sin
 
 
-def _write_cache(present: np.ndarray, past: np.ndarray | None, new: np.ndarray, past_lengths: list[int]) -> None:
-    """present[b] = past[b][:past_lengths[b]], then the new tokens (B, Hkv, S, D), then
-    zeros. Reads only the valid part of the past; when present is the past's own buffer
-    (a shared, fixed-capacity cache) the valid part is already in place."""
-    capacity, seq = present.shape[2], new.shape[2]
+_NO_ROTATION = np.zeros((1, 0), np.float32)  # cos/sin of width 0: the compiled loop rotates nothing
+
+
+def _rotary_positions(
+    position_ids: np.ndarray | None, past_lengths: list[int], first_prompt: bool, batch: int, seq: int, rows: int
+) -> np.ndarray:
+    """The cos/sin cache row of each new token (B, S), checked against the cache's rows."""
+    if position_ids is None:
+        positions = np.asarray(past_lengths, np.int64)[:, None] + np.arange(seq)[None, :]
+    elif first_prompt:
+        # a first prompt reads only the first position id (as onnxruntime does)
+        first = int(np.asarray(position_ids).reshape(-1)[0])
+        positions = np.broadcast_to(first + np.arange(seq)[None, :], (batch, seq))
+    else:
+        positions = np.asarray(position_ids, dtype=np.int64).reshape(batch, seq)
+    if positions.size and (positions.min() < 0 or positions.max() >= rows):
+        raise ValueError(
+            f"position ids range over [{positions.min()}, {positions.max()}] but cos_cache has {rows} rows; "
+            "build the cache for the longest sequence the model will see"
+        )
+    return np.ascontiguousarray(positions, np.int64)
+
+
+def _write_cache(
+    present: np.ndarray, past: np.ndarray | None, new: np.ndarray | None, past_lengths: list[int], seq: int
+) -> None:
+    """present[b] = past[b][:past_lengths[b]], then the ``seq`` new tokens (B, Hkv, S, D;
+    None: written already), then zeros. Reads only the valid part of the past; when
+    present is the past's own buffer (a shared, fixed-capacity cache) the valid part is
+    already in place."""
+    capacity = present.shape[2]
     shared = past is not None and np.may_share_memory(past, present)
     if min(past_lengths) == max(past_lengths):  # the common case: one slice for the whole batch
         spans = [(slice(None), past_lengths[0])]
@@ -511,7 +537,8 @@ def _write_cache(present: np.ndarray, past: np.ndarray | None, new: np.ndarray, 
         end = min(start + seq, capacity)
         if past is not None and start and not shared:
             np.copyto(present[rows, :, :start], past[rows, :, :start])
-        np.copyto(present[rows, :, start:end], new[rows, :, : end - start])
+        if new is not None:
+            np.copyto(present[rows, :, start:end], new[rows, :, : end - start])
         present[rows, :, end:] = 0
 
 
@@ -671,21 +698,46 @@ def group_query_attention(ctx: KernelContext):
             out = out + tuple(scratch(out[0], ("gqa-present", i), shapes[i], dtype) for i in range(len(out), 3))
             work = works.get(out[0], geometry)
         output, present_k, present_v = out
-        if do_rotary:
-            if cos_cache is None or sin_cache is None:
-                raise ValueError("do_rotary=1 needs the cos_cache and sin_cache inputs")
+        if do_rotary and (cos_cache is None or sin_cache is None):
+            raise ValueError("do_rotary=1 needs the cos_cache and sin_cache inputs")
+        scale = dtype.type(scale_attr or 1 / np.sqrt(head_size))
+        if qk_heads is not None:
+            q_heads, k_heads = qk_heads[:, :, :num_heads], qk_heads[:, :, num_heads:]
+        loops = decode_loops() if dtype == np.float32 else None
+        compiled = loops is not None and all(a.dtype == dtype for a in (k_heads, v_heads, present_k, present_v))
+        if compiled and do_rotary:  # the compiled loop takes the caches as they are; odd ones go the numpy way
+            compiled = (
+                cos_cache.dtype == sin_cache.dtype == dtype
+                and cos_cache.ndim == 2
+                and cos_cache.shape == sin_cache.shape
+                and 2 * cos_cache.shape[-1] <= head_size
+            )
+        if compiled:
+            # one compiled loop rotates, scales the queries and writes the new cache rows
+            if do_rotary:
+                cos, sin = cos_cache, sin_cache
+                positions = _rotary_positions(position_ids, past_lengths, first_prompt, batch, seq, cos_cache.shape[0])
+            else:
+                cos = sin = _NO_ROTATION
+                positions = np.zeros((batch, seq), np.int64)
+            loops.rotate_into_cache(
+                q_heads, k_heads, v_heads, cos, sin, positions, interleaved, scale, work.queries, present_k,
+                present_v, np.asarray(past_lengths, np.int64),
+            )
+            _write_cache(present_k, past_key, None, past_lengths, seq)
+            _write_cache(present_v, past_value, None, past_lengths, seq)
+        elif do_rotary:
             cos, sin = _rotary_rows(cos_cache, sin_cache, position_ids, past_lengths, first_prompt, batch, seq)
             if qk_heads is not None:
                 _rotate_into(qk_heads, cos, sin, interleaved, work.rotated, work.term)
             else:
                 _rotate_into(q_heads, cos, sin, interleaved, work.rotated[:, :, :num_heads], work.term)
                 _rotate_into(k_heads, cos, sin, interleaved, work.rotated[:, :, num_heads:], work.term)
-            qk_heads = work.rotated
-        if qk_heads is not None:
-            q_heads, k_heads = qk_heads[:, :, :num_heads], qk_heads[:, :, num_heads:]
-        _write_cache(present_k, past_key, k_heads.transpose(0, 2, 1, 3), past_lengths)
-        _write_cache(present_v, past_value, v_heads.transpose(0, 2, 1, 3), past_lengths)
-        np.multiply(q_heads.transpose(0, 2, 1, 3), dtype.type(scale_attr or 1 / np.sqrt(head_size)), out=work.queries)
+            q_heads, k_heads = work.rotated[:, :, :num_heads], work.rotated[:, :, num_heads:]
+        if not compiled:
+            _write_cache(present_k, past_key, k_heads.transpose(0, 2, 1, 3), past_lengths, seq)
+            _write_cache(present_v, past_value, v_heads.transpose(0, 2, 1, 3), past_lengths, seq)
+            np.multiply(q_heads.transpose(0, 2, 1, 3), scale, out=work.queries)
         sink = None
         if head_sink is not None:
             sink = head_sink.astype(dtype, copy=False).reshape(1, num_heads, 1, 1)
