@@ -58,7 +58,7 @@ class WeightStore:
     by content (dtype, shape and a SHA-256 of its bytes; external data by file identity
     and range, without reading it), so it does not matter how the model was given.
     Shared arrays are read-only: no session can change another's weights. The store keeps
-    what it holds alive until the store itself is dropped.
+    what it holds alive until it is dropped or cleared.
 
     :meth:`add_initializer` supplies an initializer by name, like onnxruntime's
     ``SessionOptions.add_initializer``: sessions built with the store use that array (no
@@ -78,6 +78,7 @@ class WeightStore:
         return f"WeightStore(arrays={s.arrays}, bytes={s.bytes}, transforms={s.transforms}, reused={s.reused})"
 
     def __len__(self) -> int:
+        """The number of arrays held (initializers, those given with add_initializer included)."""
         return len(self._arrays)
 
     def stats(self) -> WeightStats:
@@ -86,8 +87,9 @@ class WeightStore:
             return dataclasses.replace(self._stats)
 
     def clear(self) -> None:
-        """Let go of every array and prepared form held (sessions keep those they use);
-        later sessions start afresh. The reuse counters are kept."""
+        """Let go of every array and prepared form held, those given with
+        :meth:`add_initializer` too (sessions keep those they use); later sessions start
+        afresh. The reuse counters are kept."""
         with self._lock:
             self._stats.arrays = self._stats.bytes = self._stats.transforms = self._stats.transform_bytes = 0
             self._arrays.clear()
@@ -104,8 +106,13 @@ class WeightStore:
         value = np.asarray(array)
         if value.dtype == object:
             raise WeightStoreError(f"initializer {name!r}: an object array cannot be shared", name=name)
+        held = _read_only(value)
         with self._lock:
-            self._named[name] = _read_only(value)
+            self._named[name] = held
+            # its prepared forms are shared too: the store holds it, so its id is its identity
+            key = ("given", name, id(held))
+            self._arrays[key] = held
+            self._key_of[id(held)] = key
 
     # -- used while sessions are built ----------------------------------------------------
 

@@ -294,3 +294,13 @@ def test_a_decoders_dequantized_int4_weights_are_made_once_for_two_sessions():
     feeds["attention_mask"] = np.ones((1, 3), np.int64)  # a prompt of 3 tokens, no padding
     for name, value in first.run(feeds).items():
         np.testing.assert_array_equal(second.run(feeds)[name], value)
+
+
+def test_a_weight_given_with_add_initializer_is_prepared_once_for_two_sessions():
+    store = plugrt.WeightStore()
+    store.add_initializer("B", np.random.default_rng(8).standard_normal((64, 64), dtype=np.float32))
+    model = dense_model(64).SerializeToString()
+    plugrt.load(model, device="cpu", weights=store, optimization="none")
+    plugrt.load(model, device="cpu", weights=store, optimization="none")
+    # Gemm's B (transB=1) is the given array: transposed by the first build only
+    assert (store.stats().transforms, store.stats().transforms_reused) == (1, 1)
