@@ -282,12 +282,35 @@ def test_compiled_loops_are_off_when_the_environment_says_so(monkeypatch):
         elementwise.compiled_loops.cache_clear()
 
 
+def _forget_numba_loops(monkeypatch) -> None:
+    """Make the next import of the loops module run it again (and meet the patched numba)."""
+    import plugrt_cpu.kernels
+
+    monkeypatch.delitem(sys.modules, "plugrt_cpu.kernels._numba_loops", raising=False)
+    monkeypatch.delattr(plugrt_cpu.kernels, "_numba_loops", raising=False)
+
+
 def test_compiled_loops_are_none_when_numba_cannot_be_imported(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
-    monkeypatch.delitem(sys.modules, "plugrt_cpu.kernels._numba_loops", raising=False)
+    _forget_numba_loops(monkeypatch)
     elementwise.compiled_loops.cache_clear()
     try:
         assert elementwise.compiled_loops() is None
+    finally:
+        elementwise.compiled_loops.cache_clear()
+
+
+def test_a_numba_that_fails_to_set_up_turns_the_loops_off_with_a_warning(monkeypatch):
+    class Unusable:
+        def __getattr__(self, name):
+            raise RuntimeError("cannot cache function: no locator available")
+
+    monkeypatch.setitem(sys.modules, "numba", Unusable())
+    _forget_numba_loops(monkeypatch)
+    elementwise.compiled_loops.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="compiled loops are off"):
+            assert elementwise.compiled_loops() is None
     finally:
         elementwise.compiled_loops.cache_clear()
 

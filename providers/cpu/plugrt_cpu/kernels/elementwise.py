@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -26,6 +27,9 @@ def compiled_loops() -> Any:
     try:
         from . import _numba_loops
     except ImportError:
+        return None
+    except (RuntimeError, OSError) as e:  # numba there but unusable (e.g. no writable cache)
+        warnings.warn(f"plugrt: numba's compiled loops are off ({e}); numpy runs those steps", RuntimeWarning, 2)
         return None
     return _numba_loops
 
