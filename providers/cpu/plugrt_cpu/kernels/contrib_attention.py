@@ -484,17 +484,8 @@ def _rotary_rows(
                 f"{cos_cache.shape[0]} rows; build the cache for the longest sequence the model will see"
             )
         return cos_cache[None, start:start + seq, None], sin_cache[None, start:start + seq, None]
-    if position_ids is None:
-        positions = np.asarray(past_lengths, np.int64)[:, None] + np.arange(seq)[None, :]
-    elif first_prompt:
-        # a first prompt reads only the first position id (as onnxruntime does)
-        first = int(np.asarray(position_ids).reshape(-1)[0])
-        positions = np.broadcast_to(first + np.arange(seq)[None, :], (batch, seq))
-    else:
-        positions = np.asarray(position_ids, dtype=np.int64).reshape(batch, seq)
-    cos = _cache_rows(cos_cache, positions, "cos_cache")[:, :, None]
-    sin = _cache_rows(sin_cache, positions, "sin_cache")[:, :, None]
-    return cos, sin
+    positions = _rotary_positions(position_ids, past_lengths, first_prompt, batch, seq, cos_cache.shape[0])
+    return cos_cache[positions][:, :, None], sin_cache[positions][:, :, None]
 
 
 _NO_ROTATION = np.zeros((1, 0), np.float32)  # cos/sin of width 0: the compiled loop rotates nothing
