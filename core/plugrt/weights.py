@@ -271,7 +271,8 @@ def _nbytes(made: Any, source: Any) -> int:
 def _content_key(array: np.ndarray) -> Hashable:
     data = np.ascontiguousarray(array)
     digest = hashlib.sha256(data.reshape(-1).view(np.uint8).data).hexdigest()
-    return ("content", data.dtype.str, data.shape, digest)
+    # the name tells apart dtypes numpy spells alike (ml_dtypes' float8 kinds are all "|V1")
+    return ("content", data.dtype.str, data.dtype.name, data.shape, digest)
 
 
 def _external_key(tensor: ir.TensorProtocol) -> Hashable | None:

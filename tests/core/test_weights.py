@@ -304,3 +304,28 @@ def test_a_weight_given_with_add_initializer_is_prepared_once_for_two_sessions()
     plugrt.load(model, device="cpu", weights=store, optimization="none")
     # Gemm's B (transB=1) is the given array: transposed by the first build only
     assert (store.stats().transforms, store.stats().transforms_reused) == (1, 1)
+
+
+def test_equal_bytes_of_two_dtypes_numpy_spells_alike_are_not_shared():
+    import ml_dtypes
+
+    def cast_model(onnx_type: int) -> bytes:
+        model = onnx.parser.parse_model(
+            """
+            <ir_version: 9, opset_import: ["" : 19]>
+            g () => (float[2048] y) {
+                y = Cast <to = 1> (W)
+            }
+            """
+        )
+        raw = np.full(2048, 0x40, np.uint8).tobytes()  # one byte each, read as each dtype reads it
+        model.graph.initializer.append(onnx.helper.make_tensor("W", onnx_type, [2048], raw, raw=True))
+        return model.SerializeToString()
+
+    store = plugrt.WeightStore()
+    fn = plugrt.load(cast_model(onnx.TensorProto.FLOAT8E4M3FN), device="cpu", weights=store, optimization="none")
+    fnuz = plugrt.load(cast_model(onnx.TensorProto.FLOAT8E4M3FNUZ), device="cpu", weights=store, optimization="none")
+    assert store.stats().reused == 0
+    byte = np.full(2048, 0x40, np.uint8)
+    np.testing.assert_array_equal(fn.run({})["y"], byte.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    np.testing.assert_array_equal(fnuz.run({})["y"], byte.view(ml_dtypes.float8_e4m3fnuz).astype(np.float32))
