@@ -79,10 +79,11 @@ def decode_loops() -> Any:
     if os.environ.get("PLUGRT_NUMBA", "1") == "0":
         return None
     try:
-        from . import _numba_decode
+        # the module itself, not ``from . import``: that would import the kernels package
+        import plugrt_cpu.kernels._numba_decode as loops
     except ImportError:
         return None
-    return _numba_decode
+    return loops
 
 
 _F32 = np.dtype(np.float32)
