@@ -19,7 +19,7 @@ from onnx import numpy_helper
 
 import plugrt
 from plugrt.capture import Captured
-from plugrt_cpu import fusions, fusions_transformer
+from plugrt_cpu import CPUProvider, fusions_transformer
 from plugrt_cpu.kernels import elementwise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -157,7 +157,7 @@ def test_self_attention_whose_scores_are_a_graph_output_is_not_fused():
 
 def test_self_attention_fusion_forgets_the_separate_projection_weights():
     model = ir.from_proto(onnx.load_from_string(_attention()))
-    for graph_pass in fusions.fusion_passes():
+    for graph_pass in CPUProvider().passes(model):
         graph_pass(model)
     assert [n.op_type for n in model.graph] == ["SelfAttention"]
     assert not {"wq", "wk", "wv", "bq", "bk", "bv"} & set(model.graph.initializers)

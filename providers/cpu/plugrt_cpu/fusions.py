@@ -57,7 +57,6 @@ def fusion_passes() -> list[InPlacePass]:
     that look for a Conv right before them; Conv + Add + Relu before Conv + Relu)."""
     return [
         FoldChannelAffinePass(), FuseConvAddPass(), FuseConvReluPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(),
-        *fusions_transformer.transformer_passes(),
     ]
 
 
@@ -651,6 +650,3 @@ kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output
     normalization.layer_normalization
 )
 kernel_builder("Gelu", DOMAIN_VERSION, domain=DOMAIN)(elementwise.gelu)
-
-# Last: that module builds on the helpers above (and registers its own nodes' kernels).
-from . import fusions_transformer  # noqa: E402

@@ -25,13 +25,13 @@ def compiled_loops() -> Any:
     if os.environ.get("PLUGRT_NUMBA", "1") == "0":
         return None
     try:
-        from . import _numba_loops
+        import plugrt_cpu.kernels._numba_loops as loops
     except ImportError:
         return None
     except (RuntimeError, OSError) as e:  # numba there but unusable (e.g. no writable cache)
         warnings.warn(f"plugrt: numba's compiled loops are off ({e}); numpy runs those steps", RuntimeWarning, 2)
         return None
-    return _numba_loops
+    return loops
 
 
 # ---------------------------------------------------------------------------------------
