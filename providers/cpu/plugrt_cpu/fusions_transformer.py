@@ -1,7 +1,7 @@
 """The CPU provider's transformer fusions: self-attention subgraphs and residual LayerNorms, each made one step.
 
-Run by :func:`plugrt_cpu.fusions.fusion_passes` after the MatMul + bias fusion (the
-attention pattern starts from its FusedMatMul nodes). Like the other fusions they write
+``CPUProvider.passes`` runs them after :func:`plugrt_cpu.fusions.fusion_passes` (the
+attention pattern starts from the MatMul + bias fusion's nodes). Like those, they write
 ``plugrt.cpu`` nodes, rewrite only nodes the CPU provider runs, and fuse only where every
 intermediate value is read inside the pattern alone and is not a graph output.
 
