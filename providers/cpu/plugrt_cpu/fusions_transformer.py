@@ -1,4 +1,4 @@
-"""The CPU provider's transformer fusions: self-attention subgraphs and residual LayerNorms, each made one step.
+"""The CPU provider's transformer fusions: self-attention, residual LayerNorm and MatMul + bias + GELU, each made one step.
 
 ``CPUProvider.passes`` runs them after :func:`plugrt_cpu.fusions.fusion_passes` (the
 attention pattern starts from the MatMul + bias fusion's nodes). Like those, they write
