@@ -132,7 +132,7 @@ class _ConvPlan:
         plane = [out[i] + most[i] + (1 if i == 0 and rank > 1 else 0) for i in range(rank)]
         plane_strides = [math.prod(plane[i + 1 :]) for i in range(rank)]
         self.plane_shape = plane
-        self.grid = out[0] * plane_strides[0]  # outputs (and junk columns) per channel
+        self.plane_grid = out[0] * plane_strides[0]  # outputs (and junk columns) per channel
         self.phase_fill = {}  # phase -> (plane region, input region)
         for phase in sorted(set(phases)):
             dst, src = [], []
@@ -159,7 +159,7 @@ class _ConvPlan:
         # ``tap_order``. The product's grid (group, multiplier, out[0], *plane[1:]) is
         # cropped to the output.
         self.product_plane_shape = list(plane)
-        self.product_grid = self.grid
+        self.product_grid = self.plane_grid
         self.product_layout: tuple[Any, ...] = (tuple(plane), tuple(self.phase_fill))
         self.product_crop = (slice(None), slice(None)) + tuple(slice(0, o) for o in out)
         self.phase_grids = []
@@ -294,7 +294,7 @@ class _Convolution:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
             y = self._depthwise_taps(x, wg, plan, bias, y)
-        elif conv_gemm.usable(plan.grid, x.dtype):
+        elif plan.grid is not None and conv_gemm.usable(plan.grid, x.dtype):
             y = plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
         else:
             y = self._im2col(x, wg, plan, bias, y)
@@ -442,7 +442,7 @@ class _Convolution:
             if into:
                 biases = _copied(allocate("biases", biases.shape, bias.dtype), biases)
             biases = biases.reshape(rows, mult)
-        length = plan.grid
+        length = plan.plane_grid
         channels_last = rows * 8 >= length  # measured: channels-last wins unless the planes are much longer
         planes = {}
         for phase, (dst, src) in plan.phase_fill.items():
