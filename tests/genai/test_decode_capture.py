@@ -27,9 +27,14 @@ REPLAY_BYTES = 8192
 @pytest.fixture(params=["numba", "numpy"])
 def loops(request, monkeypatch) -> str:
     """The CPU kernels' compiled decode loops on (when numba is installed) or off."""
+    from plugrt_cpu.kernels import contrib_normalization
+
     if request.param == "numba":
         pytest.importorskip("numba")
-    monkeypatch.setenv("PLUGRT_NUMBA", "1" if request.param == "numba" else "0")
+        import plugrt_cpu.kernels._numba_decode as compiled
+    else:
+        compiled = None
+    monkeypatch.setattr(contrib_normalization, "_decode_loops", compiled)
     return request.param
 
 

@@ -14,7 +14,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["causal_attention", "rms_rows", "rotate_into_cache", "skip_rms_rows"]
+__all__ = ["causal_attention", "finish_caches", "rms_rows", "rotate_into_cache", "skip_rms_rows"]
 
 _compiled = numba.njit(nogil=True, boundscheck=False, error_model="numpy", cache=True)
 
@@ -129,3 +129,24 @@ def rotate_into_cache(
                     _rotate_row(k[b, s, h], cos, sin, position, interleaved, one, present_k[b, h, row])
                     for d in range(v.shape[3]):
                         present_v[b, h, row, d] = v[b, s, h, d]
+
+
+@_compiled
+def finish_caches(present_k, present_v, past_k, past_v, copy_past, past_lengths, seq):  # pragma: no cover  (compiled)
+    """Around the new rows of each sequence b in the caches (B, Hkv, capacity, D): the
+    past's first past_lengths[b] rows before them (when ``copy_past``: the past is
+    another buffer) and zeros after them."""
+    batch, kv_heads, capacity, head_size = present_k.shape
+    for b in range(batch):
+        start = past_lengths[b]
+        end = min(start + seq, capacity)
+        for h in range(kv_heads):
+            if copy_past:
+                for t in range(start):
+                    for d in range(head_size):
+                        present_k[b, h, t, d] = past_k[b, h, t, d]
+                        present_v[b, h, t, d] = past_v[b, h, t, d]
+            for t in range(end, capacity):
+                for d in range(head_size):
+                    present_k[b, h, t, d] = 0.0
+                    present_v[b, h, t, d] = 0.0

@@ -711,12 +711,20 @@ def group_query_attention(ctx: KernelContext):
             else:
                 cos = sin = _NO_ROTATION
                 positions = np.zeros((batch, seq), np.int64)
+            starts = np.asarray(past_lengths, np.int64)
             loops.rotate_into_cache(
                 q_heads, k_heads, v_heads, cos, sin, positions, interleaved, scale, work.queries, present_k,
-                present_v, np.asarray(past_lengths, np.int64),
+                present_v, starts,
             )
-            _write_cache(present_k, past_key, None, past_lengths, seq)
-            _write_cache(present_v, past_value, None, past_lengths, seq)
+            shared = past_key is None or (np.may_share_memory(past_key, present_k) and past_key.shape == present_k.shape)
+            if shared or past_key.dtype == dtype == past_value.dtype:
+                loops.finish_caches(
+                    present_k, present_v, present_k if shared else past_key, present_v if shared else past_value,
+                    not shared, starts, seq,
+                )
+            else:
+                _write_cache(present_k, past_key, None, past_lengths, seq)
+                _write_cache(present_v, past_value, None, past_lengths, seq)
         elif do_rotary:
             cos, sin = _rotary_rows(cos_cache, sin_cache, position_ids, past_lengths, first_prompt, batch, seq)
             if qk_heads is not None:

@@ -73,17 +73,26 @@ def skip_layer_normalization(x, skip, gamma, beta=None, bias=None, *, epsilon=1e
     return y, mean, inv_std, total
 
 
+_UNSET = object()
+_decode_loops: Any = _UNSET  # the loaded module or None, once decode_loops has looked
+
+
 def decode_loops() -> Any:
-    """The numba-compiled RMS loops (``kernels._numba_decode``), or None when numba is not
-    installed or the environment sets ``PLUGRT_NUMBA=0``. Imported on first use."""
-    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
-        return None
-    try:
-        # the module itself, not ``from . import``: that would import the kernels package
-        import plugrt_cpu.kernels._numba_decode as loops
-    except ImportError:
-        return None
-    return loops
+    """The numba-compiled decode loops (``kernels._numba_decode``), or None when numba is
+    not installed or the environment sets ``PLUGRT_NUMBA=0``. Imported on first use and
+    remembered (a decode step asks some twenty times)."""
+    global _decode_loops
+    if _decode_loops is _UNSET:
+        _decode_loops = None
+        if os.environ.get("PLUGRT_NUMBA", "1") != "0":
+            try:
+                # the module itself, not ``from . import``: that would import the kernels package
+                import plugrt_cpu.kernels._numba_decode as loops
+            except ImportError:
+                pass
+            else:
+                _decode_loops = loops
+    return _decode_loops
 
 
 _F32 = np.dtype(np.float32)
@@ -180,6 +189,8 @@ def _filled(out, defaults: list[tuple[tuple[int, ...], np.dtype]]) -> tuple[np.n
     """The capture's output buffers (the node's outputs, a leading part of the kernel's),
     then work arrays for the outputs the node does not use."""
     out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if len(out) >= len(defaults):
+        return out
     extra = [scratch(out[0], ("unused", i), shape, dtype) for i, (shape, dtype) in enumerate(defaults) if i >= len(out)]
     return out + tuple(extra)
 
