@@ -31,7 +31,7 @@ from ._window import (
     _zero_regions,
     _zeroed,
 )
-from . import conv_gemm
+from .conv_gemm import grid_plan, usable
 from ._relu import relu_into
 from .elementwise import scratch, with_small_buffers
 
@@ -102,7 +102,7 @@ class _ConvPlan:
             layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
         self.gemm_work = (m // group) * (c // group) * ksize * rows * rest
-        self.grid = conv_gemm.grid_plan(x_shape, w_shape, strides, dilations, pb, out, group)
+        self.grid = grid_plan(x_shape, w_shape, strides, dilations, pb, out, group)
 
     def _plan_depthwise(
         self,
@@ -294,7 +294,7 @@ class _Convolution:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
             y = self._depthwise_taps(x, wg, plan, bias, y)
-        elif plan.grid is not None and conv_gemm.usable(plan.grid, x.dtype):
+        elif plan.grid is not None and usable(plan.grid, x.dtype):
             y = plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
         else:
             y = self._im2col(x, wg, plan, bias, y)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 from plugrt.threads import blas_threads
 
-from . import _gemm
+from ._gemm import available, gemm
 from ._window import _tap_range, _workspace
 
 __all__ = ["GridPlan", "grid_plan", "tap_weights", "usable"]
@@ -123,7 +123,7 @@ class GridPlan:
                 beta = 0.0 if k == 0 and bias is None else 1.0
                 source = planes[phase, :, offset : offset + self.grid]
                 for j in range(g):
-                    _gemm.gemm(taps[k, j], source[j * cg : (j + 1) * cg], grid[j * mg : (j + 1) * mg], beta)
+                    gemm(taps[k, j], source[j * cg : (j + 1) * cg], grid[j * mg : (j + 1) * mg], beta)
             cropped = grid.reshape(self.grid_shape)[self.crop]
             target = y[image]
             if residual is not None:
@@ -166,16 +166,16 @@ def tap_weights(weight: Any, kernel_size: int) -> np.ndarray:
     ``weight`` is a prepared weight object: one a kernel uses a second time is a constant
     and keeps its copy; a weight fed at run time is prepared afresh each call, and its copy
     goes to a workspace (so a replay allocates nothing)."""
-    taps = getattr(weight, "shifted_taps", None)
+    taps = getattr(weight, "grid_taps", None)
     if taps is not None:
         return taps
     gemm = weight.gemm
     g, mg, ck = gemm.shape
     view = gemm.reshape(g, mg, ck // kernel_size, kernel_size).transpose(3, 0, 1, 2)
-    if getattr(weight, "shifted_seen", False):
-        taps = weight.shifted_taps = np.ascontiguousarray(view)
+    if getattr(weight, "grid_seen", False):
+        taps = weight.grid_taps = np.ascontiguousarray(view)
         return taps
-    weight.shifted_seen = True
+    weight.grid_seen = True
     taps, _ = _workspace("grid_taps", view.shape, gemm.dtype)
     np.copyto(taps, view)
     return taps
@@ -183,4 +183,4 @@ def tap_weights(weight: Any, kernel_size: int) -> np.ndarray:
 
 def usable(plan: GridPlan | None, dtype: np.dtype) -> bool:
     """Whether ``plan`` exists and BLAS is called directly for ``dtype``."""
-    return plan is not None and _gemm.available(dtype)
+    return plan is not None and available(dtype)

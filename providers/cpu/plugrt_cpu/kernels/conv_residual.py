@@ -9,8 +9,9 @@ from plugrt.provider import shared_transform
 from plugrt.threads import blas_threads
 
 from .._registry import KernelContext, declare_into
-from . import _gemm, conv_gemm
-from . import conv as convolution
+from ._gemm import available, gemm
+from .conv import _Convolution
+from .conv_gemm import usable
 from ._window import _cast_into_scratch, _compute_dtype, _copy_to_workspace
 from .elementwise import scratch, with_small_buffers
 
@@ -27,7 +28,7 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
     the residual, and no sum is allocated besides the output. Anything else (a
     broadcasting residual, other dtypes, no direct BLAS) computes the Conv, then the sum.
     """
-    op = convolution._Convolution(ctx.attributes)
+    op = _Convolution(ctx.attributes)
     w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
     b_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
     if w_const is not None:
@@ -46,7 +47,7 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
     def fused(x: np.ndarray, weight: Any, bias: np.ndarray | None, z: np.ndarray, y: np.ndarray | None) -> np.ndarray | None:
         """The sum computed by the product itself, into ``y`` or a new array; None where
         this shape, dtype or library does not allow it."""
-        if x.dtype != z.dtype or not _gemm.available(x.dtype):
+        if x.dtype != z.dtype or not available(x.dtype):
             return None
         plan = op._plans(x.shape, weight.shape, x.dtype.itemsize)
         if z.shape != (x.shape[0], plan.m, *plan.out):
@@ -54,7 +55,7 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
         if plan.kind == "pointwise" and op.group == 1:
             return _pointwise(x, weight.gemm[0], bias, z, plan, relu, y)
         grid = getattr(plan, "grid", None)
-        if plan.kind == "im2col" and grid is not None and conv_gemm.usable(grid, x.dtype):
+        if plan.kind == "im2col" and grid is not None and usable(grid, x.dtype):
             return grid(x, weight, bias, relu, y, residual=z)
         return None
 
@@ -111,7 +112,7 @@ def _pointwise(
     columns = xs.reshape(n, c, size)
     blas_threads(plan.gemm_work)
     for image in range(n):
-        _gemm.gemm(weight, columns[image], rows[image], 1.0)
+        gemm(weight, columns[image], rows[image], 1.0)
     if relu:
         np.maximum(y, 0, out=y)
     return y
