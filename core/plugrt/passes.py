@@ -84,14 +84,35 @@ def _data_propagation_is_bounded(model: ir.Model) -> bool:
     return True
 
 
+class _FailureOfShapeInference(logging.Filter):
+    """Keeps what onnx_ir's shape-inference pass logs when onnx's inference fails (a
+    warning with a whole traceback, for a model that runs fine) out of the user's stderr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failure: object = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.failure = record.exc_info[1] if record.exc_info else record.getMessage()
+        return False
+
+
 def infer_types(model: ir.Model) -> bool:
-    """Record value types and shapes with onnx's shape inference (best effort)."""
+    """Record value types and shapes with onnx's shape inference (best effort: a model onnx
+    cannot infer still runs, its providers see fewer types)."""
+    quiet = _FailureOfShapeInference()
+    pass_logger = logging.getLogger(common_passes.ShapeInferencePass.__module__)
+    pass_logger.addFilter(quiet)
     try:
         data_prop = _data_propagation_is_bounded(model)
         return common_passes.ShapeInferencePass(data_prop=data_prop)(model).modified
-    except Exception as exc:  # a model onnx cannot infer still runs; providers see fewer types
-        logger.debug("shape inference failed: %s", exc)
+    except Exception as exc:
+        quiet.failure = exc
         return False
+    finally:
+        pass_logger.removeFilter(quiet)
+        if quiet.failure is not None:
+            logger.debug("shape inference failed, types left as declared: %s", quiet.failure)
 
 
 def inline_functions(model: ir.Model, providers: Sequence[ExecutionProvider]) -> bool:
