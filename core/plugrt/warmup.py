@@ -7,6 +7,8 @@ import math
 import operator
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Union
 
+import numpy as np
+
 from .errors import UnknownInputError, WarmupShapeError
 from .inputs import example_inputs
 from .tracing import span_of
@@ -35,9 +37,10 @@ def warmup_session(session: _Runnable, shapes: WarmupShapes | None = None, *, ru
     that kernels build their per-shape plans before the first real request.
 
     ``shapes`` maps input names to shapes, or is a list of such mappings, one warm-up each:
-    ``[{"input_ids": (1, 16)}, {"input_ids": (1, 1)}]`` warms a prefill and a decode step.
+    ``[{"images": (1, 3, 224, 224)}, {"images": (8, 3, 224, 224)}]`` warms batches of 1 and 8.
     An input not named takes its declared shape, a symbolic dimension the size a named
-    input gives that symbol (else 1). None: once on the declared shapes. Raises
+    input gives that symbol (else 1): a decoder needs its cache inputs named too (a past
+    length of 0 for a prefill). Floats are uniform in [0, 1), integers are ones. None: once on the declared shapes. Raises
     UnknownInputError for a name the model has no input of, WarmupShapeError for what is
     not a shape (or too large), and the run's own InvalidInputError (rank, fixed size, a
     symbol bound to two sizes) for a shape the model does not accept.
@@ -83,7 +86,14 @@ def warmup_feeds(inputs: Sequence["TensorInfo"], shapes: Mapping[str, Any], max_
                 if isinstance(dim, str):
                     dims.setdefault(dim, size)  # a conflict is the run's SymbolConflictError
         infos[infos.index(info)] = dataclasses.replace(info, shape=given)
-    return example_inputs(infos, dims=dims)
+    feeds = example_inputs(infos, dims=dims)
+    # Integers are ones, not random: token ids, positions and attention masks of ones are
+    # valid for every vocabulary and mean "attend everywhere", where a random mask would
+    # contradict the shapes a decoder's attention checks.
+    for name, value in feeds.items():
+        if value.dtype.kind in "iu":
+            feeds[name] = np.ones_like(value)
+    return feeds
 
 
 def _shape(name: str, shape: Any) -> tuple[int, ...]:

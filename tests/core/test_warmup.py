@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import onnx.parser
 import pytest
@@ -124,6 +127,20 @@ def test_warmup_of_a_shape_of_the_wrong_rank_is_the_runs_rank_error():
     session = plugrt.load(CONCAT, device="cpu")
     with pytest.raises(InputRankError):
         session.warmup({"a": (1, 2, 3)})
+
+
+def test_warmup_of_a_decoder_runs_a_prefill_and_a_decode_step_of_the_named_shapes():
+    """onnxruntime-genai's builder model: integers are ones, so the generated attention
+    mask agrees with the named cache lengths (a random mask would contradict them)."""
+    folder = Path(__file__).parents[1] / "genai" / "assets" / "tiny_llama" / "fp32"
+    head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
+    session = plugrt.load(str(folder / "model.onnx"))
+    caches = [info.name for info in session.inputs if info.name.startswith("past_key_values")]
+    heads = session.inputs[[info.name for info in session.inputs].index(caches[0])].shape[1]
+    prefill = {"input_ids": (1, 16), "attention_mask": (1, 16), **{n: (1, heads, 0, head_size) for n in caches}}
+    decode = {"input_ids": (1, 1), "attention_mask": (1, 17), **{n: (1, heads, 16, head_size) for n in caches}}
+    session.warmup([prefill, decode])
+    assert session.stats().runs == 2
 
 
 def test_session_builder_warmup_takes_named_shapes():
