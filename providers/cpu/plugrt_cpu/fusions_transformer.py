@@ -113,6 +113,7 @@ def _projection(value: ir.Value | None, perm: tuple[int, ...], reader: ir.Node) 
     heads, size = shape[2:]
     if weight.shape[1] != heads * size:
         return None
+    bias: np.ndarray | None
     if bias_value is None:
         bias = np.zeros(weight.shape[1], weight.dtype)
     else:
