@@ -36,6 +36,22 @@ NEG_ADD = model_bytes(
 
 
 #: y = local.Double(x), a model-local function whose body is Add(a, a).
+#: NonZero in the middle: the nodes around it capture, NonZero is a seam (its output size depends on values).
+NONZERO_MIDDLE = model_bytes(
+    """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4, 4] x) => (float[K] y) <int64[1] minus_one = {-1}, int64 zero = {0}> {
+        a = Relu(x)
+        b = Mul(a, a)
+        idx = NonZero(b)
+        flat = Reshape(b, minus_one)
+        first = Gather <axis = 0> (idx, zero)
+        picked = Gather(flat, first)
+        y = Sqrt(picked)
+    }
+    """
+)
+
 LOCAL_DOUBLE = model_bytes(
     """
     <ir_version: 8, opset_import: ["" : 17, "local" : 1]>

@@ -10,22 +10,8 @@ from plugrt.capture import Captured
 from plugrt.conformance.light_models import light_models
 from plugrt.errors import InvalidInputError, NoCaptureError, StaleCaptureError
 
-from helpers import model_bytes
+from helpers import NONZERO_MIDDLE, model_bytes
 
-NONZERO_MIDDLE = model_bytes(
-    """
-    <ir_version: 8, opset_import: ["" : 17]>
-    g (float[4, 4] x) => (float[K] y) <int64[1] minus_one = {-1}, int64 zero = {0}> {
-        a = Relu(x)
-        b = Mul(a, a)
-        idx = NonZero(b)
-        flat = Reshape(b, minus_one)
-        first = Gather <axis = 0> (idx, zero)
-        picked = Gather(flat, first)
-        y = Sqrt(picked)
-    }
-    """
-)
 
 X = np.arange(16, dtype=np.float32).reshape(4, 4) - 6
 

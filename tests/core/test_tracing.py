@@ -14,25 +14,11 @@ from plugrt.cli import main
 from plugrt.conformance.light_models import light_models
 from plugrt.errors import OptionError
 
-from helpers import model_bytes
+from helpers import NONZERO_MIDDLE, model_bytes
 
 SQUEEZENET = {m.name: m for m in light_models()}["squeezenet"]
 NODE_FIELDS = ("op_name", "input_type_shape", "output_type_shape", "activation_size", "parameter_size", "output_size")
 
-NONZERO_MIDDLE = model_bytes(
-    """
-    <ir_version: 8, opset_import: ["" : 17]>
-    g (float[4, 4] x) => (float[K] y) <int64[1] minus_one = {-1}, int64 zero = {0}> {
-        a = Relu(x)
-        b = Mul(a, a)
-        idx = NonZero(b)
-        flat = Reshape(b, minus_one)
-        first = Gather <axis = 0> (idx, zero)
-        picked = Gather(flat, first)
-        y = Sqrt(picked)
-    }
-    """
-)
 X = np.arange(16, dtype=np.float32).reshape(4, 4) - 6
 
 # the template provider claims Exp, Tanh and Neg, not Softmax or Transpose: two template

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import sys
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,8 @@ from plugrt_cpu.kernels import elementwise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from make_encoder import encoder_inputs, make_encoder  # noqa: E402
+
+from cpu.test_into import REPLAY_BYTES, replay_bytes  # noqa: E402
 
 _HEADS, _SIZE, _SEQ = 2, 8, 6
 _WIDTH = _HEADS * _SIZE
@@ -334,19 +335,6 @@ def test_small_encoder_runs_fused_and_matches_onnxruntime(loops, decomposed):
     _assert_fused(model, feeds, ops, atol=2e-5)
 
 
-def _traced_peak(fn) -> int:
-    buffer_size = np.setbufsize(16)  # leave out numpy's ufunc iteration buffers
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        fn()
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-        np.setbufsize(buffer_size)
-
-
 def test_fused_encoder_is_captured_whole_and_replays_without_allocating(loops):
     model = make_encoder(layers=1, hidden=64, heads=4, sequence=32, vocab=50).SerializeToString()
     session = plugrt.load(model, device="cpu")
@@ -355,7 +343,7 @@ def test_fused_encoder_is_captured_whole_and_replays_without_allocating(loops):
     assert isinstance(captured, Captured) and captured.report.seams == []
     for feeds in (first, second, first):
         np.testing.assert_array_equal(session.replay(feeds)["hidden_states"], session.run(feeds)["hidden_states"])
-    assert _traced_peak(lambda: session.replay(second)) < 8192
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
 
 
 def test_fusions_pass_over_nodes_without_inputs():
@@ -382,4 +370,4 @@ def test_fused_encoder_replays_without_allocating_with_heads_in_parallel(monkeyp
     feeds = encoder_inputs(2, sequence=32, vocab=50)
     assert isinstance(session.try_capture(feeds), Captured)
     np.testing.assert_array_equal(session.replay(feeds)["hidden_states"], session.run(feeds)["hidden_states"])
-    assert _traced_peak(lambda: session.replay(feeds)) < 8192
+    assert replay_bytes(lambda: session.replay(feeds), small_buffers=True) < REPLAY_BYTES
