@@ -15,9 +15,8 @@ usable core), which also sets the count for products no kernel sized.
 
 ``parallel_for(count, body, work)`` is the other way to use several cores: ``body(start,
 stop)`` runs over chunks of ``range(count)`` that the calling thread and pool workers
-claim one at a time, each with one BLAS thread. Nobody waits for a fixed share, so a
-worker that loses its core costs the chunk it holds, not a stall of the whole call, and
-numpy's elementwise loops (one thread on their own) use every core too.
+claim one at a time, each with one BLAS thread, so work BLAS does not thread (many small
+products, numpy's elementwise loops) uses the free cores too.
 """
 
 from __future__ import annotations
@@ -210,14 +209,13 @@ def begin_run(limit: int) -> None:
 
 
 def parallel_threads(work: int) -> int:
-    """Threads ``parallel_for`` uses for ``work`` element operations or multiply-adds: 1
-    below ``PARALLEL_MIN_WORK``, else the session's limit (every usable core by default).
-    Busy cores do not lower it: chunks are claimed dynamically, so a thread that loses its
-    core delays only the chunk it holds."""
-    limit = getattr(_LOCAL, "limit", 0) or _MONITOR.cores
-    if work < PARALLEL_MIN_WORK or limit <= 1 or getattr(_LOCAL, "in_parallel", False):
+    """Threads ``parallel_for`` uses for ``work`` element operations or multiply-adds: as
+    many as a BLAS call of that size would get (``threads_for``), and 1 inside a chunk.
+    Busy cores lower it too: with another process on a core, a worker that is descheduled
+    holds its chunk for a time slice, and one thread measured faster."""
+    if getattr(_LOCAL, "in_parallel", False):
         return 1
-    return limit
+    return threads_for(work)
 
 
 class _Job:

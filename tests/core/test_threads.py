@@ -96,20 +96,26 @@ def test_intra_op_num_threads_holds_per_session(monitor):
     assert threads.threads_for(BIG) == 1
 
 
-def test_parallel_for_covers_every_index_once_across_threads(monitor):
+def test_parallel_for_covers_every_index_once_in_several_chunks(monitor):
     threads.begin_run(0)
     seen = np.zeros(1000, dtype=np.int64)
-    workers = set()
+    chunks = []
 
     def body(start, stop):
-        import threading
-
-        workers.add(threading.current_thread().name)
+        chunks.append((start, stop))
         seen[start:stop] += 1
 
     threads.parallel_for(1000, body, BIG)
     assert (seen == 1).all()
-    assert len(workers) >= 1
+    assert len(chunks) > 1
+
+
+def test_parallel_for_runs_inline_when_other_processes_hold_the_cores(monitor):
+    threads.begin_run(0)
+    monitor["others"] = 3.5
+    calls = []
+    threads.parallel_for(1000, lambda a, b: calls.append((a, b)), BIG)
+    assert calls == [(0, 1000)]
 
 
 def test_parallel_for_runs_inline_below_the_work_threshold(monitor):
