@@ -38,6 +38,7 @@ __all__ = [
     "free_cores",
     "parallel_for",
     "parallel_threads",
+    "openblas_libraries",
 ]
 
 SAMPLE_INTERVAL = 0.1  # seconds between two readings of /proc/stat
@@ -150,12 +151,12 @@ class _Blas:
         return self.set_local
 
 
-def _find_set_local() -> Any:
-    """``openblas_set_num_threads_local`` of the OpenBLAS numpy loaded, or None (another
-    BLAS, an older OpenBLAS, no /proc): then counts are left to the library."""
+def openblas_libraries() -> list[str]:
+    """Paths of the OpenBLAS shared libraries mapped into this process (numpy's, once it is
+    imported), from /proc/self/maps; empty without /proc or another BLAS."""
     import numpy  # noqa: F401  (loads its BLAS)
 
-    paths = []
+    paths: list[str] = []
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -164,8 +165,14 @@ def _find_set_local() -> Any:
                 if "openblas" in os.path.basename(path).lower() and ".so" in path and path not in paths:
                     paths.append(path)
     except OSError:
-        return None
-    for path in paths:
+        return []
+    return paths
+
+
+def _find_set_local() -> Any:
+    """``openblas_set_num_threads_local`` of the OpenBLAS numpy loaded, or None (another
+    BLAS, an older OpenBLAS, no /proc): then counts are left to the library."""
+    for path in openblas_libraries():
         try:
             function = ctypes.CDLL(path).openblas_set_num_threads_local
         except (OSError, AttributeError):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from typing import Any
 
 import numpy as np
+from plugrt.threads import openblas_libraries
 
 __all__ = ["available", "gemm"]
 
@@ -38,21 +38,6 @@ class _Library:
         return self.functions
 
 
-def _openblas_paths() -> list[str]:
-    """The OpenBLAS shared libraries mapped into this process (numpy's once it is imported)."""
-    paths: list[str] = []
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                path = parts[5].strip() if len(parts) == 6 else ""
-                if "openblas" in os.path.basename(path).lower() and ".so" in path and path not in paths:
-                    paths.append(path)
-    except OSError:
-        return []
-    return paths
-
-
 def _integer_type(library: Any, symbol: str) -> Any:
     """The C type of BLAS integers: 64-bit for a ``64_`` symbol or an ILP64 build
     (``USE64BITINT`` in its configuration), else 32-bit."""
@@ -70,9 +55,7 @@ def _integer_type(library: Any, symbol: str) -> Any:
 def _find_gemms() -> dict[np.dtype, tuple[Any, Any]]:
     """dtype -> (cblas gemm, its scalar ctypes type) from numpy's OpenBLAS; empty for
     another BLAS or where none is found (callers then use numpy)."""
-    import numpy  # noqa: F401  (loads its BLAS)
-
-    for path in _openblas_paths():
+    for path in openblas_libraries():
         try:
             library = ctypes.CDLL(path)
         except OSError:
