@@ -226,36 +226,41 @@ def parallel_threads(work: int) -> int:
 
 
 class _Job:
-    """One parallel_for call: chunk bounds claimed through an atomic counter."""
+    """One parallel_for call: chunks claimed through an atomic counter, bounds computed
+    from the chunk index (a replay's parallel_for allocates a few hundred bytes, no list)."""
 
-    __slots__ = ("body", "bounds", "claims", "left", "lock", "done", "error")
+    __slots__ = ("body", "count", "chunks", "claims", "left", "lock", "done", "error")
 
-    def __init__(self, body: Callable[[int, int], Any], bounds: list[tuple[int, int]]) -> None:
+    def __init__(self, body: Callable[[int, int], Any], count: int, chunks: int) -> None:
         self.body = body
-        self.bounds = bounds
+        self.count = count
+        self.chunks = chunks
         self.claims = itertools.count()  # next() is atomic under the GIL
-        self.left = len(bounds)
+        self.left = chunks
         self.lock = threading.Lock()
-        self.done = threading.Event()
+        self.done = threading.Lock()  # held until the last chunk finishes
+        self.done.acquire()
         self.error: BaseException | None = None
 
     def work(self) -> None:
-        bounds = self.bounds
-        total = len(bounds)
+        count, chunks = self.count, self.chunks
         while True:
             index = next(self.claims)
-            if index >= total:
+            if index >= chunks:
                 return
             try:
                 if self.error is None:
-                    self.body(*bounds[index])
+                    self.body(index * count // chunks, (index + 1) * count // chunks)
             except BaseException as e:  # re-raised on the calling thread
                 self.error = e
             finally:
                 with self.lock:
                     self.left -= 1
                     if self.left == 0:
-                        self.done.set()
+                        self.done.release()
+
+    def wait(self) -> None:
+        self.done.acquire()
 
 
 class _Pool:
@@ -306,15 +311,14 @@ def parallel_for(count: int, body: Callable[[int, int], Any], work: int, *, grai
     if chunks == 1:
         body(0, count)
         return
-    bounds = [(i * count // chunks, (i + 1) * count // chunks) for i in range(chunks)]
-    job = _Job(body, bounds)
+    job = _Job(body, count, chunks)
     previous = getattr(_LOCAL, "count", None)
     _set_blas_count(1)
     _LOCAL.in_parallel = True
     try:
         _POOL.submit(job, min(threads, chunks) - 1)
         job.work()
-        job.done.wait()
+        job.wait()
     finally:
         _LOCAL.in_parallel = False
         if previous is not None:
