@@ -370,4 +370,7 @@ def test_fused_encoder_replays_without_allocating_with_heads_in_parallel(monkeyp
     feeds = encoder_inputs(2, sequence=32, vocab=50)
     assert isinstance(session.try_capture(feeds), Captured)
     np.testing.assert_array_equal(session.replay(feeds)["hidden_states"], session.run(feeds)["hidden_states"])
-    assert replay_bytes(lambda: session.replay(feeds), small_buffers=True) < REPLAY_BYTES
+    # Two threads' transient Python objects (numpy's reduction wrappers, the chunk calls)
+    # count in the peak while they overlap, so the bound is twice the serial one; a scores
+    # array per head (32x32 float32, 4 KiB, 8 heads) would still exceed it.
+    assert replay_bytes(lambda: session.replay(feeds), small_buffers=True) < 2 * REPLAY_BYTES

@@ -30,7 +30,7 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, thread
 from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
 from .kernels import elementwise, normalization
-from .kernels.elementwise import compiled_loops, scratch
+from .kernels.elementwise import compiled_loops, scratch, with_small_buffers
 
 __all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass"]
 
@@ -312,7 +312,7 @@ def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
     scale = float(ctx.attributes.get("scale", 1.0))
     divide = bool(ctx.attributes.get("divide", 0))
 
-    def attend(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, work) -> None:
+    def attend(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, work, into: bool = False) -> None:
         batch, seq, width = x.shape
         hidden = w.shape[1] // 3
         size = hidden // heads
@@ -353,7 +353,10 @@ def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
         # Heads in parallel only while the cores are free: on a busy machine a helper that
         # loses its core holds up the whole step (measured: 1.1x slower at load 4 on 2 cores).
         if threads_for(work) > 1:
-            parallel_for(batch * heads, head_range, work)
+            # numpy's ufunc buffer size is per thread: the into variant's small buffers
+            # must be set on the pool workers too
+            chunk = (lambda start, stop: with_small_buffers(head_range, start, stop)) if into else head_range
+            parallel_for(batch * heads, chunk, work)
         else:
             head_range(0, batch * heads)
         blas_threads(PARALLEL_MIN_WORK)  # back to what products no kernel sizes get
@@ -365,7 +368,7 @@ def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
         return out
 
     def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> None:
-        attend(out, x, w, b, lambda slot, shape, dtype: scratch(out, slot, shape, dtype))
+        attend(out, x, w, b, lambda slot, shape, dtype: scratch(out, slot, shape, dtype), into=True)
 
     declare_into(run_into, run)
     return run
