@@ -150,3 +150,27 @@ class with_versioned_context:
     @hookimpl
     def plugrt_providers():
         return [VersionedContextProvider()]
+
+
+class ProbedNpuProvider(NegProvider):
+    """An NPU provider that declares its device kinds and counts how often it is probed."""
+
+    name = "probednpu"
+    device_kinds = (DeviceKind.NPU,)
+
+    def __init__(self):
+        super().__init__()
+        self.probes = 0
+
+    def devices(self):
+        self.probes += 1
+        return super().devices()
+
+
+class probed_npu:
+    provider = ProbedNpuProvider()
+
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [probed_npu.provider]

@@ -35,10 +35,30 @@ class Selection:
     intent: str
 
 
-def _fallback(registry: "ProviderRegistry") -> ExecutionProvider | None:
-    host = [
-        p for p in registry.available() if any(d.kind == DeviceKind.CPU for d in registry.devices(p.name))
+def _may_offer(provider: ExecutionProvider, kind: DeviceKind) -> bool:
+    """False only for a provider whose declared ``device_kinds`` leave ``kind`` out, so
+    that an intent for one kind never probes (imports drivers for) providers of another."""
+    kinds = getattr(provider, "device_kinds", None)
+    if kinds is None:
+        return True
+    try:
+        return kind in {DeviceKind(k) for k in kinds}
+    except (TypeError, ValueError):  # a malformed declaration: probe as if there were none
+        return True
+
+
+def _usable(registry: "ProviderRegistry", kind: DeviceKind) -> list[ExecutionProvider]:
+    """Usable providers that may offer a ``kind`` device, highest priority first, probing
+    only those."""
+    return [
+        p
+        for name, p in registry.providers().items()
+        if _may_offer(p, kind) and registry.unavailable_reason(name) is None
     ]
+
+
+def _fallback(registry: "ProviderRegistry") -> ExecutionProvider | None:
+    host = [p for p in _usable(registry, DeviceKind.CPU) if any(d.kind == DeviceKind.CPU for d in registry.devices(p.name))]
     return min(host, key=lambda p: getattr(p, "priority", 0)) if host else None
 
 
@@ -79,10 +99,13 @@ def resolve_device(
         raise InvalidOptionValueError("device", device, _DEVICE_CHOICES)
     # A negative priority marks an opt-in provider (an example, a simulator): used only
     # when asked for by name or in an explicit provider list, never picked by intent.
-    available = [p for p in registry.available() if int(getattr(p, "priority", 0)) >= 0]
+    def by_intent(providers: list[ExecutionProvider]) -> list[ExecutionProvider]:
+        return [p for p in providers if int(getattr(p, "priority", 0)) >= 0]
+
     if intent in ("auto", "max_performance"):
-        chosen = list(available)  # already highest priority first
+        chosen = by_intent(registry.available())  # already highest priority first
     elif intent in _KIND_ORDER:
+        available = by_intent(registry.available())
         order = _KIND_ORDER[intent]
 
         def rank(p: ExecutionProvider) -> tuple[int, int]:
@@ -106,7 +129,7 @@ def resolve_device(
             else:
                 kind = DeviceKind(kind_word)
                 chosen = []
-                for p in available:
+                for p in by_intent(_usable(registry, kind)):
                     found = _first_device(registry, p.name, kind, index)
                     if found is not None:
                         devices[p.name] = found
@@ -114,7 +137,7 @@ def resolve_device(
                         break
                 if not chosen:
                     where = f"{kind_word}:{index}" if index is not None else kind_word
-                    have = {p.name: [str(d) for d in registry.devices(p.name)] for p in available}
+                    have = {p.name: [str(d) for d in registry.devices(p.name)] for p in by_intent(registry.available())}
                     failures = "; ".join(str(f) for f in registry.failures().values())
                     # installed providers without a device say why (e.g. cuda: no CUDA driver)
                     idle = "; ".join(

@@ -449,7 +449,12 @@ class FunctionCapability(Protocol):
 
 @runtime_checkable
 class AvailabilityCapability(Protocol):
-    """``unavailable_reason``: why ``devices()`` is empty (shown by ``plugrt providers``)."""
+    """``unavailable_reason``: why ``devices()`` is empty (shown by ``plugrt providers``).
+
+    A provider may also declare ``device_kinds``, the kinds of device it can ever offer
+    (a tuple of :class:`DeviceKind`), known without probing: an intent for another kind
+    (``device="cpu"``, ``"npu:0"``) then never calls its ``devices()``, which may import a
+    driver library or touch hardware. Without it the provider is probed as usual."""
 
     unavailable_reason: str
 
@@ -490,6 +495,8 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
 CAPABILITIES: dict[str, str] = {
     "protocol_version": "int: the protocol version the provider was written against (default 1)",
     "unavailable_reason": "str: why devices() is empty (AvailabilityCapability)",
+    "device_kinds": "tuple[DeviceKind, ...]: every kind of device the provider can ever offer, known without "
+    "probing; a device intent of another kind ('cpu', 'gpu:1') then never probes it (AvailabilityCapability)",
     "memory": "str: the memory space's name; with allocate, to_device, to_host, copy_into, owns and "
     "default_device it makes MemoryCapability (device memory)",
     "capture": "capture(compiled, ctx: CaptureContext) -> CapturedPartition | NotCapturable (CaptureCapability)",

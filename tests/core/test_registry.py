@@ -61,3 +61,35 @@ def test_disabled_provider_is_skipped(monkeypatch):
     assert "fakeaccel" not in registry.providers() and "cpu" in registry.providers()
     with pytest.raises(ProviderUnavailableError, match="disabled"):
         registry.get("fakeaccel")
+
+
+def test_a_device_intent_of_another_kind_never_probes_a_provider_declaring_its_kinds(monkeypatch):
+    import fake_plugins
+
+    fake_entry_points(monkeypatch, ("probednpu", "fake_plugins:probed_npu"))
+    provider = fake_plugins.probed_npu.provider
+    provider.probes = 0
+    registry = ProviderRegistry()
+    session = plugrt.load(NEG_ADD, device="cpu", registry=registry)
+    assert session.providers == ["cpu"]
+    assert provider.probes == 0
+    session = plugrt.load(NEG_ADD, device="npu", registry=registry)
+    assert session.providers == ["probednpu", "cpu"]
+    assert provider.probes > 0
+
+
+def test_a_cpu_session_does_not_import_cupy_with_the_cuda_provider_installed():
+    import subprocess
+    import sys
+
+    pytest.importorskip("plugrt_cuda")
+    code = (
+        "import sys, numpy as np, plugrt\n"
+        "from plugrt.conformance.light_models import light_models\n"
+        "m = next(m for m in light_models() if m.name == 'squeezenet')\n"
+        "plugrt.load(m.path, device='cpu').run(dict(m.inputs))\n"
+        "print('cupy' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -95,6 +95,7 @@ class CPUProvider:
     name = _registry.PROVIDER_NAME
     priority = 0
     memory = "host"
+    device_kinds = (DeviceKind.CPU,)
 
     def devices(self) -> list[Device]:
         return [Device(DeviceKind.CPU, 0, _cpu_name())]

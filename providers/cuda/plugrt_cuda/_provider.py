@@ -53,6 +53,7 @@ class CUDAProvider:
     name = "cuda"
     priority = 100
     memory = "cuda"
+    device_kinds = (DeviceKind.GPU,)  # known without importing cupy: device="cpu" never probes
     context_source_keys = ("cuda",)
     sdk_version = _context.FORMAT
 
