@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -21,9 +22,20 @@ LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", 
 needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc/self/status")
 
 
+def _trim_heap() -> None:
+    """Give freed heap pages back to the system (glibc keeps freed small chunks, e.g. of a
+    parsed protobuf, resident until trimmed), so RSS counts what sessions hold."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def rss_bytes() -> int:
-    """The process's resident set size, after a collection (freed arrays give their pages back)."""
+    """The process's resident set size, after a collection and a heap trim (freed arrays
+    and parse buffers give their pages back)."""
     gc.collect()
+    _trim_heap()
     with open("/proc/self/status", encoding="ascii") as status:
         for line in status:
             if line.startswith("VmRSS:"):
