@@ -577,31 +577,48 @@ def conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
     return build_conv(ctx)
 
 
+class ConvConstants:
+    """A Conv node's weight and bias in the form and dtype of the arithmetic: prepared once
+    at build when the weight is constant (one prepared weight for every session of a
+    WeightStore, keyed on all that shapes it), else at each call."""
+
+    def __init__(self, ctx: KernelContext, op: "_Convolution") -> None:
+        self.op = op
+        self.w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
+        b_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
+        self.b_const = b_const
+        self.weight: _ConvWeight | None = None
+        self.bias: np.ndarray | None = None
+        w_const = self.w_const
+        if w_const is not None:
+            dtype = _compute_dtype(w_const.dtype)
+            how = ("Conv.W", repr(sorted(ctx.attributes.items())), dtype.str)
+            self.weight = shared_transform(w_const, how, lambda: op.prepare_weight(w_const, dtype))
+            self.bias = op.prepare_bias(b_const, dtype) if b_const is not None else None
+
+    def __call__(
+        self, x_dtype: np.dtype, w: np.ndarray, b: np.ndarray | None
+    ) -> tuple[np.dtype, "_ConvWeight", np.ndarray | None]:
+        """The compute dtype for input ``x_dtype``, the prepared weight and the bias."""
+        dtype = _compute_dtype(x_dtype)
+        if self.weight is not None:
+            return dtype, self.weight, self.bias if self.b_const is not None else self.op.prepare_bias(b, dtype)
+        return dtype, self.op.prepare_weight(w, dtype), self.op.prepare_bias(b, dtype)
+
+
 def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarray]:
     """The Conv kernel for ``ctx``; with ``relu`` it also applies a Relu block by block
     (for a fused Conv + Relu node: the output is clamped while still in cache)."""
     op = _Convolution(ctx.attributes, relu)
-    w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
-    b_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
-    if w_const is not None:
-        # Constant weights (and bias) are reshaped here, once, in the dtype of the arithmetic.
-        dtype = _compute_dtype(w_const.dtype)
-        # one prepared weight for every session of a WeightStore: keyed on all that shapes it
-        how = ("Conv.W", repr(sorted(ctx.attributes.items())), relu, dtype.str)
-        w_prepared = shared_transform(w_const, how, lambda: op.prepare_weight(w_const, dtype))
-        b_prepared = op.prepare_bias(b_const, dtype) if b_const is not None else None
+    constants = ConvConstants(ctx, op)
 
     def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-        dtype = _compute_dtype(x.dtype)
-        weight = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
-        bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
+        dtype, weight, bias = constants(x.dtype, w, b)
         y = op(x.astype(dtype, copy=False), weight, bias)
         return y.astype(x.dtype, copy=False)
 
     def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> None:
-        dtype = _compute_dtype(x.dtype)
-        weight = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
-        bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
+        dtype, weight, bias = constants(x.dtype, w, b)
         x = _cast_into_scratch(out, "x", x, dtype)
         y = out if out.dtype == dtype and out.flags.c_contiguous else scratch(out, "y", out.shape, dtype)
         op(x, weight, bias, y)

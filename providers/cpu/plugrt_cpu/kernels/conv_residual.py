@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
-from plugrt.provider import shared_transform
 from plugrt.threads import blas_threads
 
 from .._registry import KernelContext, declare_into
 from ._gemm import available, gemm
-from .conv import _Convolution
+from .conv import ConvConstants, _Convolution
 from .conv_gemm import usable
-from ._window import _cast_into_scratch, _compute_dtype, _copy_to_workspace
+from ._window import _cast_into_scratch, _copy_to_workspace
 from .elementwise import scratch, with_small_buffers
 
 __all__ = ["build_residual_conv"]
@@ -29,20 +28,10 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
     broadcasting residual, other dtypes, no direct BLAS) computes the Conv, then the sum.
     """
     op = _Convolution(ctx.attributes)
-    w_const = ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None
-    b_const = ctx.constant_inputs[2] if len(ctx.constant_inputs) > 2 else None
-    if w_const is not None:
-        dtype = _compute_dtype(w_const.dtype)
-        # the key build_conv uses, so that a WeightStore shares one prepared weight
-        how = ("Conv.W", repr(sorted(ctx.attributes.items())), False, dtype.str)
-        w_prepared = shared_transform(w_const, how, lambda: op.prepare_weight(w_const, dtype))
-        b_prepared = op.prepare_bias(b_const, dtype) if b_const is not None else None
+    constants = ConvConstants(ctx, op)  # the weight build_conv prepares, shared through a WeightStore
 
     def prepared(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> tuple[np.dtype, Any, np.ndarray | None]:
-        dtype = _compute_dtype(x.dtype)
-        weight = w_prepared if w_const is not None else op.prepare_weight(w, dtype)
-        bias = b_prepared if b_const is not None and w_const is not None else op.prepare_bias(b, dtype)
-        return dtype, weight, bias
+        return constants(x.dtype, w, b)
 
     def fused(x: np.ndarray, weight: Any, bias: np.ndarray | None, z: np.ndarray, y: np.ndarray | None) -> np.ndarray | None:
         """The sum computed by the product itself, into ``y`` or a new array; None where
