@@ -16,6 +16,16 @@ _MS = "com.microsoft"
 _DEFAULT_MASK_FILTER = -10000.0
 
 
+def _rotary_factors(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """Half the rotary dimension, the rotary dimension (2 x cos's last axis, checked against
+    x's head size) and cos/sin in x's dtype."""
+    half = cos.shape[-1]
+    rotary = 2 * half
+    if rotary > x.shape[-1]:
+        raise ValueError(f"rotary dimension {rotary} (2 x cos_cache's last dimension) exceeds head size {x.shape[-1]}")
+    return half, rotary, cos.astype(x.dtype, copy=False), sin.astype(x.dtype, copy=False)
+
+
 def _rotate(
     x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool
 ) -> np.ndarray:
@@ -24,12 +34,7 @@ def _rotate(
     The first ``rotary`` channels of each head rotate in pairs (adjacent pairs when
     ``interleaved``, the two halves otherwise); the rest pass through.
     """
-    half = cos.shape[-1]
-    rotary = 2 * half
-    if rotary > x.shape[-1]:
-        raise ValueError(f"rotary dimension {rotary} (2 x cos_cache's last dimension) exceeds head size {x.shape[-1]}")
-    cos = cos.astype(x.dtype, copy=False)
-    sin = sin.astype(x.dtype, copy=False)
+    half, rotary, cos, sin = _rotary_factors(x, cos, sin)
     out = x.copy()
     if interleaved:
         first, second = x[..., 0:rotary:2], x[..., 1:rotary:2]
@@ -442,12 +447,7 @@ def _heads(x: np.ndarray, heads: int, name: str) -> np.ndarray:
 def _rotate_into(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool, out: np.ndarray, term: np.ndarray):
     """_rotate written into ``out`` with ``term`` (x's shape, half its last axis or more)
     as work array; cos/sin broadcast against x's rotated pairs."""
-    half = cos.shape[-1]
-    rotary = 2 * half
-    if rotary > x.shape[-1]:
-        raise ValueError(f"rotary dimension {rotary} (2 x cos_cache's last dimension) exceeds head size {x.shape[-1]}")
-    cos = cos.astype(x.dtype, copy=False)
-    sin = sin.astype(x.dtype, copy=False)
+    half, rotary, cos, sin = _rotary_factors(x, cos, sin)
     if interleaved:
         first, second = x[..., 0:rotary:2], x[..., 1:rotary:2]
         out_first, out_second = out[..., 0:rotary:2], out[..., 1:rotary:2]
