@@ -47,14 +47,19 @@ def _rotate(
     return out
 
 
+def _check_positions(positions: np.ndarray, rows: int, name: str) -> None:
+    """A clear error when integer ``positions`` fall outside a cos/sin cache of ``rows`` rows."""
+    if positions.size and (positions.min() < 0 or positions.max() >= rows):
+        raise ValueError(
+            f"position ids range over [{positions.min()}, {positions.max()}] but {name} has "
+            f"{rows} rows; build the cache for the longest sequence the model will see"
+        )
+
+
 def _cache_rows(cache: np.ndarray, positions: np.ndarray, name: str) -> np.ndarray:
     """cos/sin cache rows for integer ``positions``, with a clear error when out of range."""
     positions = np.asarray(positions, dtype=np.int64)
-    if positions.size and (positions.min() < 0 or positions.max() >= cache.shape[0]):
-        raise ValueError(
-            f"position ids range over [{positions.min()}, {positions.max()}] but {name} has "
-            f"{cache.shape[0]} rows; build the cache for the longest sequence the model will see"
-        )
+    _check_positions(positions, cache.shape[0], name)
     return cache[positions]
 
 
@@ -503,11 +508,7 @@ def _rotary_positions(
         positions = np.broadcast_to(first + np.arange(seq)[None, :], (batch, seq))
     else:
         positions = np.asarray(position_ids, dtype=np.int64).reshape(batch, seq)
-    if positions.size and (positions.min() < 0 or positions.max() >= rows):
-        raise ValueError(
-            f"position ids range over [{positions.min()}, {positions.max()}] but cos_cache has {rows} rows; "
-            "build the cache for the longest sequence the model will see"
-        )
+    _check_positions(positions, rows, "cos_cache")
     return np.ascontiguousarray(positions, np.int64)
 
 
