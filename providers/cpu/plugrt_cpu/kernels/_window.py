@@ -92,6 +92,21 @@ def _tap_range(size: int, offset: int, stride: int, lo: int, hi: int) -> tuple[i
     return first, max(first, last)
 
 
+def _phase_fill(
+    spatial: Sequence[int], phase: Sequence[int], pads_begin: Sequence[int], strides: Sequence[int], plane: Sequence[int]
+) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """(plane region, input region): where stride phase ``phase`` of the zero-padded input
+    (``padded[..., phase::stride]``) lands on a plane of shape ``plane``, and the strided
+    input region it copies there, over the spatial axes."""
+    dst, src = [], []
+    for i in range(len(spatial)):
+        first, last = _tap_range(spatial[i], phase[i] - pads_begin[i], strides[i], 0, plane[i])
+        start = first * strides[i] + phase[i] - pads_begin[i]
+        dst.append(slice(first, last))
+        src.append(slice(start, start + (last - first - 1) * strides[i] + 1, strides[i]) if last > first else slice(0, 0))
+    return tuple(dst), tuple(src)
+
+
 class _Tap:
     """One kernel tap: where it reads the input and where it writes the output.
 

@@ -22,9 +22,9 @@ from ._window import (
     _fresh,
     _ints,
     _pads,
+    _phase_fill,
     _ShapeCache,
     _Tap,
-    _tap_range,
     _taps,
     _window_geometry,
     _workspace,
@@ -135,13 +135,8 @@ class _ConvPlan:
         self.plane_grid = out[0] * plane_strides[0]  # outputs (and junk columns) per channel
         self.phase_fill = {}  # phase -> (plane region, input region)
         for phase in sorted(set(phases)):
-            dst, src = [], []
-            for i in range(rank):
-                first, last = _tap_range(spatial[i], phase[i] - pb[i], strides[i], 0, plane[i])
-                start = first * strides[i] + phase[i] - pb[i]
-                dst.append(slice(first, last))
-                src.append(slice(start, start + (last - first - 1) * strides[i] + 1, strides[i]) if last > first else slice(0, 0))
-            self.phase_fill[phase] = ((slice(None),) + tuple(dst), (slice(None),) + tuple(src))
+            dst, src = _phase_fill(spatial, phase, pb, strides, plane)
+            self.phase_fill[phase] = ((slice(None),) + dst, (slice(None),) + src)
         self.depthwise_taps = [
             (index, phase, sum(sh * ps for sh, ps in zip(shift, plane_strides)))
             for index, (phase, shift) in enumerate(zip(phases, shifts))

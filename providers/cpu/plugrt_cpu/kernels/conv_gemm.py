@@ -22,7 +22,7 @@ import numpy as np
 from plugrt.threads import blas_threads
 
 from ._gemm import available, gemm
-from ._window import _tap_range, _workspace
+from ._window import _phase_fill, _workspace
 
 __all__ = ["GridPlan", "grid_plan", "tap_weights", "usable"]
 
@@ -73,13 +73,8 @@ class GridPlan:
         # Per phase: the plane region the input fills, and the input region (strided) it reads.
         self.fills = []
         for phase in self.phases:
-            dst, src = [slice(None)], [slice(None)]
-            for i in range(rank):
-                first, last = _tap_range(spatial[i], phase[i] - pads_begin[i], strides[i], 0, plane[i])
-                start = first * strides[i] + phase[i] - pads_begin[i]
-                dst.append(slice(first, last))
-                src.append(slice(start, start + (last - first - 1) * strides[i] + 1, strides[i]) if last > first else slice(0, 0))
-            self.fills.append((tuple(dst), tuple(src)))
+            dst, src = _phase_fill(spatial, phase, pads_begin, strides, plane)
+            self.fills.append(((slice(None), *dst), (slice(None), *src)))
         self.crop = (slice(None), slice(None)) + tuple(slice(0, o) for o in out[1:])
         self.grid_shape = (self.m, out[0], *plane[1:])
         self.layout = (channels, self.length, self.plane, tuple(self.fills))
