@@ -136,7 +136,7 @@ class Plan:
         # thread, (), ()) per run, when profiling
         self.profile_records: list[tuple] | None = [] if profile else None
         self.exported_records = 0  # records already sent to OpenTelemetry
-        # per step, whether each of its present inputs is a constant (a parameter)
+        # per step, whether each of its present inputs is a constant (a parameter), when profiling
         self.parameter_inputs: list[tuple[bool, ...]] = []
         self._constants = constants
         self._fn, self._line_to_step, self.source = self._generate(profile)
@@ -227,9 +227,9 @@ class Plan:
                 lines.append("    _t = _clock()")
             line_to_step[len(lines) + 1] = index
             lines.append(f"    {target} = {call}")
-            present = [v for v in step.inputs if v is not None]
-            self.parameter_inputs.append(tuple(v in is_constant for v in present))
             if profile:
+                present = [v for v in step.inputs if v is not None]
+                self.parameter_inputs.append(tuple(v in is_constant for v in present))
                 reads = ", ".join(local(v) for v in present)
                 writes = ", ".join(o for o in outs if o != "_")
                 lines.append(f"    _rec.append(({index}, _t, _clock(), _tid, _tensors({reads}), _tensors({writes})))")
