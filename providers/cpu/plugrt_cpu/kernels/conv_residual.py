@@ -10,7 +10,7 @@ from plugrt.threads import blas_threads
 from .._registry import KernelContext, declare_into
 from ._gemm import available, gemm
 from .conv import ConvConstants, _Convolution
-from .conv_gemm import usable
+from ._relu import relu_into
 from ._window import _cast_into_scratch, _copy_to_workspace
 from .elementwise import scratch, with_small_buffers
 
@@ -30,9 +30,6 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
     op = _Convolution(ctx.attributes)
     constants = ConvConstants(ctx, op)  # the weight build_conv prepares, shared through a WeightStore
 
-    def prepared(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> tuple[np.dtype, Any, np.ndarray | None]:
-        return constants(x.dtype, w, b)
-
     def fused(x: np.ndarray, weight: Any, bias: np.ndarray | None, z: np.ndarray, y: np.ndarray | None) -> np.ndarray | None:
         """The sum computed by the product itself, into ``y`` or a new array; None where
         this shape, dtype or library does not allow it."""
@@ -43,23 +40,22 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
             return None
         if plan.kind == "pointwise" and op.group == 1:
             return _pointwise(x, weight.gemm[0], bias, z, plan, relu, y)
-        grid = getattr(plan, "grid", None)
-        if plan.kind == "im2col" and grid is not None and usable(grid, x.dtype):
-            return grid(x, weight, bias, relu, y, residual=z)
+        if plan.kind == "im2col" and plan.grid is not None:  # BLAS is there: checked above
+            return plan.grid(x, weight, bias, relu, y, residual=z)
         return None
 
     def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.ndarray) -> np.ndarray:
-        dtype, weight, bias = prepared(x, w, b)
+        dtype, weight, bias = constants(x.dtype, w, b)
         xc = x.astype(dtype, copy=False)
         y = fused(xc, weight, bias, z, None) if x.dtype == dtype else None
         if y is None:
             y = op(xc, weight, bias).astype(x.dtype, copy=False) + z
             if relu:
-                np.maximum(y, 0, out=y)
+                relu_into(y, y)
         return y
 
     def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.ndarray) -> None:
-        dtype, weight, bias = prepared(x, w, b)
+        dtype, weight, bias = constants(x.dtype, w, b)
         if x.dtype == dtype == out.dtype and out.flags.c_contiguous:
             if with_small_buffers(fused, x, weight, bias, z, out) is not None:
                 return
@@ -70,7 +66,7 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
         op(xc, weight, bias, y)
         with_small_buffers(_add_into, y, z, out)
         if relu:
-            np.maximum(out, 0, out=out)
+            relu_into(out, out)
 
     declare_into(run_into, run)
     return run
@@ -103,7 +99,7 @@ def _pointwise(
     for image in range(n):
         gemm(weight, columns[image], rows[image], 1.0)
     if relu:
-        np.maximum(y, 0, out=y)
+        relu_into(y, y)
     return y
 
 
