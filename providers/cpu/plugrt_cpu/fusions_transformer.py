@@ -349,14 +349,14 @@ def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
                 np.matmul(head_scores, v[n, h], out=context[n, h])
 
         blas_threads(seq * size * seq)  # one product per head: too small to split
-        work = batch * heads * seq * seq * size * 2
+        cost = batch * heads * seq * seq * size * 2
         # Heads in parallel only while the cores are free: on a busy machine a helper that
         # loses its core holds up the whole step (measured: 1.1x slower at load 4 on 2 cores).
-        if threads_for(work) > 1:
+        if threads_for(cost) > 1:
             # numpy's ufunc buffer size is per thread: the into variant's small buffers
             # must be set on the pool workers too
             chunk = (lambda start, stop: with_small_buffers(head_range, start, stop)) if into else head_range
-            parallel_for(batch * heads, chunk, work)
+            parallel_for(batch * heads, chunk, cost)
         else:
             head_range(0, batch * heads)
         blas_threads(PARALLEL_MIN_WORK)  # back to what products no kernel sizes get
