@@ -440,7 +440,6 @@ class CaptureSlots:
             captured = record()
             if not captured.report.segments:
                 return NotCapturable(captured.report.seams)
-            captured.thread = threading.current_thread()
             self.slots[slot] = captured
             return Captured(captured.report)
 
