@@ -916,11 +916,10 @@ def _compiled_gelu(x: np.ndarray, out: np.ndarray) -> bool:
 
 
 def _gelu_exact(x):
-    if x.dtype == np.float32 and x.flags.c_contiguous:
-        y = np.empty_like(x)
-        if _compiled_gelu(x, y):
-            return y
-    y = erf(np.multiply(x, _SQRT_HALF, out=np.empty_like(x)))
+    y = np.empty_like(x)
+    if _compiled_gelu(x, y):
+        return y
+    y = erf(np.multiply(x, _SQRT_HALF, out=y))  # the buffer the compiled loop did not take
     y += 1
     y *= x
     y *= 0.5
