@@ -286,7 +286,7 @@ def build_graph(
             fallbacks[index] = dataclasses.replace(fb, placed_on=placed)
     report = PlacementReport([p.name for p in providers], counts, partitions, fallbacks, transfers)
     for fb in fallbacks:
-        instant("fallback", **dataclasses.asdict(fb))  # node, op_type, declined_by, reason, placed_on
+        instant("fallback", **vars(fb))  # node, op_type, declined_by, reason, placed_on (vars: no deep copy)
     by_memory = {m.memory: m for m in spaces.memories}
     homes = {}
     for value, places in input_homes.items():
