@@ -5,6 +5,7 @@ onnxruntime do, in fewer steps, with or without numba, and replays without alloc
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -59,11 +60,18 @@ def _assert_fused(model: bytes, feeds: dict[str, np.ndarray], expected_ops: list
         np.testing.assert_allclose(actual, ort, rtol=1e-5, atol=atol)
 
 
+def _skip_without_compiled_loops() -> None:
+    """Skip where the compiled loops cannot run: numba missing, or ``PLUGRT_NUMBA=0``."""
+    pytest.importorskip("numba")
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+
+
 @pytest.fixture(params=["numba", "numpy"])
 def loops(request, monkeypatch):
-    """Each test twice: with the compiled loops (skipped without numba) and without them."""
+    """Each test twice: with the compiled loops (skipped without them) and without them."""
     if request.param == "numba":
-        pytest.importorskip("numba")
+        _skip_without_compiled_loops()
         assert elementwise.compiled_loops() is not None
     else:
         monkeypatch.setattr(elementwise, "compiled_loops", lambda: None)
@@ -237,7 +245,7 @@ def test_tanh_gelu_of_a_matmul_keeps_its_own_step():
 
 
 def test_compiled_gelu_matches_the_numpy_gelu_and_an_erf_reference():
-    pytest.importorskip("numba")
+    _skip_without_compiled_loops()
     x = np.concatenate([
         _random(4096, seed=7) * 3,
         np.linspace(-6, 6, 1001, dtype=np.float32),
@@ -259,7 +267,7 @@ def test_compiled_gelu_matches_the_numpy_gelu_and_an_erf_reference():
 
 
 def test_gelu_without_numba_gives_what_it_gives_with_it(monkeypatch):
-    pytest.importorskip("numba")
+    _skip_without_compiled_loops()
     x = _random(64, 256, seed=3) * 2
     gelu = elementwise.gelu(_gelu_context())
     with_numba = gelu(x)
@@ -292,6 +300,7 @@ def _forget_numba_loops(monkeypatch) -> None:
 
 
 def test_compiled_loops_are_none_when_numba_cannot_be_imported(monkeypatch):
+    monkeypatch.delenv("PLUGRT_NUMBA", raising=False)  # the import, not the environment, turns them off
     monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
     _forget_numba_loops(monkeypatch)
     elementwise.compiled_loops.cache_clear()
@@ -306,6 +315,7 @@ def test_a_numba_that_fails_to_set_up_turns_the_loops_off_with_a_warning(monkeyp
         def __getattr__(self, name):
             raise RuntimeError("cannot cache function: no locator available")
 
+    monkeypatch.delenv("PLUGRT_NUMBA", raising=False)
     monkeypatch.setitem(sys.modules, "numba", Unusable())
     _forget_numba_loops(monkeypatch)
     elementwise.compiled_loops.cache_clear()
