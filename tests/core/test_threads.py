@@ -146,10 +146,16 @@ def test_parallel_for_raises_what_a_chunk_raised(monitor):
 def test_parallel_for_nested_in_a_chunk_runs_inline(monitor):
     threads.begin_run(0)
     out = np.zeros((8, 100))
+    inner_calls = []
+
+    def inner(row, a, b):
+        inner_calls.append((row, a, b))
+        out[row, a:b] += 1
 
     def inner_rows(start, stop):
         for row in range(start, stop):
-            threads.parallel_for(100, lambda a, b, row=row: out[row, a:b].__iadd__(1), BIG)
+            threads.parallel_for(100, lambda a, b, row=row: inner(row, a, b), BIG)
 
     threads.parallel_for(8, inner_rows, BIG)
     assert (out == 1).all()
+    assert sorted(inner_calls) == [(row, 0, 100) for row in range(8)]  # one whole call per row: inline
