@@ -31,7 +31,8 @@ from ._window import (
     _zero_regions,
     _zeroed,
 )
-from .conv_gemm import grid_plan, usable
+from ._gemm import available
+from .conv_gemm import grid_plan
 from ._relu import relu_into
 from .elementwise import scratch, with_small_buffers
 
@@ -289,7 +290,7 @@ class _Convolution:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
             y = self._depthwise_taps(x, wg, plan, bias, y)
-        elif plan.grid is not None and usable(plan.grid, x.dtype):
+        elif plan.grid is not None and available(x.dtype):
             y = plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
         else:
             y = self._im2col(x, wg, plan, bias, y)

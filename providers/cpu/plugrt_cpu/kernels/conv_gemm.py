@@ -21,10 +21,10 @@ from typing import Any, Sequence
 import numpy as np
 from plugrt.threads import blas_threads
 
-from ._gemm import available, gemm
+from ._gemm import gemm
 from ._window import _phase_fill, _workspace
 
-__all__ = ["GridPlan", "grid_plan", "tap_weights", "usable"]
+__all__ = ["GridPlan", "grid_plan", "tap_weights"]
 
 # Where one GEMM per tap beats im2col (see the module docstring): grid positions per output
 # position at most, output rows at least this wide, channels per group at least, output
@@ -174,8 +174,3 @@ def tap_weights(weight: Any, kernel_size: int) -> np.ndarray:
     taps, _ = _workspace("grid_taps", view.shape, gemm.dtype)
     np.copyto(taps, view)
     return taps
-
-
-def usable(plan: GridPlan | None, dtype: np.dtype) -> bool:
-    """Whether ``plan`` exists and BLAS is called directly for ``dtype``."""
-    return plan is not None and available(dtype)
