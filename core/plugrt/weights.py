@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from ._dtypes import numpy_dtype
 from .errors import WeightStoreError
+from .ir_utils import subgraphs
 
 __all__ = ["WeightStore", "WeightStats", "shared_transform", "share_initializers", "building"]
 
@@ -227,11 +228,7 @@ def share_initializers(model: ir.Model, store: WeightStore | None) -> WeightStor
 def _graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
     yield graph
     for node in ir.traversal.RecursiveGraphIterator(graph):
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield attr.value
-            elif attr.type == ir.AttributeType.GRAPHS:
-                yield from attr.value
+        yield from subgraphs(node)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
