@@ -156,15 +156,18 @@ def matmul_nbits(ctx: KernelContext):
         w = cached
         if w is None:
             w = _nbits_weight(b, scales, zero_points, g_idx, n, k, bits, block_size, _work_dtype(a.dtype))
-        out_dtype = a.dtype
-        a = a.astype(w.dtype, copy=False)
+        y = product(a.astype(w.dtype, copy=False), w, zero_points, bias)
+        return y.astype(a.dtype, copy=False)
+
+    def product(a, w, zero_points, bias, out=None):
+        """A (in w's type) @ w + bias, into ``out`` when given."""
         # onnxruntime keeps float activations when the zero points are floats
         if int8_activations and (zero_points is None or zero_points.dtype == np.uint8):
             a = _int8_blocks(a, block_size)
-        y = np.matmul(a, w)
+        y = np.matmul(a, w, out=out)
         if bias is not None:
             y += bias.astype(w.dtype, copy=False)
-        return y.astype(out_dtype, copy=False)
+        return y
 
     def into(out, a, b, scales, zero_points=None, g_idx=None, bias=None):
         """run written into ``out``: the product straight into it when the weight was
@@ -174,11 +177,7 @@ def matmul_nbits(ctx: KernelContext):
         if w is None or b.size == 0 or a.dtype != w.dtype or out.dtype != w.dtype or a.shape[-1:] != (k,):
             np.copyto(out, run(a, b, scales, zero_points, g_idx, bias))
             return
-        if int8_activations and (zero_points is None or zero_points.dtype == np.uint8):
-            a = _int8_blocks(a, block_size)
-        np.matmul(a, w, out=out)
-        if bias is not None:
-            out += bias.astype(w.dtype, copy=False)
+        product(a, w, zero_points, bias, out)
 
     declare_into(into, run)
     return run
