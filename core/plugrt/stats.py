@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
-from .weights import WeightStore, stats_of
+from .weights import WeightStore
 
 if TYPE_CHECKING:
     from .capture import CaptureStats
@@ -96,7 +96,7 @@ def session_stats(session: _Counted) -> SessionStats:
         eager_fallbacks=capture.eager_fallbacks,
         fallback_reasons=dict(capture.fallback_reasons),
         bytes_allocated_during_replay=capture.bytes_allocated_during_replay,
-        weights=dict(stats_of(session.weights)),
+        weights=dataclasses.asdict(session.weights.stats()) if session.weights is not None else {},
         providers=providers,
     )
 

@@ -8,7 +8,7 @@ import dataclasses
 import hashlib
 import os
 import threading
-from typing import Any, Callable, ContextManager, Hashable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, ContextManager, Hashable, Iterator, TypeVar
 
 import numpy as np
 import onnx_ir as ir
@@ -303,11 +303,6 @@ def _checked(given: np.ndarray, tensor: ir.TensorProtocol, name: str) -> np.ndar
 
 def _as_tensor(array: np.ndarray, like: ir.TensorProtocol) -> ir.TensorProtocol:
     return ir.Tensor(array, dtype=like.dtype, name=like.name, doc_string=like.doc_string)
-
-
-def stats_of(store: WeightStore | None) -> Mapping[str, int]:
-    """A store's counters as a dict (empty without a store)."""
-    return dataclasses.asdict(store.stats()) if store is not None else {}
 
 
 def adopt_session(session: Any) -> WeightStore:
