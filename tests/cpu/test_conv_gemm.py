@@ -142,11 +142,22 @@ def test_grid_convolution_in_float64_matches_the_reference(case):
 
 
 @pytest.mark.parametrize("case", ["3x3-same", "strided"])
-def test_grid_convolution_without_blas_symbols_falls_back_to_im2col(case, without_blas):
+def test_grid_convolution_without_blas_symbols_falls_back_to_im2col(case, without_blas, monkeypatch):
+    from plugrt_cpu.kernels import conv as convolution
+
+    im2col_calls = []
+    original = convolution._Convolution._im2col
+
+    def counted(self, *args, **kwargs):
+        im2col_calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(convolution._Convolution, "_im2col", counted)
     x_shape, w_shape, attributes = _GRID[case]
     x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2), _random(w_shape[0], seed=3)
     model = _conv_model(x_shape, w, b, attributes)
     (actual,) = plugrt.load(model, device="cpu").run({"x": x}).values()
+    assert im2col_calls  # the im2col path ran, not the grid
     (expected,) = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
 
