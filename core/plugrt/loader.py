@@ -15,6 +15,7 @@ from onnx_ir import external_data as ir_external_data
 from onnx_ir.passes.common import RemoveInitializersFromInputsPass
 
 from .errors import ModelLimitError, ModelLoadError, PlugrtError, UnsafeExternalDataError
+from .ir_utils import subgraphs
 
 __all__ = [
     "ModelSource", "LoadLimits", "LoadedModel", "load_model", "KNOWN_DOMAINS", "DEFAULT_CONTEXT_BYTES",
@@ -500,10 +501,7 @@ def _own_tensors(model: ir.Model) -> None:
                 elif attr.type == ir.AttributeType.TENSORS:
                     tensors = [_owned(t) for t in attr.value]
                     node.attributes[attr.name] = ir.AttrTensors(attr.name, tensors, doc_string=attr.doc_string)
-                elif attr.type == ir.AttributeType.GRAPH:
-                    graphs.append(attr.value)
-                elif attr.type == ir.AttributeType.GRAPHS:
-                    graphs.extend(attr.value)
+            graphs.extend(subgraphs(node))
     for graph in graphs:
         if isinstance(graph, ir.Graph):
             for value in graph.initializers.values():
