@@ -66,9 +66,9 @@ MIB = 2**20
 
 
 def _light(name: str) -> str:
-    import onnx
+    from plugrt.conformance.light_models import light_model_dir
 
-    return os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", f"light_{name}.onnx")
+    return os.path.join(light_model_dir(), f"light_{name}.onnx")
 
 
 def _dense_external(folder: str) -> str:
