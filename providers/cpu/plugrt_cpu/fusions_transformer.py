@@ -19,7 +19,7 @@ intermediate value is read inside the pattern alone and is not a graph output.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -327,10 +327,11 @@ def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
         v = split[:, :, 2].transpose(0, 2, 1, 3)
         context = out.reshape(batch, seq, heads, size).transpose(0, 2, 1, 3)
         scores = work("scores", (batch, heads, seq, seq), qkv.dtype)
-        statistics = work("statistics", (batch, heads, seq, 1), qkv.dtype)
         factor = scores.dtype.type(scale)
         scaling = None if scale == 1.0 else np.divide if divide else np.multiply
         loops = compiled_loops() if scores.dtype == np.float32 else None
+        # the numpy softmax's per-row maxima and sums (the compiled loops keep theirs in registers)
+        statistics: Any = work("statistics", (batch, heads, seq, 1), qkv.dtype) if loops is None else None
         multiplier = scores.dtype.type(1.0 / scale if divide else scale)
 
         def head_range(start: int, stop: int) -> None:
