@@ -15,9 +15,10 @@ import pytest
 from onnx import numpy_helper
 
 import plugrt
+from plugrt.conformance.light_models import light_model_dir
 from plugrt.errors import InvalidOptionValueError, WeightStoreError
 
-LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+LIGHT = light_model_dir()
 
 needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc/self/status")
 
