@@ -277,3 +277,21 @@ def run_kernel(
         names = spec.attribute_names
         result = spec.fn(*inputs, **{k: v for k, v in attributes.items() if names is None or k in names})
     return list(result) if spec.multi_output else [result]
+
+
+def onnxruntime_genai_greedy(folder: Any, prompt: Sequence[int], max_length: int) -> list[int]:
+    """The tokens onnxruntime-genai's greedy Generator adds to ``prompt`` until
+    ``max_length`` (the model folder of a genai_config.json); skips without the package."""
+    import pytest
+
+    og = pytest.importorskip("onnxruntime_genai")
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=max_length)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([list(prompt)], np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens

@@ -11,6 +11,8 @@ import pytest
 
 from plugrt import genai
 
+from helpers import onnxruntime_genai_greedy
+
 ASSETS = Path(__file__).parent / "assets" / "tiny_llama"
 PROMPT = [1, 17, 42, 99, 7, 200, 3]
 DECODE_STEPS = 16
@@ -149,17 +151,8 @@ def test_an_eager_step_allocates_more_than_the_replay_bound(fp32_model):
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_captured_greedy_tokens_match_onnxruntime_genai(precision, loops):
-    og = pytest.importorskip("onnxruntime_genai")
     max_length = len(PROMPT) + DECODE_STEPS + 1
-    reference = og.Model(str(ASSETS / precision))
-    params = og.GeneratorParams(reference)
-    params.set_search_options(do_sample=False, max_length=max_length)
-    expected_generator = og.Generator(reference, params)
-    expected_generator.append_tokens(np.array([PROMPT], np.int32))
-    expected = []
-    while not expected_generator.is_done():
-        expected_generator.generate_next_token()
-        expected.append(int(expected_generator.get_next_tokens()[0]))
+    expected = onnxruntime_genai_greedy(ASSETS / precision, PROMPT, max_length)
     generator = genai.Generator(genai.Model(ASSETS / precision), max_length=max_length)
     generator.append_tokens(PROMPT)
     tokens = []

@@ -15,6 +15,8 @@ import pytest
 
 import plugrt
 
+from helpers import onnxruntime_genai_greedy
+
 ort = pytest.importorskip("onnxruntime")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,17 +95,8 @@ def test_builder_int4_decoder_uses_the_contrib_ops():
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_builder_decoder_greedy_tokens_match_onnxruntime_genai_generator(precision):
-    og = pytest.importorskip("onnxruntime_genai")
     folder = ASSETS / precision
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(PROMPT) + DECODE_STEPS + 1)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([PROMPT], np.int32))
-    expected = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        expected.append(int(generator.get_next_tokens()[0]))
+    expected = onnxruntime_genai_greedy(folder, PROMPT, len(PROMPT) + DECODE_STEPS + 1)
     tokens, _ = _greedy(_plugrt_runner(folder), folder, PROMPT, DECODE_STEPS)
     assert tokens == expected
 

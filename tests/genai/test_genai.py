@@ -11,6 +11,8 @@ import pytest
 from plugrt import genai
 from plugrt.errors import InvalidInputError, InvalidOptionValueError
 
+from helpers import onnxruntime_genai_greedy
+
 ASSETS = Path(__file__).parent / "assets" / "tiny_llama"
 PROMPT = [1, 17, 42, 99, 7, 200, 3]
 NEW_TOKENS = 17  # the prefill's token and 16 decode steps
@@ -48,16 +50,7 @@ def test_greedy_generation_matches_onnxruntime(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_greedy_generation_matches_onnxruntime_genai(precision):
-    og = pytest.importorskip("onnxruntime_genai")
-    reference = og.Model(str(ASSETS / precision))
-    params = og.GeneratorParams(reference)
-    params.set_search_options(do_sample=False, max_length=len(PROMPT) + NEW_TOKENS)
-    generator = og.Generator(reference, params)
-    generator.append_tokens(np.array([PROMPT], np.int32))
-    expected = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        expected.append(int(generator.get_next_tokens()[0]))
+    expected = onnxruntime_genai_greedy(ASSETS / precision, PROMPT, len(PROMPT) + NEW_TOKENS)
     model = genai.Model(ASSETS / precision)
     assert genai.generate(model, PROMPT, max_length=len(PROMPT) + NEW_TOKENS) == expected
 
