@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
 
 from .._registry import declare_into, kernel
+from ._compiled import compiled_module
 from .elementwise import _sigmoid_into, erf, scratch, sigmoid
 
 _MS = "com.microsoft"
@@ -83,15 +83,7 @@ def decode_loops() -> Any:
     remembered (a decode step asks some twenty times)."""
     global _decode_loops
     if _decode_loops is _UNSET:
-        _decode_loops = None
-        if os.environ.get("PLUGRT_NUMBA", "1") != "0":
-            try:
-                # the module itself, not ``from . import``: that would import the kernels package
-                import plugrt_cpu.kernels._numba_decode as loops
-            except ImportError:
-                pass
-            else:
-                _decode_loops = loops
+        _decode_loops = compiled_module("_numba_decode")
     return _decode_loops
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import warnings
 import weakref
 from typing import Any, Callable
 
 import numpy as np
 
 from .._registry import KernelContext, capture_variant, declare_into, kernel, kernel_builder
+from ._compiled import compiled_module
 from ._relu import relu_into
 
 __all__ = ["compiled_loops", "erf", "sigmoid", "scratch", "with_small_buffers"]
@@ -20,18 +19,8 @@ __all__ = ["compiled_loops", "erf", "sigmoid", "scratch", "with_small_buffers"]
 @functools.cache
 def compiled_loops() -> Any:
     """The numba-compiled loops module (``kernels._numba_loops``), or None when numba is
-    not installed or the environment sets ``PLUGRT_NUMBA=0``. Imported on first use, so
-    importing the provider never imports numba."""
-    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
-        return None
-    try:
-        import plugrt_cpu.kernels._numba_loops as loops
-    except ImportError:
-        return None
-    except (RuntimeError, OSError) as e:  # numba there but unusable (e.g. no writable cache)
-        warnings.warn(f"plugrt: numba's compiled loops are off ({e}); numpy runs those steps", RuntimeWarning, 2)
-        return None
-    return loops
+    not installed or the environment sets ``PLUGRT_NUMBA=0`` (see ``compiled_module``)."""
+    return compiled_module("_numba_loops")
 
 
 # ---------------------------------------------------------------------------------------
