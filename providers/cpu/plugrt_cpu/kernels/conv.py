@@ -562,8 +562,8 @@ class _Convolution:
                     np.matmul(wg, cols.reshape(g, -1, p1 - p0), out=out.reshape(g, -1, p1 - p0))
                 if bias is not None:
                     out += bias
-                if self.relu:
-                    np.maximum(out, 0, out=out)
+            if self.relu:
+                relu_into(y[image], y[image])  # once per image: the blocks' outputs are strided views
         return y
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from plugrt.threads import blas_threads
 
 from ._gemm import gemm
+from ._relu import relu_into
 from ._window import _phase_fill, _workspace
 
 __all__ = ["GridPlan", "grid_plan", "tap_weights"]
@@ -124,10 +125,10 @@ class GridPlan:
             if residual is not None:
                 np.add(cropped, residual[image], out=target)
                 if relu:
-                    np.maximum(target, 0, out=target)
-            elif relu:
-                np.maximum(cropped, 0, out=target)
+                    relu_into(target, target)
             else:
+                if relu:  # on the contiguous grid: numpy's maximum is slow on strided views
+                    relu_into(grid, grid)
                 np.copyto(target, cropped)
         return y
 
