@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -11,6 +13,7 @@ from plugrt.threads import blas_threads, parallel_for
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
+from ._compiled import compiled_module
 from ._window import (
     _CHUNK_BYTES,
     _auto_pad,
@@ -41,6 +44,62 @@ from .elementwise import scratch, with_small_buffers
 # ---------------------------------------------------------------------------
 
 _DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 planes of 28 x 30 beat 8 and 128)
+# A multiply-add of the compiled depthwise loops costs about this many of a BLAS product's
+# (measured: 7-21 G/s by shape against ~34 G/s for one-thread sgemm): parallel_for's work
+# counts the latter.
+_DEPTHWISE_COMPILED_COST = 3
+_DEPTHWISE_COMPILED_GRAIN = 8  # planes per parallel_for chunk at least: each costs a call (~5 us)
+
+
+@functools.cache
+def depthwise_loops() -> ModuleType | None:
+    """The numba-compiled depthwise loops (``_numba_depthwise``), or None when numba is
+    missing, unusable, or ``PLUGRT_NUMBA=0``: the numpy paths run instead."""
+    return compiled_module("_numba_depthwise")
+
+
+class _DepthwiseLayout:
+    """Where the compiled depthwise loops put an input plane and read each tap, for one
+    2-D shape (see ``_numba_depthwise``): column phases ``pitch`` floats wide, input rows
+    whole with zero rows above and below, the output computed on a grid of rows
+    ``sy * pitch`` apart, a kernel column's taps masked where they wrap past a row's end."""
+
+    def __init__(
+        self,
+        spatial: list[int],
+        kernel: list[int],
+        strides: list[int],
+        dilations: list[int],
+        pb: list[int],
+        out: list[int],
+        images: int,
+        channels: int,
+    ) -> None:
+        (height, width), (kh, kw), (sy, sx), (dy, dx) = spatial, kernel, strides, dilations
+        out_h, out_w = out
+        # tap (ky, kx) of output (oy, ox) reads input row sy * oy + rows_at[ky] and column
+        # sx * ox + columns_at[kx]: phase columns_at % sx at ox + shifts[kx]
+        rows_at = [ky * dy - pb[0] for ky in range(kh)]
+        columns_at = [kx * dx - pb[1] for kx in range(kw)]
+        shifts = [c // sx for c in columns_at]
+        pitch = max(out_w, -(-width // sx))  # holds every input column of a phase
+        apart = sy * pitch
+        top = max(0, -min(rows_at))
+        rows = top + max(height, sy * (out_h - 1) + max(rows_at) + 1)
+        front = max(0, -min(shifts))  # a tap wrapping before the first row stays inside
+        row0 = front + top * pitch
+        block = front + rows * pitch + max(0, max(shifts))
+        offsets = [(c % sx) * block + row0 + r * pitch + shift for r in rows_at for c, shift in zip(columns_at, shifts)]
+        length = (out_h - 1) * apart + pitch
+        column = np.arange(length) % apart
+        self.masks = np.stack([(column + shift >= 0) & (column + shift < pitch) for shift in shifts]).astype(np.float32)
+        three_by_three = (kh, kw) == (3, 3) and shifts[1] == 0  # the middle column needs no mask
+        self.layout = np.array([sy, sx, pitch, row0, block, int(three_by_three), *offsets], dtype=np.int64)
+        self.work_size = sx * block + (length if apart != out_w else 0)
+        self.work = images * channels * out_h * out_w * kh * kw * _DEPTHWISE_COMPILED_COST
+        self.no_bias = np.zeros(channels, dtype=np.float32)
+        for array in (self.masks, self.layout, self.no_bias):
+            array.flags.writeable = False
 
 
 class _ConvPlan:
@@ -124,6 +183,10 @@ class _ConvPlan:
         computed on a grid as wide as the planes and cropped once.
         """
         rank = len(spatial)
+        # the compiled loops' layout (used for float32 when numba is there)
+        self.compiled = None
+        if rank == 2:
+            self.compiled = _DepthwiseLayout(spatial, kernel, strides, dilations, pb, out, rows // group, self.m)
         phases, shifts = [], []
         for tap in itertools.product(*(range(k) for k in kernel)):
             offsets = [t * d for t, d in zip(tap, dilations)]
@@ -286,6 +349,8 @@ class _Convolution:
                 y += bias
             if self.relu:
                 relu_into(y, y)
+        elif plan.kind == "depthwise" and plan.compiled is not None and x.dtype == np.float32 and depthwise_loops():
+            y = self._depthwise_compiled(x, weight, plan, bias, y)
         elif plan.kind == "depthwise" and plan.depthwise_product:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
@@ -295,6 +360,33 @@ class _Convolution:
         else:
             y = self._im2col(x, wg, plan, bias, y)
         return y.reshape(n, m, *plan.out)
+
+    def _depthwise_compiled(
+        self, x: np.ndarray, weight: "_ConvWeight", plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None
+    ) -> np.ndarray:
+        """2-D float32 depthwise by the compiled loops: the output planes shared out by
+        ``parallel_for``, each thread with its own work array (a workspace), the results
+        written straight into ``y`` when it is given (nothing allocated per call)."""
+        loops = depthwise_loops()
+        layout = plan.compiled
+        assert loops is not None and layout is not None  # checked by the dispatch
+        n = x.shape[0]
+        m = plan.m
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x) if y is None else _copy_to_workspace("depthwise-input", x)
+        y = np.empty((n, m, *plan.out), dtype=x.dtype) if y is None else y.reshape(n, m, *plan.out)
+        if n * m == 0 or plan.out_size == 0:
+            return y
+        weights = weight.gemm.reshape(m, -1)
+        b = layout.no_bias if bias is None else bias.reshape(m)
+        relu = self.relu
+
+        def chunk(start: int, stop: int) -> None:
+            work, _ = _workspace("depthwise-compiled", (layout.work_size,), x.dtype)
+            loops.depthwise_conv2d(x, weights, b, layout.layout, layout.masks, relu, work, y, start, stop)
+
+        parallel_for(n * m, chunk, layout.work, grain=_DEPTHWISE_COMPILED_GRAIN)
+        return y
 
     def _depthwise_product(
         self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None

@@ -1,0 +1,214 @@
+"""numba-compiled float32 loops for depthwise 2-D Conv (one input channel per group): each output plane summed in one long vectorised pass.
+
+Imported only through :func:`plugrt_cpu.kernels.conv.depthwise_loops`, which returns
+None when numba is missing or ``PLUGRT_NUMBA=0``; the numpy paths of conv.py then give
+the same values to float32 rounding. Compiled code is cached on disk (``cache=True``), so
+only the first process on a machine pays the compile (~3 s); later ones load it in ~0.2 s
+(most of it numba starting its code generator), on the first depthwise Conv.
+
+The layout (``conv._DepthwiseLayout`` computes it): input column ``c`` of row ``R`` goes
+to column ``c // sx`` of row ``R`` in column phase ``c % sx``, a plane of rows ``pitch``
+floats wide with zero rows above and below. Output ``(oy, ox)`` is grid position
+``i = oy * sy * pitch + ox``, and tap ``(ky, kx)`` reads one phase at ``i`` plus a fixed
+offset: the output plane is one loop over the grid with unit-stride loads that
+vectorise, whatever the strides, dilations and pads, and no per-row work. Rows carry no
+column padding: a tap that reads past a row's left or right end wraps into the
+neighbouring row, and a per-column mask drops it (a select, so a NaN there stays out of
+the sum, as in a zero-padded convolution). With grid rows as long as output rows (unit
+vertical stride and an output that covers the input, e.g. 'same' pads) the loop writes
+the output plane itself; otherwise the grid (whose rows for a vertical stride of 2 are
+half junk, still cheaper than splitting the rows) is cropped into it. An input whose
+rows are exactly ``sx * pitch`` wide is copied (and for ``sx == 2`` split into its two
+phases) in one run.
+
+The fastmath flags allow contraction and reassociation but not ``nnan``/``ninf``: NaN
+and infinity propagate as in numpy. ``error_model="numpy"`` drops the division checks.
+Every array is indexed from a view that starts where the loop starts: an index that
+counts up from zero needs no wraparound check, which would stop the loop vectorising.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["depthwise_conv2d"]
+
+_compiled = numba.njit(
+    fastmath={"contract", "arcp", "nsz", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True
+)
+
+_ZERO = np.float32(0.0)
+
+
+@_compiled
+def _fill(src, height, width, phases, sx, pitch, row0, block):  # pragma: no cover  (compiled; inlined)
+    """Input plane ``src`` (H * W floats from its first) into its column phases; the rest
+    of ``phases`` stays zero."""
+    if width == sx * pitch:  # the plane's rows end to end: one run
+        count = height * pitch
+        if sx == 1:
+            dst = phases[row0:]
+            for k in range(count):
+                dst[k] = src[k]
+        elif sx == 2:  # both phases in one loop: stride-2 loads that vectorise as shuffles
+            even = phases[row0:]
+            odd = phases[block + row0 :]
+            for k in range(count):
+                even[k] = src[2 * k]
+                odd[k] = src[2 * k + 1]
+        else:
+            for px in range(sx):
+                dst = phases[px * block + row0 :]
+                run = src[px:]
+                for k in range(count):
+                    dst[k] = run[sx * k]
+        return
+    for r in range(height):
+        for px in range(sx):
+            dst = phases[px * block + row0 + r * pitch :]
+            run = src[r * width + px :]
+            for j in range((width - px + sx - 1) // sx):
+                dst[j] = run[sx * j]
+
+
+@_compiled
+def _relu(out):  # pragma: no cover  (compiled; inlined)
+    for i in range(out.shape[0]):
+        v = out[i]
+        out[i] = _ZERO if v < _ZERO else v  # NaN is not below zero: it stays
+
+
+@_compiled
+def _generic_taps(phases, w, offsets, masks, bias, out):  # pragma: no cover  (compiled; inlined)
+    """out[i] = bias + sum over taps k of w[k] * phases[offsets[k] + i], each kernel
+    column's taps under its mask (``masks`` has a row per kernel column): a pass per
+    kernel column and three kernel rows."""
+    length = out.shape[0]
+    width = masks.shape[0]
+    height = offsets.shape[0] // width
+    for i in range(length):
+        out[i] = bias
+    for kx in range(width):
+        mask = masks[kx]
+        ky = 0
+        while ky < height:  # up to three taps a pass (never a zero weight: 0 * inf is NaN)
+            k = ky * width + kx
+            a0, w0 = phases[offsets[k] :], w[k]
+            if height - ky >= 3:
+                a1, w1 = phases[offsets[k + width] :], w[k + width]
+                a2, w2 = phases[offsets[k + 2 * width] :], w[k + 2 * width]
+                for i in range(length):
+                    s = w0 * a0[i] + w1 * a1[i] + w2 * a2[i]
+                    out[i] += s if mask[i] > _ZERO else _ZERO
+                ky += 3
+            elif height - ky == 2:
+                a1, w1 = phases[offsets[k + width] :], w[k + width]
+                for i in range(length):
+                    s = w0 * a0[i] + w1 * a1[i]
+                    out[i] += s if mask[i] > _ZERO else _ZERO
+                ky += 2
+            else:
+                for i in range(length):
+                    s = w0 * a0[i]
+                    out[i] += s if mask[i] > _ZERO else _ZERO
+                ky += 1
+
+
+_SIGNATURE = numba.void(
+    numba.types.Array(numba.float32, 4, "C", readonly=True),  # x
+    numba.types.Array(numba.float32, 2, "C", readonly=True),  # weights
+    numba.types.Array(numba.float32, 1, "C", readonly=True),  # bias
+    numba.types.Array(numba.int64, 1, "C", readonly=True),  # layout
+    numba.types.Array(numba.float32, 2, "C", readonly=True),  # masks
+    numba.boolean,  # relu
+    numba.float32[::1],  # work
+    numba.float32[:, :, :, ::1],  # y
+    numba.int64,  # start
+    numba.int64,  # stop
+)
+
+
+# One signature, compiled (or loaded from the cache) at import: writable arrays convert to
+# the read-only ones, so a frozen weight or a protected input compiles nothing new.
+@numba.njit(
+    [_SIGNATURE],
+    fastmath={"contract", "arcp", "nsz", "reassoc"},
+    nogil=True,
+    boundscheck=False,
+    error_model="numpy",
+    cache=True,
+)
+def depthwise_conv2d(x, weights, bias, layout, masks, relu, work, y, start, stop):  # pragma: no cover  (compiled)
+    """Output planes [start, stop) of y (n, M, out_h, out_w), counted over (image, output
+    channel): channel m reads input channel ``m // (M // C)`` of x (n, C, H, W) through
+    the taps ``weights[m]`` (row-major over the kernel), adds ``bias[m]`` and clamps at
+    zero when ``relu`` (NaN stays NaN).
+
+    ``layout`` is ``(sy, sx, pitch, row0, block, three_by_three, tap offsets...)``: a
+    column phase holds rows of ``pitch`` floats, input row 0 at ``row0``, ``block``
+    floats in all; grid rows are ``sy * pitch`` apart; ``three_by_three`` marks a 3x3
+    kernel whose middle column needs no mask. ``masks`` (kernel width, grid length) keeps
+    (> 0) or drops a kernel column's taps at each grid position. ``work`` is the calling
+    thread's: the phases (``sx * block`` floats), then the grid when it is cropped.
+    """
+    channels, height, width = x.shape[1], x.shape[2], x.shape[3]
+    outputs, out_h, out_w = y.shape[1], y.shape[2], y.shape[3]
+    # planes as runs of flat views (a reshape per plane would cost a call each)
+    x_flat = x.reshape(-1)
+    y_flat = y.reshape(-1)
+    in_size = height * width
+    out_size = out_h * out_w
+    multiplier = outputs // channels
+    sy, sx, pitch, row0, block = layout[0], layout[1], layout[2], layout[3], layout[4]
+    offsets = layout[6:]
+    apart = sy * pitch
+    crop = apart != out_w
+    length = (out_h - 1) * apart + pitch
+    phases = work[: sx * block]
+    grid = work[sx * block :]
+    phases[:] = _ZERO  # the padding rows and guards; the fills write only input rows
+    # 3x3 with the middle kernel column inside every row (pads of 1, say): one pass over
+    # the nine taps, only the outer columns masked
+    three_by_three = layout[5] != 0
+    # the 3x3 taps' views and masks, made once for every plane (the phases are refilled in place)
+    a0, a1, a2 = phases[offsets[0] :], phases[offsets[1] :], phases[offsets[2] :]
+    if three_by_three:
+        a3, a4, a5 = phases[offsets[3] :], phases[offsets[4] :], phases[offsets[5] :]
+        a6, a7, a8 = phases[offsets[6] :], phases[offsets[7] :], phases[offsets[8] :]
+    else:
+        a3 = a4 = a5 = a6 = a7 = a8 = a0
+    m0, m2 = masks[0], masks[masks.shape[0] - 1]
+    last = -1
+    for plane in range(start, stop):
+        image = plane // outputs
+        m = plane - image * outputs
+        source = image * channels + m // multiplier
+        if source != last:
+            _fill(x_flat[source * in_size :], height, width, phases, sx, pitch, row0, block)
+            last = source
+        out = grid[:length] if crop else y_flat[plane * out_size : (plane + 1) * out_size]
+        b = bias[m]
+        if three_by_three:
+            w = weights[m]
+            w0, w1, w2, w3, w4, w5, w6, w7, w8 = w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]
+            for i in range(length):
+                left = w0 * a0[i] + w3 * a3[i] + w6 * a6[i]
+                right = w2 * a2[i] + w5 * a5[i] + w8 * a8[i]
+                v = b + w1 * a1[i] + w4 * a4[i] + w7 * a7[i]
+                v += left if m0[i] > _ZERO else _ZERO
+                v += right if m2[i] > _ZERO else _ZERO
+                if relu:
+                    v = _ZERO if v < _ZERO else v  # NaN is not below zero: it stays
+                out[i] = v
+        else:
+            _generic_taps(phases, weights[m], offsets, masks, b, out)
+            if relu:
+                _relu(out)
+        if crop:
+            target = y_flat[plane * out_size :]
+            for r in range(out_h):
+                row = grid[r * apart :]
+                dst = target[r * out_w :]
+                for j in range(out_w):
+                    dst[j] = row[j]

@@ -1,0 +1,230 @@
+"""The numba-compiled depthwise 2-D Conv: matches onnxruntime over kernels, strides, pads,
+dilations and sizes, with and without bias and fused Relu, propagates NaN as onnxruntime
+does, steps aside for the numpy path under PLUGRT_NUMBA=0, and replays without allocating."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+
+import plugrt
+from plugrt.capture import Captured
+from plugrt_cpu.kernels import conv as convolution
+
+from cpu.test_into import REPLAY_BYTES, _same, check_captured, one_node, replay_bytes
+
+pytest.importorskip("numba")
+
+
+def _random(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# (input shape, weight shape, attributes): group is the input's channel count
+CASES = {
+    "3x3-same": ((1, 8, 12, 12), (8, 1, 3, 3), {"pads": [1, 1, 1, 1]}),
+    "3x3-stride-2": ((2, 8, 14, 14), (8, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    "3x3-stride-2-odd-7x9": ((1, 5, 7, 9), (5, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    "3x3-no-pads-7x9": ((2, 6, 7, 9), (6, 1, 3, 3), {}),
+    "3x3-asymmetric-pads": ((1, 6, 10, 9), (6, 1, 3, 3), {"pads": [0, 2, 1, 0]}),
+    "3x3-dilation-2": ((1, 4, 12, 13), (4, 1, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+    "3x3-dilation-2-stride-2": (
+        (2, 3, 11, 12),
+        (3, 1, 3, 3),
+        {"pads": [1, 2, 2, 1], "dilations": [2, 2], "strides": [2, 2]},
+    ),
+    "3x3-stride-1x2": ((1, 4, 9, 10), (4, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [1, 2]}),
+    "3x3-stride-3": ((1, 3, 17, 16), (3, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [3, 3]}),
+    "3x3-1x1-spatial": ((2, 6, 1, 1), (6, 1, 3, 3), {"pads": [1, 1, 1, 1]}),
+    "3x3-shufflenet-7x7": ((1, 32, 7, 7), (32, 1, 3, 3), {"pads": [1, 1, 1, 1]}),
+    "5x5-same": ((2, 4, 13, 10), (4, 1, 5, 5), {"pads": [2, 2, 2, 2]}),
+    "5x5-stride-2": ((1, 4, 15, 16), (4, 1, 5, 5), {"pads": [2, 2, 2, 2], "strides": [2, 2]}),
+    "5x5-no-pads-7x9": ((1, 3, 7, 9), (3, 1, 5, 5), {}),
+    "2x4-same-upper": ((1, 4, 12, 13), (4, 1, 2, 4), {"auto_pad": "SAME_UPPER", "strides": [2, 1]}),
+    "3x1-pads": ((1, 4, 8, 6), (4, 1, 3, 1), {"pads": [1, 0, 1, 0]}),
+    "multiplier-2": ((1, 5, 9, 9), (10, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+}
+
+
+def _model(x_shape, w: np.ndarray, b: np.ndarray | None, attributes: dict, relu: bool) -> bytes:
+    """Conv (+ Relu, which plugrt fuses into its Conv step) with constant weight and bias."""
+    inputs = ["x", "w"] + (["b"] if b is not None else [])
+    attributes = {"group": x_shape[1], **attributes}
+    nodes = [onnx.helper.make_node("Conv", inputs, ["c" if relu else "y"], **attributes)]
+    if relu:
+        nodes.append(onnx.helper.make_node("Relu", ["c"], ["y"]))
+    graph = onnx.helper.make_graph(
+        nodes,
+        "depthwise",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x_shape)],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")] + ([numpy_helper.from_array(b, "b")] if b is not None else []),
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    return model.SerializeToString()
+
+
+def _onnxruntime(model: bytes, x: np.ndarray) -> np.ndarray:
+    return onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch) -> list[np.ndarray]:
+    """The inputs of the Conv calls that take the compiled depthwise loops."""
+    calls: list[np.ndarray] = []
+    original = convolution._Convolution._depthwise_compiled
+
+    def counted(self, x, *args, **kwargs):
+        calls.append(x)
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(convolution._Convolution, "_depthwise_compiled", counted)
+    return calls
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def path(request, monkeypatch):
+    """Each test twice: with the compiled loops (skipped under PLUGRT_NUMBA=0) and with
+    PLUGRT_NUMBA=0, the numpy paths."""
+    if request.param == "numba":
+        if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+            pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+        assert convolution.depthwise_loops() is not None
+        yield request.param
+        return
+    monkeypatch.setenv("PLUGRT_NUMBA", "0")
+    convolution.depthwise_loops.cache_clear()
+    yield request.param
+    convolution.depthwise_loops.cache_clear()
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_depthwise_matches_onnxruntime(case, bias, relu, path, compiled_calls):
+    x_shape, w_shape, attributes = CASES[case]
+    x, w = _random(*x_shape, seed=1), _random(*w_shape, seed=2)
+    b = _random(w_shape[0], seed=3) if bias else None
+    model = _model(x_shape, w, b, attributes, relu)
+    actual = plugrt.load(model, device="cpu").run({"x": x})["y"]
+    assert bool(compiled_calls) == (path == "numba")
+    expected = _onnxruntime(model, x)
+    assert actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    if relu:
+        assert (actual == 0).any() and (actual > 0).any()
+
+
+def test_numpy_path_under_plugrt_numba_0_gives_what_the_compiled_loops_give(monkeypatch, compiled_calls):
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+    x_shape, w_shape, attributes = CASES["3x3-stride-2"]
+    x = _random(*x_shape, seed=1)
+    model = _model(x_shape, _random(*w_shape, seed=2), _random(w_shape[0], seed=3), attributes, relu=True)
+    session = plugrt.load(model, device="cpu")
+    compiled = session.run({"x": x})["y"]
+    assert len(compiled_calls) == 1
+    monkeypatch.setenv("PLUGRT_NUMBA", "0")
+    convolution.depthwise_loops.cache_clear()
+    try:
+        assert convolution.depthwise_loops() is None
+        numpy_path = session.run({"x": x})["y"]
+    finally:
+        convolution.depthwise_loops.cache_clear()
+    assert len(compiled_calls) == 1  # the second run took the numpy path
+    np.testing.assert_allclose(numpy_path, compiled, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("case", ["3x3-same", "3x3-stride-2-odd-7x9", "5x5-no-pads-7x9"])
+def test_nan_and_infinity_reach_the_outputs_onnxruntime_gives_them(case, relu, path):
+    x_shape, w_shape, attributes = CASES[case]
+    x = _random(*x_shape, seed=1)
+    height, width = x_shape[2:]
+    # on the first and last columns: a tap that wraps past a row's end must not read them
+    x[0, 0, 2, 0] = np.nan
+    x[0, 0, 4, width - 1] = np.nan
+    x[0, x_shape[1] - 1, height // 2, width // 2] = np.inf
+    x[0, 1, 0, width - 1] = -np.inf
+    model = _model(x_shape, _random(*w_shape, seed=2), _random(w_shape[0], seed=3), attributes, relu)
+    actual = plugrt.load(model, device="cpu").run({"x": x})["y"]
+    expected = _onnxruntime(model, x)
+    assert np.isnan(expected).any() and not np.isnan(expected).all()
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(actual), np.isinf(expected))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)  # NaN == NaN here
+
+
+def _attribute_text(attributes: dict) -> str:
+    return ", ".join(
+        f"{k} = [{', '.join(map(str, v))}]"
+        if isinstance(v, list)
+        else f'{k} = "{v}"'
+        if isinstance(v, str)
+        else f"{k} = {v}"
+        for k, v in attributes.items()
+    )
+
+
+@pytest.mark.parametrize("case", ["3x3-stride-2", "3x3-no-pads-7x9", "5x5-same", "multiplier-2"])
+def test_depthwise_is_captured_and_replays_without_allocating(case, path, compiled_calls):
+    x_shape, w_shape, attributes = CASES[case]
+    model = one_node(
+        f"y = Conv<{_attribute_text({'group': x_shape[1], **attributes})}>(x, w, b)",
+        {"x": _random(*x_shape)},
+        {"y": "float"},
+        constants={"w": _random(*w_shape, seed=2), "b": _random(w_shape[0], seed=3)},
+    )
+    check_captured(model, lambda rng: {"x": rng.standard_normal(x_shape).astype(np.float32)})
+    assert bool(compiled_calls) == (path == "numba")
+
+
+def test_fused_relu_depthwise_replays_what_it_runs_without_allocating(path, compiled_calls):
+    x_shape, w_shape, attributes = CASES["3x3-same"]
+    model = _model(x_shape, _random(*w_shape, seed=2), _random(w_shape[0], seed=3), attributes, relu=True)
+    session = plugrt.load(model, device="cpu")
+    first = {"x": _random(*x_shape, seed=4)}
+    assert isinstance(session.try_capture(first), Captured)
+    second = {"x": _random(*x_shape, seed=5)}
+    for feeds in (first, second):
+        replayed = session.replay(feeds)["y"]
+        assert (replayed == 0).any() and (replayed > 0).any()
+        assert _same(replayed, session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+    assert bool(compiled_calls) == (path == "numba")
+
+
+def test_a_non_contiguous_input_is_read_as_it_is(path, compiled_calls):
+    # a Transpose in front hands the Conv a strided view
+    x_shape, w_shape, attributes = CASES["3x3-stride-2-odd-7x9"]
+    w, b = _random(*w_shape, seed=2), _random(w_shape[0], seed=3)
+    text = _attribute_text({"group": x_shape[1], **attributes})
+    transposed = (x_shape[0], x_shape[2], x_shape[3], x_shape[1])
+    model = one_node(
+        f"t = Transpose<perm = [0, 3, 1, 2]>(x)\n    y = Conv<{text}>(t, w, b)",
+        {"x": _random(*transposed)},
+        {"y": "float"},
+        constants={"w": w, "b": b},
+    )
+    x = _random(*transposed, seed=1)
+    actual = plugrt.load(model, device="cpu", optimization="none").run({"x": x})["y"]
+    if path == "numba":
+        assert len(compiled_calls) == 1 and not compiled_calls[0].flags.c_contiguous
+    expected = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    # the into variant copies it into a workspace
+    check_captured(model, lambda rng: {"x": rng.standard_normal(transposed).astype(np.float32)})
+
+
+def test_light_shufflenet_matches_onnxruntime_and_its_expected_output(path, compiled_calls):
+    from test_light_models import MODELS, _check, _with_logits
+
+    model = MODELS["shufflenet"]
+    outputs = plugrt.load(_with_logits("shufflenet")[0], device="cpu").run(model.inputs)
+    assert bool(compiled_calls) == (path == "numba")
+    _check(model, list(outputs.values()))
