@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from plugrt.threads import parallel_for
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
+from ._compiled import compiled_module
 from ._window import (
     _FLOAT_BLAS,
     _auto_pad,
@@ -19,8 +23,23 @@ from ._window import (
     _ShapeCache,
     _taps,
     _window_geometry,
+    _workspace,
 )
 from .elementwise import scratch, with_small_buffers
+
+_FLOAT32 = np.dtype(np.float32)
+# An element operation of the compiled pooling loops (a compare or add, with its share of
+# loads and stores) takes about the time of this many multiply-adds in a BLAS product:
+# the unit of the work estimate that decides whether parallel_for uses a second core.
+_POOL_OP_WEIGHT = 4
+
+
+@functools.cache
+def compiled_pool() -> ModuleType | None:
+    """The numba-compiled 2-D pooling loops (``kernels._numba_pool``), or None when numba
+    is not installed or the environment sets ``PLUGRT_NUMBA=0`` (see ``compiled_module``)."""
+    return compiled_module("_numba_pool")
+
 
 # ---------------------------------------------------------------------------
 # Pooling: a loop over the (small) kernel window, each tap one strided slice
@@ -41,6 +60,13 @@ class _PoolPlan:
         pb, pe = _pads(pool.pads, rank)
         out, pb, pe = _window_geometry(spatial, kernel, strides, dilations, pb, pe, pool.auto_pad, pool.ceil_mode)
         self.out = out
+        # What the compiled 2-D loops take: kernel, strides, dilations and begin pads per
+        # axis (rows, then columns); None where they do not apply.
+        self.geometry: tuple[int, ...] | None = None
+        if rank == 2 and pool.mode in ("max", "avg") and not pool.want_indices and min(spatial) > 0:
+            self.geometry = (*kernel, *strides, *dilations, *pb)
+        self.scales: np.ndarray | None = None  # float32 reciprocal counts, for the compiled average
+        self.work_length = 0  # float32 elements of the compiled loops' per-thread row buffers
         self.taps = [t for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty]
         # A box window is separable: pool one axis at a time, the outer axes first, whose taps
         # read whole contiguous rows; each pass also shrinks what the next one reads.
@@ -48,7 +74,9 @@ class _PoolPlan:
         for i in range(rank):
             if kernel[i] == 1 and strides[i] == 1 and out[i] == spatial[i] and pb[i] == 0:
                 continue
-            axis_taps = [t for t in _taps([spatial[i]], [kernel[i]], [strides[i]], [dilations[i]], [pb[i]], [0], [out[i]])]
+            axis_taps = [
+                t for t in _taps([spatial[i]], [kernel[i]], [strides[i]], [dilations[i]], [pb[i]], [0], [out[i]])
+            ]
             lead = (slice(None),) * (2 + i)
             # Taps that cover every output start the result: the first two combined in one
             # pass, rather than a copy of one and a pass for the other.
@@ -65,8 +93,12 @@ class _PoolPlan:
                 flat = (offsets, [(o, [off for off, (b, e) in zip(offsets, bounds) if b <= o < e]) for o in border])
             self.axis_passes.append((2 + i, out[i], [lead + t.src for t in full], others, flat))
         # One window over the whole unpadded input, as at the end of many CNNs.
-        self.whole_window = all(o == 1 for o in out) and list(kernel) == spatial and not any(pb) and not any(pe) and all(
-            d == 1 for d in dilations
+        self.whole_window = (
+            all(o == 1 for o in out)
+            and list(kernel) == spatial
+            and not any(pb)
+            and not any(pe)
+            and all(d == 1 for d in dilations)
         )
         self.counts = None
         if pool.mode == "avg":
@@ -79,6 +111,9 @@ class _PoolPlan:
                 per_axis = ((hits >= lo) & (hits < hi)).sum(axis=1)
                 counts = counts * per_axis.reshape([-1 if j == i else 1 for j in range(rank)])
             self.counts = counts
+            if self.geometry is not None:
+                with np.errstate(divide="ignore"):  # a count of 0 (a window in the padding): NaN, as 0 / 0
+                    self.scales = np.float32(1.0) / counts.astype(np.float32)
         self.tap_indices = None
         if pool.want_indices:
             # Flat index of each tap's source element in the (row- or column-major) image plane.
@@ -205,12 +240,50 @@ class _Pooling:
             raise NotImplementedError(f"{op_type}: storage_order={self.storage_order} is not 0 or 1")
         self._plans = _ShapeCache(lambda shape: _PoolPlan(self, shape))
 
+    def compiled(self, x: np.ndarray, plan: _PoolPlan, out: np.ndarray | None = None) -> np.ndarray | None:
+        """MaxPool or AveragePool by the compiled 2-D loops, into ``out`` when given (the
+        ``into`` variant: nothing allocated but this thread's row buffers, once), split
+        over the cores by image plane; None where they do not apply (not float32 NCHW,
+        a strided input or output, numba off), and the numpy path runs instead."""
+        if plan.geometry is None or x.dtype != _FLOAT32 or not x.flags.c_contiguous:
+            return None
+        loops = compiled_pool()
+        if loops is None:
+            return None
+        n, c, height, width = x.shape
+        out_h, out_w = plan.out
+        if out is None:
+            out = np.empty((n, c, out_h, out_w), dtype=_FLOAT32)
+        elif out.dtype != _FLOAT32 or not out.flags.c_contiguous or out.shape != (n, c, out_h, out_w):
+            return None
+        planes = n * c
+        if planes == 0 or out.size == 0:
+            return out
+        kh, kw, sh, sw, dh, dw, ph, pw = plan.geometry
+        if plan.work_length == 0:
+            plan.work_length = int(loops.work_length(out_h, width, out_w, kw, sh, sw, dw, pw))
+        length = plan.work_length
+        xs, ys = x.reshape(planes, height, width), out.reshape(planes, out_h, out_w)
+        scales = plan.scales
+
+        def chunk(start: int, stop: int) -> None:
+            work, _ = _workspace("pool-row", (length,), _FLOAT32)
+            if scales is None:
+                loops.max_pool2d(xs, ys, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, work)
+            else:
+                loops.avg_pool2d(xs, ys, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, scales, work)
+
+        ops = planes * out_h * (width * kh + out_w * kw)
+        parallel_for(planes, chunk, ops * _POOL_OP_WEIGHT)
+        return out
+
     def max(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         plan: _PoolPlan = self._plans(x.shape)
         n, c = x.shape[:2]
         lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
         if not self.want_indices:
-            return _separable_pool(x, plan, np.maximum, lowest), None
+            y = self.compiled(x, plan)
+            return (_separable_pool(x, plan, np.maximum, lowest) if y is None else y), None
         y = np.full((n, c, *plan.out), lowest, dtype=x.dtype)
         lead = (slice(None), slice(None))
         index = np.full(y.shape, -1, dtype=np.int64)
@@ -232,6 +305,8 @@ class _Pooling:
                     np.copyto(buffer, result)
             return
         plan: _PoolPlan = self._plans(x.shape)
+        if self.compiled(x, plan, out[0]) is not None:
+            return
         lowest = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
         allocate = _scratch_of(out[0])
         np.copyto(out[0], with_small_buffers(_separable_pool, x, plan, np.maximum, lowest, allocate))
@@ -243,6 +318,10 @@ class _Pooling:
         plan: _PoolPlan = self._plans(x.shape)
         if self.mode == "avg" and plan.whole_window:
             return _spatial_mean(x, out)
+        if self.mode == "avg":
+            y = self.compiled(x, plan, out)
+            if y is not None:
+                return y
         n, c = x.shape[:2]
         dtype = _compute_dtype(x.dtype)
         allocate = _fresh if out is None else _scratch_of(out)

@@ -1,0 +1,386 @@
+"""numba-compiled float32 loops for 2-D MaxPool and AveragePool over NCHW planes: a few vectorised passes per plane where numpy needs a strided pass per tap.
+
+Imported only through :func:`plugrt_cpu.kernels.pooling.compiled_pool`, which returns
+None when numba is missing or ``PLUGRT_NUMBA=0``; the numpy path then gives the same
+values (the same maxima; averages to float32 rounding). Compiled code is cached on disk
+(``cache=True``), so only the first process on a machine pays the compile (seconds);
+later ones load it in milliseconds.
+
+The window is separable. Its input rows are combined into a row buffer whose padding
+holds the identity (-inf, or 0 for sums), so that the column passes need no bounds; the
+row buffers of a band of output rows (a whole plane, for short rows) lie back to back,
+and each column pass runs once over all of them, so that its loop is long; the results
+are then copied (or, for averages, scaled) into the output rows. With stride 2 the
+buffers are first split into their even and odd columns, so that every loop reads
+contiguously and vectorises (a strided read measured ~2x slower).
+
+The fastmath flags allow contraction, reciprocal and reassociation but not
+``nnan``/``ninf``: a NaN anywhere in a window makes its maximum or average NaN, as
+numpy's ``maximum`` and ``add`` do. ``error_model="numpy"`` drops the division checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+__all__ = ["avg_pool2d", "max_pool2d", "work_length"]
+
+# ``_nrt=False``: no reference counting. These loops allocate nothing, and the arrays they
+# take views of outlive the call; numba's count updates on each per-row view (atomic, and
+# not pruned in these branchy loops) took ~30% of the time on SqueezeNet's first MaxPool.
+_FLAGS: dict[str, Any] = dict(
+    fastmath={"contract", "arcp", "nsz", "reassoc"},
+    nogil=True,
+    boundscheck=False,
+    error_model="numpy",
+    cache=True,
+    _nrt=False,
+)
+_compiled = numba.njit(**_FLAGS)
+# The innermost loops and their dispatch are inlined by numba, so that the row loops call
+# no function; the rest is left to LLVM (inlining everything compiled twice as slowly).
+_inlined = numba.njit(inline="always", **_FLAGS)
+
+# Float32 elements of the row buffers pooled in one pass: whole planes of short rows,
+# so that each loop runs long, yet small enough that the buffers stay in the L1 cache.
+_BAND = 2048
+
+
+@_compiled
+def _row_length(width, out_width, kw, sw, dw, pw):  # pragma: no cover  (compiled)
+    """Length of a row buffer: the padded input row, long enough for every window of the
+    output row (ceil_mode windows reach past the end padding), rounded up to even."""
+    length = max(pw + width, (out_width - 1) * sw + (kw - 1) * dw + 1, 2)
+    return length + length % 2
+
+
+@_compiled
+def _band_rows(out_h, length, sw):  # pragma: no cover  (compiled)
+    """Row buffers pooled in one pass (strides above 2: one, their results do not line up)."""
+    return max(1, min(out_h, _BAND // length)) if sw <= 2 else 1
+
+
+@_compiled
+def _whole_planes(out_h, width, out_w, sh, sw):  # pragma: no cover  (compiled)
+    """Whether planes are pooled by ``_same_size_plane``: stride 1, output rows as long as
+    the input's, and planes small enough that their rows are short."""
+    return sh == 1 and sw == 1 and out_w == width and out_h * width <= _BAND
+
+
+@_compiled
+def work_length(out_h, width, out_w, kw, sh, sw, dw, pw):  # pragma: no cover  (compiled)
+    """Float32 elements of the ``work`` buffer the pooling loops need (per thread)."""
+    if _whole_planes(out_h, width, out_w, sh, sw):
+        return out_h * width
+    length = _row_length(width, out_w, kw, sw, dw, pw)
+    return 3 * _band_rows(out_h, length, sw) * length
+
+
+# The innermost loops, one per operation (no branch inside them, so each vectorises):
+# maxima keep a NaN from either side as np.maximum does, the two comparisons joined by
+# ``|``, not ``or``, so that no branch blocks vectorisation.
+
+
+@_inlined
+def _max(acc, v):  # pragma: no cover  (compiled)
+    return v if (v > acc) | (v != v) else acc
+
+
+@_inlined
+def _max3(a, b, c, out, n):  # pragma: no cover  (compiled)
+    for i in range(n):
+        out[i] = _max(_max(a[i], b[i]), c[i])
+
+
+@_inlined
+def _sum3(a, b, c, out, n):  # pragma: no cover  (compiled)
+    for i in range(n):
+        out[i] = a[i] + b[i] + c[i]
+
+
+@_inlined
+def _max2(a, b, out, n):  # pragma: no cover  (compiled)
+    for i in range(n):
+        out[i] = _max(a[i], b[i])
+
+
+@_inlined
+def _sum2(a, b, out, n):  # pragma: no cover  (compiled)
+    for i in range(n):
+        out[i] = a[i] + b[i]
+
+
+@_inlined
+def _max_into(out, a, n):  # pragma: no cover  (compiled)
+    for i in range(n):
+        out[i] = _max(out[i], a[i])
+
+
+@_inlined
+def _sum_into(out, a, n):  # pragma: no cover  (compiled)
+    for i in range(n):
+        out[i] += a[i]
+
+
+@_inlined
+def _copy(a, out, n):  # pragma: no cover  (compiled)
+    for i in range(n):
+        out[i] = a[i]
+
+
+@_inlined
+def _scaled(a, factors, out, n):  # pragma: no cover  (compiled)
+    for i in range(n):
+        out[i] = a[i] * factors[i]
+
+
+@_inlined
+def _split(row, even, odd, half):  # pragma: no cover  (compiled)
+    """The even and odd elements of ``row``: one interleaved read, two contiguous writes."""
+    for i in range(half):
+        even[i] = row[2 * i]
+        odd[i] = row[2 * i + 1]
+
+
+@_inlined
+def _three(a, b, c, out, n, is_max):  # pragma: no cover  (compiled)
+    if is_max:
+        _max3(a, b, c, out, n)
+    else:
+        _sum3(a, b, c, out, n)
+
+
+@_inlined
+def _two(a, b, out, n, is_max):  # pragma: no cover  (compiled)
+    if is_max:
+        _max2(a, b, out, n)
+    else:
+        _sum2(a, b, out, n)
+
+
+@_inlined
+def _into(out, a, n, is_max):  # pragma: no cover  (compiled)
+    if is_max:
+        _max_into(out, a, n)
+    else:
+        _sum_into(out, a, n)
+
+
+@_compiled
+def _rows(xp, r0, first, last, dh, dst, is_max):  # pragma: no cover  (compiled)
+    """dst = the combination of the input rows r0 + i * dh, i in [first, last) (one or more)."""
+    n = dst.shape[0]
+    a = xp[r0 + first * dh]
+    count = last - first
+    if count == 1:
+        _copy(a, dst, n)
+    elif count == 2:
+        _two(a, xp[r0 + (first + 1) * dh], dst, n, is_max)
+    else:
+        _three(a, xp[r0 + (first + 1) * dh], xp[r0 + (first + 2) * dh], dst, n, is_max)
+        for i in range(first + 3, last):
+            _into(dst, xp[r0 + i * dh], n, is_max)
+
+
+@_compiled
+def _taps(source, shift, out, n, kw, dw, is_max):  # pragma: no cover  (compiled)
+    """out[i] = the combination of source[i + j * dw // shift], i in [0, n), j in [0, kw),
+    where ``shift`` is 1 (stride 1), or 2 with ``source`` the even half of the row (the
+    odd taps read the odd half, which follows it at ``source.shape[0] // 2``)."""
+    half = source.shape[0] // 2
+    for j in range(kw):
+        offset = j * dw
+        start = offset if shift == 1 else offset // 2 + (offset % 2) * half
+        if j == 0:
+            _copy(source[start:], out, n)
+        else:
+            _into(out, source[start:], n, is_max)
+
+
+@_compiled
+def _columns(row, halves, out, n, kw, sw, dw, is_max):  # pragma: no cover  (compiled)
+    """out[o] = the combination of row[o * sw + j * dw], j in [0, kw), o in [0, n):
+    ``row`` is one or more row buffers back to back, ``halves`` a work array as long."""
+    if sw == 1:
+        if dw == 1 and kw == 3:
+            _three(row, row[1:], row[2:], out, n, is_max)
+        elif dw == 1 and kw == 2:
+            _two(row, row[1:], out, n, is_max)
+        else:
+            _taps(row, 1, out, n, kw, dw, is_max)
+    elif sw == 2:
+        half = row.shape[0] // 2
+        even, odd = halves[:half], halves[half : 2 * half]
+        _split(row, even, odd, half)
+        if dw == 1 and kw == 3:
+            _three(even, odd, even[1:], out, n, is_max)
+        elif dw == 1 and kw == 2:
+            _two(even, odd, out, n, is_max)
+        else:
+            _taps(halves[: 2 * half], 2, out, n, kw, dw, is_max)
+    else:
+        for o in range(n):
+            out[o] = row[o * sw]
+        for j in range(1, kw):
+            tap = row[j * dw :]
+            for o in range(n):
+                out[o] = _max(out[o], tap[o * sw]) if is_max else out[o] + tap[o * sw]
+
+
+@_compiled
+def _window_rows(oh, sh, dh, ph, kh, height):  # pragma: no cover  (compiled)
+    """The window of output row ``oh``: its first input row r0 and the range [first,
+    last) of its taps i whose row r0 + i * dh lies in the input (empty: none does)."""
+    r0 = oh * sh - ph
+    first = 0 if r0 >= 0 else (dh - 1 - r0) // dh
+    last = kh
+    if r0 + (kh - 1) * dh >= height:
+        last = (height - 1 - r0) // dh + 1 if r0 < height else 0
+    return r0, first, last
+
+
+@_compiled
+def _edge_columns(grid, yp, kw, dw, pw, span, identity, is_max):  # pragma: no cover  (compiled)
+    """The output columns whose windows reach into the column padding (all but [pw, pw +
+    span)): the combination of grid[oh, c], c = ow - pw + j * dw, over the taps j with c
+    inside the row (the identity if none is). The usual 3-wide window with one column
+    of padding has one such column at each end, written out; a loop over the taps with
+    bounds per element ran 3x slower."""
+    out_h, width = grid.shape
+    if kw == 3 and dw == 1 and pw == 1 and width >= 2:
+        for oh in range(out_h):
+            g, out = grid[oh], yp[oh]
+            if is_max:
+                out[0] = _max(g[0], g[1])
+                out[width - 1] = _max(g[width - 2], g[width - 1])
+            else:
+                out[0] = g[0] + g[1]
+                out[width - 1] = g[width - 2] + g[width - 1]
+        return
+    for oh in range(out_h):
+        g, out = grid[oh], yp[oh]
+        for ow in range(width):
+            if pw <= ow < pw + span:
+                continue
+            acc = identity
+            for j in range(kw):
+                c = ow - pw + j * dw
+                if 0 <= c < width:
+                    acc = _max(acc, g[c]) if is_max else acc + g[c]
+            out[ow] = acc
+
+
+@_compiled
+def _same_size_plane(xp, yp, kh, kw, dh, dw, ph, pw, is_max, scale, rows):  # pragma: no cover  (compiled)
+    """Stride-1 pooling of one plane whose output rows are as long as its input rows
+    (W), with every pass over the whole plane at once: the windows' rows combined into
+    ``rows`` (OH x W, flat); their columns, for the windows inside the row, straight into
+    the output; then the windows that reach into the column padding (which the flat pass
+    got wrong: it read the neighbouring row), one by one."""
+    height, width = xp.shape
+    out_h = yp.shape[0]
+    identity = np.float32(-np.inf) if is_max else np.float32(0.0)
+    xf, yf = xp.reshape(height * width), yp.reshape(out_h * width)
+    # Rows: one flat pass over the output rows whose windows lie inside the input.
+    top = min(ph, out_h)
+    bottom = max(top, min(out_h, height + ph - (kh - 1) * dh))
+    n = (bottom - top) * width
+    if n > 0:
+        inside, base = rows[top * width :], (top - ph) * width
+        step = dh * width
+        if kh == 1:
+            _copy(xf[base:], inside, n)
+        elif kh == 2:
+            _two(xf[base:], xf[base + step :], inside, n, is_max)
+        else:
+            _three(xf[base:], xf[base + step :], xf[base + 2 * step :], inside, n, is_max)
+            for i in range(3, kh):
+                _into(inside, xf[base + i * step :], n, is_max)
+    for oh in range(out_h):
+        if top <= oh < bottom:
+            continue
+        r0, first, last = _window_rows(oh, 1, dh, ph, kh, height)
+        row = rows[oh * width : (oh + 1) * width]
+        if last <= first:
+            for w in range(width):
+                row[w] = identity
+        else:
+            _rows(xp, r0, first, last, dh, row, is_max)
+    # Columns: output column ow = c + pw reads rows[c + j * dw], inside the row for c < span.
+    span = width - (kw - 1) * dw
+    if span > 0:
+        n = (out_h - 1) * width + span
+        out = yf[pw:]
+        if dw == 1 and kw == 3:
+            _three(rows, rows[1:], rows[2:], out, n, is_max)
+        elif dw == 1 and kw == 2:
+            _two(rows, rows[1:], out, n, is_max)
+        else:
+            _taps(rows, 1, out, n, kw, dw, is_max)
+    _edge_columns(rows[: out_h * width].reshape(out_h, width), yp, kw, dw, pw, max(span, 0), identity, is_max)
+    if not is_max:
+        _scaled(yf, scale.reshape(out_h * width), yf, out_h * width)
+
+
+@_compiled
+def _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, is_max, scale, work):  # pragma: no cover  (compiled)
+    """Pool planes [start, stop) of the float32 ``x`` (planes, H, W) into ``y`` (planes,
+    OH, OW): the maximum over each window (``is_max``), else its sum times ``scale``
+    (OH, OW: the reciprocal counts). ``ph``/``pw`` are the begin pads; windows reaching
+    past the input read the identity. ``work``: float32, at least
+    ``work_length(OH, W, OW, kw, sw, dw, pw)`` elements."""
+    height, width = x.shape[1], x.shape[2]
+    out_h, out_w = y.shape[1], y.shape[2]
+    if _whole_planes(out_h, width, out_w, sh, sw):
+        for plane in range(start, stop):
+            _same_size_plane(x[plane], y[plane], kh, kw, dh, dw, ph, pw, is_max, scale, work)
+        return
+    identity = np.float32(-np.inf) if is_max else np.float32(0.0)
+    length = _row_length(width, out_w, kw, sw, dw, pw)
+    band = _band_rows(out_h, length, sw)
+    size = band * length
+    buffers, halves, result = work[:size], work[size : 2 * size], work[2 * size : 3 * size]
+    # The padding of every row buffer: written once, never overwritten.
+    for r in range(band):
+        for i in range(pw):
+            buffers[r * length + i] = identity
+        for i in range(r * length + pw + width, (r + 1) * length):
+            buffers[i] = identity
+    pitch = length if sw == 1 else length // 2  # of the results, a row buffer apart
+    for plane in range(start, stop):
+        xp, yp = x[plane], y[plane]
+        for oh in range(out_h):
+            r0, first, last = _window_rows(oh, sh, dh, ph, kh, height)
+            slot = oh % band
+            inner = buffers[slot * length + pw : slot * length + pw + width]
+            if last <= first:  # the window lies in the padding only
+                for w in range(width):
+                    inner[w] = identity
+            else:
+                _rows(xp, r0, first, last, dh, inner, is_max)
+            if slot == band - 1 or oh == out_h - 1:  # the band's columns in one pass
+                count = slot + 1
+                _columns(buffers[: count * length], halves, result, (count - 1) * pitch + out_w, kw, sw, dw, is_max)
+                for r in range(count):
+                    if is_max:
+                        _copy(result[r * pitch :], yp[oh - slot + r], out_w)
+                    else:
+                        _scaled(result[r * pitch :], scale[oh - slot + r], yp[oh - slot + r], out_w)
+
+
+@_compiled
+def max_pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, work):  # pragma: no cover  (compiled)
+    """MaxPool of planes [start, stop) of the float32 ``x`` (planes, H, W) into ``y``
+    (planes, OH, OW); ``start < stop``. See ``_pool2d``."""
+    _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, True, y[start], work)
+
+
+@_compiled
+def avg_pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, scale, work):  # pragma: no cover  (compiled)
+    """AveragePool of planes [start, stop) of the float32 ``x`` (planes, H, W) into
+    ``y`` (planes, OH, OW): each window's sum times ``scale`` (OH, OW, float32: one over
+    the window's count). See ``_pool2d``."""
+    _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, False, scale, work)
