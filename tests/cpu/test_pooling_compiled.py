@@ -92,6 +92,9 @@ CASES = {
     "long_rows_in_bands": ((1, 2, 40, 150), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
     "rows_longer_than_a_band": ((1, 2, 5, 2100), dict(kernel_shape=[2, 3], strides=[1, 2], pads=[0, 1, 1, 1])),
     "one_row": ((2, 3, 3, 30), dict(kernel_shape=[3, 3], strides=[2, 2])),
+    "kernel_larger_than_input": ((1, 2, 3, 2), dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2])),
+    "kernel_larger_than_input_stride_2": ((1, 2, 4, 3), dict(kernel_shape=[5, 4], strides=[2, 2], pads=[2, 1, 2, 3])),
+    "same_lower": ((2, 2, 10, 9), dict(kernel_shape=[2, 4], strides=[1, 2], auto_pad="SAME_LOWER")),
 }
 
 
