@@ -79,52 +79,59 @@ def work_length(out_h, width, out_w, kw, sh, sw, dw, pw):  # pragma: no cover  (
     return 3 * _band_rows(out_h, length, sw) * length
 
 
-# The innermost loops, one per operation (no branch inside them, so each vectorises).
+# The innermost loops, one per operation (no branch inside them, so each vectorises). The
+# maximum keeps a NaN from either side, as np.maximum: the first select is x86's max
+# instruction (which returns its second operand when either is NaN), the second keeps a
+# NaN first operand; ~1.5x faster than testing v > acc or v != v. It is written out in
+# each loop: numba inlines a nested helper slowly (each level adds seconds of compile).
 
 
 @_inlined
-def _max(acc, v):  # pragma: no cover  (compiled)
-    """The larger of acc and v, NaN if either is (as np.maximum): the first select is
-    x86's max instruction (which returns v when either is NaN), the second keeps a NaN
-    acc; ~1.5x faster than testing v > acc or v != v."""
+def _max(acc, v):  # pragma: no cover  (compiled; inlined)
+    """The larger of acc and v, NaN if either is (for the scalar loops)."""
     larger = acc if acc > v else v
     return larger if acc == acc else acc
 
 
 @_inlined
-def _max3(a, b, c, out, n):  # pragma: no cover  (compiled)
-    for i in range(n):
-        out[i] = _max(_max(a[i], b[i]), c[i])
+def _three(a, b, c, out, n, is_max):  # pragma: no cover  (compiled; inlined)
+    """out[i] = the combination of a[i], b[i] and c[i], i in [0, n)."""
+    if is_max:
+        for i in range(n):
+            x, y, z = a[i], b[i], c[i]
+            m = x if x > y else y
+            m = m if x == x else x
+            r = m if m > z else z
+            out[i] = r if m == m else m
+    else:
+        for i in range(n):
+            out[i] = a[i] + b[i] + c[i]
 
 
 @_inlined
-def _sum3(a, b, c, out, n):  # pragma: no cover  (compiled)
-    for i in range(n):
-        out[i] = a[i] + b[i] + c[i]
+def _two(a, b, out, n, is_max):  # pragma: no cover  (compiled; inlined)
+    """out[i] = the combination of a[i] and b[i], i in [0, n)."""
+    if is_max:
+        for i in range(n):
+            x, y = a[i], b[i]
+            m = x if x > y else y
+            out[i] = m if x == x else x
+    else:
+        for i in range(n):
+            out[i] = a[i] + b[i]
 
 
 @_inlined
-def _max2(a, b, out, n):  # pragma: no cover  (compiled)
-    for i in range(n):
-        out[i] = _max(a[i], b[i])
-
-
-@_inlined
-def _sum2(a, b, out, n):  # pragma: no cover  (compiled)
-    for i in range(n):
-        out[i] = a[i] + b[i]
-
-
-@_inlined
-def _max_into(out, a, n):  # pragma: no cover  (compiled)
-    for i in range(n):
-        out[i] = _max(out[i], a[i])
-
-
-@_inlined
-def _sum_into(out, a, n):  # pragma: no cover  (compiled)
-    for i in range(n):
-        out[i] += a[i]
+def _into(out, a, n, is_max):  # pragma: no cover  (compiled; inlined)
+    """out[i] = the combination of out[i] and a[i], i in [0, n)."""
+    if is_max:
+        for i in range(n):
+            x, y = out[i], a[i]
+            m = x if x > y else y
+            out[i] = m if x == x else x
+    else:
+        for i in range(n):
+            out[i] += a[i]
 
 
 @_inlined
@@ -147,44 +154,18 @@ def _split(row, even, odd, half):  # pragma: no cover  (compiled)
         odd[i] = row[2 * i + 1]
 
 
-@_inlined
-def _three(a, b, c, out, n, is_max):  # pragma: no cover  (compiled)
-    if is_max:
-        _max3(a, b, c, out, n)
-    else:
-        _sum3(a, b, c, out, n)
-
-
-@_inlined
-def _two(a, b, out, n, is_max):  # pragma: no cover  (compiled)
-    if is_max:
-        _max2(a, b, out, n)
-    else:
-        _sum2(a, b, out, n)
-
-
-@_inlined
-def _into(out, a, n, is_max):  # pragma: no cover  (compiled)
-    if is_max:
-        _max_into(out, a, n)
-    else:
-        _sum_into(out, a, n)
-
-
 @_compiled
-def _rows(xp, r0, first, last, dh, dst, is_max):  # pragma: no cover  (compiled)
-    """dst = the combination of the input rows r0 + i * dh, i in [first, last) (one or more)."""
-    n = dst.shape[0]
-    a = xp[r0 + first * dh]
-    count = last - first
+def _rows(xf, start, step, count, dst, n, is_max):  # pragma: no cover  (compiled)
+    """dst[:n] = the combination of xf[start + i * step:][:n], i in [0, count) (one or
+    more): the window's input rows, one or many output rows' worth (a flat plane)."""
     if count == 1:
-        _copy(a, dst, n)
+        _copy(xf[start:], dst, n)
     elif count == 2:
-        _two(a, xp[r0 + (first + 1) * dh], dst, n, is_max)
+        _two(xf[start:], xf[start + step :], dst, n, is_max)
     else:
-        _three(a, xp[r0 + (first + 1) * dh], xp[r0 + (first + 2) * dh], dst, n, is_max)
-        for i in range(first + 3, last):
-            _into(dst, xp[r0 + i * dh], n, is_max)
+        _three(xf[start:], xf[start + step :], xf[start + 2 * step :], dst, n, is_max)
+        for i in range(3, count):
+            _into(dst, xf[start + i * step :], n, is_max)
 
 
 @_compiled
@@ -212,7 +193,7 @@ def _columns(row, halves, out, n, kw, sw, dw, is_max):  # pragma: no cover  (com
         elif dw == 1 and kw == 2:
             _two(row, row[1:], out, n, is_max)
         else:
-            _taps(row, 1, out, n, kw, dw, is_max)
+            _taps(row, sw, out, n, kw, dw, is_max)
     elif sw == 2:
         half = row.shape[0] // 2
         even, odd = halves[:half], halves[half : 2 * half]
@@ -222,7 +203,7 @@ def _columns(row, halves, out, n, kw, sw, dw, is_max):  # pragma: no cover  (com
         elif dw == 1 and kw == 2:
             _two(even, odd, out, n, is_max)
         else:
-            _taps(halves[: 2 * half], 2, out, n, kw, dw, is_max)
+            _taps(halves[: 2 * half], sw, out, n, kw, dw, is_max)
     else:
         for o in range(n):
             out[o] = row[o * sw]
@@ -276,12 +257,13 @@ def _edge_columns(grid, yp, kw, dw, pw, span, identity, is_max):  # pragma: no c
 
 
 @_compiled
-def _same_size_plane(xp, yp, kh, kw, dh, dw, ph, pw, is_max, scale, rows):  # pragma: no cover  (compiled)
-    """Stride-1 pooling of one plane whose output rows are as long as its input rows
-    (W), with every pass over the whole plane at once: the windows' rows combined into
-    ``rows`` (OH x W, flat); their columns, for the windows inside the row, straight into
-    the output; then the windows that reach into the column padding (which the flat pass
-    got wrong: it read the neighbouring row), one by one."""
+def _same_size_plane(xp, yp, kh, kw, stride, dh, dw, ph, pw, is_max, scale, rows):  # pragma: no cover  (compiled)
+    """Stride-1 pooling of one plane whose output rows are as long as its input rows (W),
+    every pass over the whole plane at once: the windows' rows combined into ``rows``
+    (OH x W, flat); their columns, for the windows inside the row, straight into the
+    output; then the windows that reach into the column padding (which the flat pass got
+    wrong: it read the neighbouring row). ``stride`` is 1, passed as a variable so that
+    the helpers it shares with ``_pool2d`` compile once (a constant compiles its own)."""
     height, width = xp.shape
     out_h = yp.shape[0]
     identity = np.float32(-np.inf) if is_max else np.float32(0.0)
@@ -289,39 +271,30 @@ def _same_size_plane(xp, yp, kh, kw, dh, dw, ph, pw, is_max, scale, rows):  # pr
     # Rows: one flat pass over the output rows whose windows lie inside the input.
     top = min(ph, out_h)
     bottom = max(top, min(out_h, height + ph - (kh - 1) * dh))
-    n = (bottom - top) * width
-    if n > 0:
-        inside, base = rows[top * width :], (top - ph) * width
-        step = dh * width
-        if kh == 1:
-            _copy(xf[base:], inside, n)
-        elif kh == 2:
-            _two(xf[base:], xf[base + step :], inside, n, is_max)
+    if bottom > top:
+        start, step, n = (top - ph) * width, dh * width, (bottom - top) * width
+        if kh == 3:  # the usual window, inlined: a call here cost ~20% on 14x14 planes
+            _three(xf[start:], xf[start + step :], xf[start + 2 * step :], rows[top * width :], n, is_max)
         else:
-            _three(xf[base:], xf[base + step :], xf[base + 2 * step :], inside, n, is_max)
-            for i in range(3, kh):
-                _into(inside, xf[base + i * step :], n, is_max)
+            _rows(xf, start, step, kh, rows[top * width :], n, is_max)
     for oh in range(out_h):
         if top <= oh < bottom:
             continue
-        r0, first, last = _window_rows(oh, 1, dh, ph, kh, height)
+        r0, first, last = _window_rows(oh, stride, dh, ph, kh, height)
         row = rows[oh * width : (oh + 1) * width]
         if last <= first:
             for w in range(width):
                 row[w] = identity
         else:
-            _rows(xp, r0, first, last, dh, row, is_max)
+            _rows(xf, (r0 + first * dh) * width, dh * width, last - first, row, width, is_max)
     # Columns: output column ow = c + pw reads rows[c + j * dw], inside the row for c < span.
     span = width - (kw - 1) * dw
     if span > 0:
         n = (out_h - 1) * width + span
-        out = yf[pw:]
-        if dw == 1 and kw == 3:
-            _three(rows, rows[1:], rows[2:], out, n, is_max)
-        elif dw == 1 and kw == 2:
-            _two(rows, rows[1:], out, n, is_max)
+        if kw == 3 and dw == 1:
+            _three(rows, rows[1:], rows[2:], yf[pw:], n, is_max)
         else:
-            _taps(rows, 1, out, n, kw, dw, is_max)
+            _columns(rows, rows, yf[pw:], n, kw, stride, dw, is_max)
     _edge_columns(rows[: out_h * width].reshape(out_h, width), yp, kw, dw, pw, max(span, 0), identity, is_max)
     if not is_max:
         _scaled(yf, scale.reshape(out_h * width), yf, out_h * width)
@@ -338,7 +311,7 @@ def _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, is_max, scale, wo
     out_h, out_w = y.shape[1], y.shape[2]
     if _whole_planes(out_h, width, out_w, sh, sw):
         for plane in range(start, stop):
-            _same_size_plane(x[plane], y[plane], kh, kw, dh, dw, ph, pw, is_max, scale, work)
+            _same_size_plane(x[plane], y[plane], kh, kw, sw, dh, dw, ph, pw, is_max, scale, work)
         return
     identity = np.float32(-np.inf) if is_max else np.float32(0.0)
     length = _row_length(width, out_w, kw, sw, dw, pw)
@@ -353,7 +326,7 @@ def _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, is_max, scale, wo
             buffers[i] = identity
     pitch = length if sw == 1 else length // 2  # of the results, a row buffer apart
     for plane in range(start, stop):
-        xp, yp = x[plane], y[plane]
+        xf, yp = x[plane].reshape(height * width), y[plane]
         for oh in range(out_h):
             r0, first, last = _window_rows(oh, sh, dh, ph, kh, height)
             slot = oh % band
@@ -362,7 +335,7 @@ def _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, is_max, scale, wo
                 for w in range(width):
                     inner[w] = identity
             else:
-                _rows(xp, r0, first, last, dh, inner, is_max)
+                _rows(xf, (r0 + first * dh) * width, dh * width, last - first, inner, width, is_max)
             if slot == band - 1 or oh == out_h - 1:  # the band's columns in one pass
                 count = slot + 1
                 _columns(buffers[: count * length], halves, result, (count - 1) * pitch + out_w, kw, sw, dw, is_max)
