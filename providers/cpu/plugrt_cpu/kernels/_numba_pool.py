@@ -29,6 +29,7 @@ from typing import Any
 
 import numba
 import numpy as np
+from numba.core.cpu import CPUTargetOptions
 
 __all__ = ["avg_pool2d", "max_pool2d", "work_length"]
 
@@ -43,6 +44,8 @@ _FLAGS: dict[str, Any] = dict(
     cache=True,
     _nrt=False,
 )
+if not hasattr(CPUTargetOptions, "_nrt"):  # a private option: a numba without it counts references
+    del _FLAGS["_nrt"]
 _compiled = numba.njit(**_FLAGS)
 # The innermost loops and their dispatch are inlined by numba, so that the row loops call
 # no function; the rest is left to LLVM (inlining everything compiled twice as slowly).
