@@ -13,6 +13,12 @@ Kernels call ``blas_threads(work)`` before a BLAS call of ``work`` multiply-adds
 session calls ``begin_run(limit)`` before each run (``intra_op_num_threads``, 0 = every
 usable core), which also sets the count for products no kernel sized.
 
+Products big enough to split are split by the kernels themselves instead
+(``split_threads``): blocks of the output claimed by this thread and sleeping pool
+workers, each with one-thread BLAS. A worker that sleeps is scheduled as soon as it is
+woken, even on a core another process keeps busy, and leaves no spinning thread behind
+to slow whatever runs next (OpenBLAS's own threads spin for a while after each call).
+
 ``parallel_for(count, body, work)`` is the other way to use several cores: ``body(start,
 stop)`` runs over chunks of ``range(count)`` that the calling thread and pool workers
 claim one at a time, each with one BLAS thread, so work BLAS does not thread (many small
@@ -35,6 +41,7 @@ __all__ = [
     "begin_run",
     "blas_threads",
     "threads_for",
+    "split_threads",
     "free_cores",
     "parallel_for",
     "parallel_threads",
@@ -201,6 +208,20 @@ def threads_for(work: int) -> int:
     return max(1, min(limit, int(free_cores() + _BUSY_TOLERANCE)))
 
 
+def split_threads(work: int) -> int:
+    """Threads to split a product of ``work`` multiply-adds over, each running one-thread
+    BLAS on its own block (``plugrt_cpu``'s ``split_gemm``): 1 for small work or inside a
+    parallel chunk, else every usable core within the session's limit, busy or not. The
+    pool's workers sleep between jobs, so one woken on a core another process keeps busy
+    is scheduled at once and takes its share; the blocks are claimed dynamically, so a
+    slower core does fewer (OpenBLAS's own threads spin between calls and split
+    statically, which is why they are gated by the free cores instead)."""
+    if getattr(_LOCAL, "in_parallel", False) or work < PARALLEL_MIN_WORK:
+        return 1
+    limit = getattr(_LOCAL, "limit", 0) or _MONITOR.cores
+    return max(1, min(limit, _MONITOR.cores))
+
+
 def blas_threads(work: int) -> int:
     """Set this thread's BLAS thread count for a product of ``work`` multiply-adds; returns it."""
     count = 1 if getattr(_LOCAL, "in_parallel", False) else threads_for(work)
@@ -298,16 +319,28 @@ def _set_blas_count(count: int) -> None:
         _LOCAL.count = count
 
 
-def parallel_for(count: int, body: Callable[[int, int], Any], work: int, *, grain: int = 1) -> None:
+def parallel_for(
+    count: int,
+    body: Callable[[int, int], Any],
+    work: int,
+    *,
+    grain: int = 1,
+    threads: int | None = None,
+    chunks_per_thread: int = _CHUNKS_PER_THREAD,
+) -> None:
     """Run ``body(start, stop)`` over ``range(count)`` in chunks of at least ``grain``, on
-    this thread and ``parallel_threads(work) - 1`` pool workers, each chunk with one BLAS
-    thread. Chunks must write disjoint outputs. The first exception a chunk raises is
-    raised here once every claimed chunk has finished."""
-    threads = parallel_threads(work) if count > grain else 1
+    this thread and ``threads - 1`` pool workers (by default ``parallel_threads(work)``),
+    each chunk with one BLAS thread; ``chunks_per_thread`` chunks per thread. Chunks must
+    write disjoint outputs. The first exception a chunk raises is raised here once every
+    claimed chunk has finished."""
+    if threads is None:
+        threads = parallel_threads(work)
+    if count <= grain:
+        threads = 1
     if threads <= 1:
         body(0, count)
         return
-    chunks = max(1, min(threads * _CHUNKS_PER_THREAD, count // max(1, grain)))
+    chunks = max(1, min(threads * chunks_per_thread, count // max(1, grain)))
     if chunks == 1:
         body(0, count)
         return

@@ -159,3 +159,22 @@ def test_parallel_for_nested_in_a_chunk_runs_inline(monitor):
     threads.parallel_for(8, inner_rows, BIG)
     assert (out == 1).all()
     assert sorted(inner_calls) == [(row, 0, 100) for row in range(8)]  # one whole call per row: inline
+
+
+def test_split_threads_use_every_core_in_the_limit_busy_or_not(monitor):
+    threads.begin_run(0)
+    monitor["others"] = 3.5  # OpenBLAS's own threads would get 1 here
+    assert threads.split_threads(BIG) == 4
+    assert threads.split_threads(threads.PARALLEL_MIN_WORK - 1) == 1
+    threads.begin_run(2)
+    assert threads.split_threads(BIG) == 2
+    threads.begin_run(1)
+    assert threads.split_threads(BIG) == 1
+
+
+def test_parallel_for_takes_an_explicit_thread_and_chunk_count(monitor):
+    threads.begin_run(0)
+    monitor["others"] = 3.5  # parallel_threads alone would run it inline
+    chunks = []
+    threads.parallel_for(1000, lambda a, b: chunks.append((a, b)), BIG, threads=2, chunks_per_thread=3)
+    assert sorted(chunks) == [(0, 166), (166, 333), (333, 500), (500, 666), (666, 833), (833, 1000)]

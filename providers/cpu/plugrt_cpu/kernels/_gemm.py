@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
-from plugrt.threads import openblas_libraries
+from plugrt.threads import blas_threads, openblas_libraries, parallel_for, split_threads
 
-__all__ = ["available", "gemm"]
+__all__ = ["available", "gemm", "split_gemm", "split_columns"]
 
 # cblas enums (cblas.h): row-major storage, no transpose / transpose.
 _ROW_MAJOR = 101
@@ -125,3 +125,41 @@ def gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -> None
         if beta != 1.0:
             c *= beta
         c += np.matmul(a, b)
+
+
+# Blocks of a split product: at least this many columns (or rows) each, so that every
+# block keeps BLAS's panels full; two blocks per thread, claimed dynamically.
+_SPLIT_GRAIN = 32
+_BLOCKS_PER_THREAD = 2
+
+
+def split_columns(n: int, body: Callable[[int, int], Any], work: int) -> None:
+    """Run ``body(start, stop)`` over column blocks of ``range(n)`` on ``split_threads(work)``
+    threads, each with one BLAS thread (or on this thread alone, BLAS single-threaded, for
+    small work)."""
+    threads = split_threads(work)
+    if threads <= 1 or n < 2 * _SPLIT_GRAIN:
+        blas_threads(0)
+        body(0, n)
+        return
+    parallel_for(n, body, work, grain=_SPLIT_GRAIN, threads=threads, chunks_per_thread=_BLOCKS_PER_THREAD)
+
+
+def split_gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -> None:
+    """:func:`gemm` split into blocks of ``c``'s columns (or of its rows, where it has far
+    fewer columns than rows) over the free threads; each block packs its share of the
+    wide operand and all of the narrow one, as one BLAS thread of a static split would."""
+    m, n = c.shape
+    work = m * n * a.shape[1]
+    if n >= m or n >= 8 * _SPLIT_GRAIN:
+
+        def columns(start: int, stop: int) -> None:
+            gemm(a, b[:, start:stop], c[:, start:stop], beta)
+
+        split_columns(n, columns, work)
+    else:
+
+        def rows(start: int, stop: int) -> None:
+            gemm(a[start:stop], b, c[start:stop], beta)
+
+        split_columns(m, rows, work)

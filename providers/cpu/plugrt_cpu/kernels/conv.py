@@ -9,7 +9,7 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from plugrt.threads import blas_threads, parallel_for
+from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, split_threads
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
@@ -34,7 +34,7 @@ from ._window import (
     _zero_regions,
     _zeroed,
 )
-from ._gemm import available
+from ._gemm import available, gemm, split_gemm
 from .conv_gemm import grid_plan
 from ._relu import relu_into
 from .elementwise import scratch, with_small_buffers
@@ -321,7 +321,7 @@ class _Convolution:
         ``into`` variant: the same arithmetic, its copies in thread workspaces)."""
         plan: _ConvPlan = self._plans(x.shape, weight.shape, x.dtype.itemsize)
         if plan.kind != "depthwise":
-            blas_threads(plan.gemm_work)
+            blas_threads(0)  # the products split themselves over threads (split_gemm)
         if y is not None and plan.kind != "depthwise":  # no reductions but BLAS ones: see with_small_buffers
             return with_small_buffers(self._convolve, x, weight, bias, y, plan)
         return self._convolve(x, weight, bias, y, plan)
@@ -338,13 +338,9 @@ class _Convolution:
             if y is not None and not xs.flags.c_contiguous:
                 # what the reshape below would copy to, in a workspace
                 xs = _copy_to_workspace("pointwise", xs)
-            out = None if y is None else y.reshape(n, m, plan.out_size)
-            if g == 1:
-                y = np.matmul(wg[0], xs.reshape(n, c, plan.out_size), out=out)
-            else:
-                grouped = None if out is None else out.reshape(n, g, m // g, plan.out_size)
-                y = np.matmul(wg, xs.reshape(n, g, c // g, plan.out_size), out=grouped)
-            y = y.reshape(n, m, plan.out_size)
+            y = np.empty((n, m, plan.out_size), x.dtype) if y is None else y.reshape(n, m, plan.out_size)
+            columns = xs.reshape(n, g, c // g, plan.out_size)
+            _products(wg, columns, y.reshape(n, g, m // g, plan.out_size))
             if bias is not None:
                 y += bias
             if self.relu:
@@ -648,15 +644,32 @@ class _Convolution:
                     for tap in taps:
                         cols[(slice(None), tap.index) + tap.dst] = planes[tap.phase][whole + tap.phase_src]
                 out = y[image, :, p0:p1]
-                if g == 1:
-                    np.matmul(wg[0], cols.reshape(c * shape[1], p1 - p0), out=out)
-                else:
-                    np.matmul(wg, cols.reshape(g, -1, p1 - p0), out=out.reshape(g, -1, p1 - p0))
+                _products(wg, cols.reshape(1, g, -1, p1 - p0), out.reshape(1, g, -1, p1 - p0))
                 if bias is not None:
                     out += bias
             if self.relu:
                 relu_into(y[image], y[image])  # once per image: the blocks' outputs are strided views
         return y
+
+
+def _products(weights: np.ndarray, columns: np.ndarray, out: np.ndarray) -> None:
+    """``out[i, j] = weights[j] @ columns[i, j]`` for every image ``i`` and group ``j``
+    (columns (n, g, K, P), out (n, g, M/g, P)): each product split over the threads when
+    it is big enough alone, else the products shared out between them."""
+    n, g = columns.shape[:2]
+    each = weights.shape[1] * weights.shape[2] * columns.shape[3]
+    if n * g == 1 or each >= PARALLEL_MIN_WORK:
+        for i in range(n):
+            for j in range(g):
+                split_gemm(weights[j], columns[i, j], out[i, j])
+        return
+
+    def some(start: int, stop: int) -> None:
+        for index in range(start, stop):
+            i, j = divmod(index, g)
+            gemm(weights[j], columns[i, j], out[i, j])
+
+    parallel_for(n * g, some, each * n * g, threads=split_threads(each * n * g))
 
 
 @kernel_builder("Conv", 1)

@@ -19,9 +19,7 @@ import math
 from typing import Any, Sequence
 
 import numpy as np
-from plugrt.threads import blas_threads
-
-from ._gemm import gemm
+from ._gemm import gemm, split_columns
 from ._relu import relu_into
 from ._window import _phase_fill, _workspace
 
@@ -108,18 +106,23 @@ class GridPlan:
         taps = tap_weights(weight, self.ksize)
         g = self.group
         cg, mg = c // g, m // g
-        blas_threads(self.work)
+
+        def columns(start: int, stop: int) -> None:
+            """Every tap's product for grid columns [start, stop)."""
+            block = grid[:, start:stop]
+            if bias is not None:
+                np.copyto(block, bias)
+            for k, (phase, offset) in enumerate(self.taps):
+                beta = 0.0 if k == 0 and bias is None else 1.0
+                source = planes[phase, :, offset + start : offset + stop]
+                for j in range(g):
+                    gemm(taps[k, j], source[j * cg : (j + 1) * cg], block[j * mg : (j + 1) * mg], beta)
+
         for image in range(n):
             xi = x[image]
             for plane, (dst, src) in zip(shaped, self.fills):
                 np.copyto(plane[dst], xi[src])
-            if bias is not None:
-                np.copyto(grid, bias)
-            for k, (phase, offset) in enumerate(self.taps):
-                beta = 0.0 if k == 0 and bias is None else 1.0
-                source = planes[phase, :, offset : offset + self.grid]
-                for j in range(g):
-                    gemm(taps[k, j], source[j * cg : (j + 1) * cg], grid[j * mg : (j + 1) * mg], beta)
+            split_columns(self.grid, columns, self.work * self.ksize * g)
             cropped = grid.reshape(self.grid_shape)[self.crop]
             target = y[image]
             if residual is not None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
-from plugrt.threads import blas_threads
 
 from .._registry import KernelContext, declare_into
-from ._gemm import available, gemm
+from ._gemm import available, split_gemm
 from .conv import ConvConstants, _Convolution
 from ._relu import relu_into
 from ._window import _cast_into_scratch, _copy_to_workspace
@@ -95,9 +94,8 @@ def _pointwise(
         xs = _copy_to_workspace("residual_pointwise", xs)
     rows = y.reshape(n, plan.m, size)
     columns = xs.reshape(n, c, size)
-    blas_threads(plan.gemm_work)
     for image in range(n):
-        gemm(weight, columns[image], rows[image], 1.0)
+        split_gemm(weight, columns[image], rows[image], 1.0)
     if relu:
         relu_into(y, y)
     return y

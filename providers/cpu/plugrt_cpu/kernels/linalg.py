@@ -11,6 +11,7 @@ import numpy as np
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
+from ._gemm import split_gemm
 from .elementwise import scratch
 
 # numpy has no BLAS path for half types (and bfloat16 products would round at every
@@ -95,6 +96,12 @@ def _prepared_b(b: np.ndarray, trans_b: bool, alpha: float | None) -> np.ndarray
     return _widen(prepared)
 
 
+def _splittable(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a @ b`` is a float32/float64 matrix product ``split_gemm`` computes
+    (blocks over the threads, one-thread BLAS each) rather than numpy."""
+    return a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype and a.dtype.char in "fd"
+
+
 @kernel_builder("Gemm", 1, 7)
 def gemm(ctx: KernelContext):
     """Y = alpha * A' @ B' + beta * C. What depends on constant B and C is folded once:
@@ -127,7 +134,10 @@ def gemm(ctx: KernelContext):
     def run(a, b, c=None):
         if trans_a:
             a = a.T
-        if prepared_b is not None:
+        if prepared_b is not None and _splittable(a, prepared_b):
+            y = np.empty((a.shape[0], prepared_b.shape[1]), a.dtype)
+            split_gemm(a, prepared_b, y)
+        elif prepared_b is not None:
             out_dtype = a.dtype
             y = np.matmul(_widen(a), prepared_b)
             if y.dtype != out_dtype:
@@ -156,6 +166,8 @@ def gemm(ctx: KernelContext):
                 product = scratch(y, "product", y.shape, product_dtype)
                 np.matmul(wide_a, prepared_b, out=product)
                 np.copyto(y, product, casting="unsafe")
+            elif _splittable(a, prepared_b):
+                split_gemm(a, prepared_b, y)
             else:
                 np.matmul(a, prepared_b, out=y)
         else:
