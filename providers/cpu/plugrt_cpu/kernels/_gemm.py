@@ -110,7 +110,9 @@ def gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -> None
     entry = functions.get(c.dtype)
     m, n = c.shape
     k = a.shape[1]
-    if entry is not None and a.dtype == c.dtype and b.dtype == c.dtype and m and n and k:
+    # a single row goes to numpy, whose matmul takes BLAS's gemv for it: 3-4x faster than
+    # gemm, which packs all of b (measured 1 x 9216 @ 9216 x 4096: 7.8 ms against 28 ms)
+    if entry is not None and a.dtype == c.dtype and b.dtype == c.dtype and m > 1 and n and k:
         la, lb, lc = _layout(a), _layout(b), _layout(c)
         if la is not None and lb is not None and lc is not None and lc[0] == _NO_TRANS:
             function, _ = entry
