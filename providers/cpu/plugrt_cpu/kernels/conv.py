@@ -122,8 +122,6 @@ class _ConvPlan:
         self.out_size = math.prod(out)
         self.m = m
         ksize = math.prod(kernel)
-        # multiply-adds of one GEMM call (per image and group): what BLAS threads are worth
-        self.gemm_work = (m // group) * (c // group) * ksize * self.out_size
         pointwise = ksize == 1 and not any(pb) and all(
             (o - 1) * s + 1 <= size for o, s, size in zip(out, strides, spatial)
         )
@@ -161,7 +159,6 @@ class _ConvPlan:
             )
             layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
-        self.gemm_work = (m // group) * (c // group) * ksize * rows * rest
         self.grid = grid_plan(x_shape, w_shape, strides, dilations, pb, out, group)
 
     def _plan_depthwise(

@@ -263,8 +263,6 @@ class _Pooling:
         scales = plan.scales
 
         def chunk(start: int, stop: int) -> None:
-            if start >= stop:
-                return
             work, _ = _workspace("pool-row", (length,), _FLOAT32)
             if scales is None:
                 loops.max_pool2d(xs, ys, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, work)
