@@ -36,6 +36,7 @@ from ._window import (
 )
 from ._gemm import available, gemm, split_gemm
 from .conv_gemm import grid_plan
+from .winograd import winograd_loops, winograd_plan
 from ._relu import relu_into
 from .elementwise import scratch, with_small_buffers
 
@@ -160,6 +161,7 @@ class _ConvPlan:
             layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
             self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
         self.grid = grid_plan(x_shape, w_shape, strides, dilations, pb, out, group)
+        self.winograd = winograd_plan(x_shape, w_shape, strides, dilations, pb, out, group)
 
     def _plan_depthwise(
         self,
@@ -348,11 +350,23 @@ class _Convolution:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
             y = self._depthwise_taps(x, wg, plan, bias, y)
+        elif (done := self._winograd(x, weight, bias, y, plan)) is not None:
+            y = done
         elif plan.grid is not None and available(x.dtype):
             y = plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
         else:
             y = self._im2col(x, wg, plan, bias, y)
         return y.reshape(n, m, *plan.out)
+
+    def _winograd(
+        self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None, plan: _ConvPlan
+    ) -> np.ndarray | None:
+        """The 3x3 float32 Conv by Winograd's F(4x4, 3x3) where it is planned and numba is
+        there; None otherwise, or when ``x`` holds a NaN or an infinity (a tile would spread
+        it over outputs the direct ways keep finite)."""
+        if plan.winograd is None or x.dtype != np.float32 or winograd_loops() is None:
+            return None
+        return plan.winograd(x, weight, bias, self.relu, None if y is None else y.reshape(x.shape[0], plan.m, *plan.out))
 
     def _depthwise_compiled(
         self, x: np.ndarray, weight: "_ConvWeight", plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None

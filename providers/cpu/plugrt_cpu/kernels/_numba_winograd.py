@@ -1,0 +1,180 @@
+"""numba-compiled float32 transforms of the Winograd 3x3 convolution F(4x4, 3x3) (Lavin and Gray, 2016).
+
+Imported only through :func:`plugrt_cpu.kernels.winograd.winograd_loops`, which returns
+None when numba is missing or ``PLUGRT_NUMBA=0``; Conv then takes its GEMM paths. The
+compiled code is cached on disk (``cache=True``): the first process on a machine
+compiles (~2 s), later ones load it.
+
+Each output tile of 4x4 reads a 6x6 input tile (tiles 4 apart). The input transform
+``V = B^T d B`` and the output transform ``Y = A^T M A`` are separable: a vertical pass
+over whole rows (unit steps, vectorised), then a horizontal one. The horizontal pass
+runs over the tiles of every tile row at once: a tile row is laid out ``4 * (tiles +
+1)`` floats wide, so tile ``g`` (counted over all tile rows, one junk tile closing
+each row) starts at float ``4 * g``, an index that is affine in the loop counter and
+vectorises. The junk tiles mix a row's end with the next row's start (finite values,
+never read back from ``M``); the very last one, which would read past the pass, is zero.
+
+The fastmath flags allow contraction and reassociation but not ``nnan``/``ninf``. A
+tile mixes all its 36 inputs, so a NaN or infinity would spread over outputs a direct
+convolution keeps finite: the input transform reports any non-finite input and the
+caller computes that call the direct way.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["winograd_input", "winograd_output"]
+
+_ZERO = np.float32(0.0)
+_TWO = np.float32(2.0)
+_FOUR = np.float32(4.0)
+_FIVE = np.float32(5.0)
+_EIGHT = np.float32(8.0)
+
+_FLAGS = {"contract", "arcp", "nsz", "reassoc"}
+
+_INPUT = numba.boolean(
+    numba.types.Array(numba.float32, 4, "C", readonly=True),  # x (n, C, H, W)
+    numba.int64,  # pad_top
+    numba.int64,  # pad_left
+    numba.int64,  # tile_rows
+    numba.int64,  # tiles (per tile row)
+    numba.float32[:, :, ::1],  # v (36, C, n * tile_rows * (tiles + 1))
+    numba.int64,  # start
+    numba.int64,  # stop
+    numba.float32[::1],  # work
+)
+
+
+@numba.njit([_INPUT], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def winograd_input(x, pad_top, pad_left, tile_rows, tiles, v, start, stop, work):  # pragma: no cover  (compiled)
+    """``V = B^T d B`` for the input planes [start, stop) counted over (image, channel),
+    into ``v[:, channel, image * cells : (image + 1) * cells]``. ``work`` holds the
+    zero-padded plane (``4 * tile_rows + 2`` rows of ``4 * (tiles + 1)``) and the vertical
+    pass (6 rows of ``tile_rows * 4 * (tiles + 1)``). Returns False when a plane holds a
+    NaN or an infinity (``v`` is then incomplete)."""
+    channels, height, width = x.shape[1], x.shape[2], x.shape[3]
+    pitch = 4 * (tiles + 1)
+    padded_rows = 4 * tile_rows + 2
+    cells = tile_rows * (tiles + 1)
+    plane = work[: padded_rows * pitch]
+    vertical = work[padded_rows * pitch : padded_rows * pitch + 6 * tile_rows * pitch]
+    plane[:] = _ZERO  # the padding; every plane writes the same interior
+    rows = min(height, padded_rows - pad_top)
+    count = min(width, pitch - pad_left)
+    finite = True
+    for index in range(start, stop):
+        image = index // channels
+        channel = index - image * channels
+        check = _ZERO  # stays zero unless a value is NaN or infinite (0 * inf is NaN)
+        for r in range(rows):
+            dst = plane[(r + pad_top) * pitch + pad_left :]
+            src = x[image, channel, r]
+            for j in range(count):
+                value = src[j]
+                dst[j] = value
+                check += value * _ZERO
+        if check != _ZERO:
+            finite = False
+            break
+        for ty in range(tile_rows):
+            d = plane[4 * ty * pitch :]
+            d0, d1, d2 = d[:pitch], d[pitch : 2 * pitch], d[2 * pitch : 3 * pitch]
+            d3, d4, d5 = d[3 * pitch : 4 * pitch], d[4 * pitch : 5 * pitch], d[5 * pitch : 6 * pitch]
+            t = vertical[ty * pitch :]
+            t0, t1, t2 = t[:pitch], t[tile_rows * pitch :], t[2 * tile_rows * pitch :]
+            t3, t4, t5 = t[3 * tile_rows * pitch :], t[4 * tile_rows * pitch :], t[5 * tile_rows * pitch :]
+            for j in range(pitch):
+                a0, a1, a2, a3, a4, a5 = d0[j], d1[j], d2[j], d3[j], d4[j], d5[j]
+                t0[j] = _FOUR * a0 - _FIVE * a2 + a4
+                t1[j] = a3 + a4 - _FOUR * (a1 + a2)
+                t2[j] = _FOUR * (a1 - a2) - a3 + a4
+                t3[j] = _TWO * (a3 - a1) - a2 + a4
+                t4[j] = _TWO * (a1 - a3) - a2 + a4
+                t5[j] = _FOUR * a1 - _FIVE * a3 + a5
+        base = image * cells
+        for i in range(6):
+            t = vertical[i * tile_rows * pitch :]
+            o0, o1, o2 = v[6 * i, channel, base:], v[6 * i + 1, channel, base:], v[6 * i + 2, channel, base:]
+            o3, o4, o5 = v[6 * i + 3, channel, base:], v[6 * i + 4, channel, base:], v[6 * i + 5, channel, base:]
+            for g in range(cells - 1):  # the last tile of the last row is junk and reads past the end
+                a0, a1, a2, a3, a4, a5 = t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3], t[4 * g + 4], t[4 * g + 5]
+                o0[g] = _FOUR * a0 - _FIVE * a2 + a4
+                o1[g] = a3 + a4 - _FOUR * (a1 + a2)
+                o2[g] = _FOUR * (a1 - a2) - a3 + a4
+                o3[g] = _TWO * (a3 - a1) - a2 + a4
+                o4[g] = _TWO * (a1 - a3) - a2 + a4
+                o5[g] = _FOUR * a1 - _FIVE * a3 + a5
+            last = cells - 1
+            o0[last] = o1[last] = o2[last] = o3[last] = o4[last] = o5[last] = _ZERO
+    return finite
+
+
+_OUTPUT = numba.void(
+    numba.types.Array(numba.float32, 3, "C", readonly=True),  # m (36, K, n * cells)
+    numba.types.Array(numba.float32, 1, "C", readonly=True),  # bias (K,)
+    numba.boolean,  # relu
+    numba.int64,  # tile_rows
+    numba.int64,  # tiles
+    numba.float32[:, :, :, ::1],  # y (n, K, OH, OW)
+    numba.int64,  # start
+    numba.int64,  # stop
+    numba.float32[::1],  # work
+)
+
+
+@numba.njit([_OUTPUT], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def winograd_output(m, bias, relu, tile_rows, tiles, y, start, stop, work):  # pragma: no cover  (compiled)
+    """``Y = A^T M A + bias`` (clamped at zero when ``relu``; NaN stays NaN) for the output
+    planes [start, stop) counted over (image, output channel). ``work`` holds the vertical
+    pass (4 x 6 rows of ``cells``) and the output rows (4 rows of ``4 * cells``)."""
+    outputs, out_h, out_w = y.shape[1], y.shape[2], y.shape[3]
+    cells = tile_rows * (tiles + 1)
+    pitch = 4 * (tiles + 1)
+    vertical = work[: 24 * cells]
+    rows_out = work[24 * cells : 24 * cells + 16 * cells]
+    for index in range(start, stop):
+        image = index // outputs
+        k = index - image * outputs
+        b = bias[k]
+        base = image * cells
+        for col in range(6):
+            m0, m1, m2 = m[col, k, base:], m[6 + col, k, base:], m[12 + col, k, base:]
+            m3, m4, m5 = m[18 + col, k, base:], m[24 + col, k, base:], m[30 + col, k, base:]
+            r0, r1 = vertical[col * cells :], vertical[(6 + col) * cells :]
+            r2, r3 = vertical[(12 + col) * cells :], vertical[(18 + col) * cells :]
+            for g in range(cells):
+                a0, a1, a2, a3, a4, a5 = m0[g], m1[g], m2[g], m3[g], m4[g], m5[g]
+                r0[g] = a0 + a1 + a2 + a3 + a4
+                r1[g] = a1 - a2 + _TWO * (a3 - a4)
+                r2[g] = a1 + a2 + _FOUR * (a3 + a4)
+                r3[g] = a1 - a2 + _EIGHT * (a3 - a4) + a5
+        for row in range(4):
+            q = vertical[6 * row * cells :]
+            q0, q1, q2 = q[:cells], q[cells : 2 * cells], q[2 * cells : 3 * cells]
+            q3, q4, q5 = q[3 * cells : 4 * cells], q[4 * cells : 5 * cells], q[5 * cells : 6 * cells]
+            out = rows_out[row * 4 * cells :]
+            for g in range(cells):
+                a0, a1, a2, a3, a4, a5 = q0[g], q1[g], q2[g], q3[g], q4[g], q5[g]
+                v0 = b + a0 + a1 + a2 + a3 + a4
+                v1 = b + a1 - a2 + _TWO * (a3 - a4)
+                v2 = b + a1 + a2 + _FOUR * (a3 + a4)
+                v3 = b + a1 - a2 + _EIGHT * (a3 - a4) + a5
+                if relu:  # NaN is not below zero: it stays
+                    v0 = _ZERO if v0 < _ZERO else v0
+                    v1 = _ZERO if v1 < _ZERO else v1
+                    v2 = _ZERO if v2 < _ZERO else v2
+                    v3 = _ZERO if v3 < _ZERO else v3
+                out[4 * g] = v0
+                out[4 * g + 1] = v1
+                out[4 * g + 2] = v2
+                out[4 * g + 3] = v3
+        plane = y[image, k]
+        for ty in range(tile_rows):
+            for row in range(min(4, out_h - 4 * ty)):
+                src = rows_out[row * 4 * cells + ty * pitch :]
+                dst = plane[4 * ty + row]
+                for j in range(out_w):
+                    dst[j] = src[j]

@@ -1,0 +1,219 @@
+"""Winograd F(4x4, 3x3) for float32 3x3 Conv: matches onnxruntime over sizes that are and are
+not multiples of the tile, pads, batches, bias and fused Relu, and a weight fed at run time;
+keeps NaN and infinity where onnxruntime puts them; steps aside under PLUGRT_NUMBA=0 and
+where the GEMM paths are faster; replays without allocating."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import plugrt
+from plugrt_cpu.kernels import winograd
+
+from cpu.test_into import check_captured, one_node
+
+pytest.importorskip("numba")
+
+
+def _random(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# (input shape, output channels, attributes); every one is planned for Winograd
+CASES = {
+    "56x56": ((1, 16, 56, 56), 16, {"pads": [1, 1, 1, 1]}),
+    "odd-29x31-batch-2": ((2, 16, 29, 31), 8, {"pads": [1, 1, 1, 1]}),
+    "no-pads-30x34": ((1, 24, 30, 34), 12, {}),
+    "asymmetric-pads": ((1, 16, 27, 30), 20, {"pads": [0, 2, 1, 0]}),
+    "pads-2": ((1, 16, 26, 25), 4, {"pads": [2, 2, 2, 2]}),
+    "same-upper": ((1, 17, 25, 27), 9, {"auto_pad": "SAME_UPPER"}),
+    "batch-5-small": ((5, 16, 10, 11), 3, {"pads": [1, 1, 1, 1]}),
+    "one-row-of-tiles": ((1, 16, 3, 190), 8, {"pads": [1, 1, 1, 1]}),
+}
+
+
+def _model(x_shape, w: np.ndarray, b: np.ndarray | None, attributes: dict, relu: bool, weight_input: bool = False) -> bytes:
+    inputs = ["x", "w"] + (["b"] if b is not None else [])
+    nodes = [onnx.helper.make_node("Conv", inputs, ["c" if relu else "y"], **attributes)]
+    if relu:
+        nodes.append(onnx.helper.make_node("Relu", ["c"], ["y"]))
+    graph_inputs = [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x_shape)]
+    initializers = [numpy_helper.from_array(b, "b")] if b is not None else []
+    if weight_input:
+        graph_inputs.append(onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, w.shape))
+    else:
+        initializers.append(numpy_helper.from_array(w, "w"))
+    graph = onnx.helper.make_graph(
+        nodes, "winograd", graph_inputs, [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], initializers
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+def _onnxruntime(model: bytes, feeds: dict) -> np.ndarray:
+    return onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _close(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Winograd's transforms round differently from a direct sum: within 1e-5 of the
+    output's scale (measured at most 6e-6 on these cases)."""
+    assert actual.shape == expected.shape
+    scale = float(np.abs(expected[np.isfinite(expected)]).max())
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.fixture
+def winograd_calls(monkeypatch) -> list[np.ndarray]:
+    """The inputs of the Conv calls that run Winograd's transforms to the end."""
+    calls: list[np.ndarray] = []
+    original = winograd.WinogradPlan.__call__
+
+    def counted(self, x, *args, **kwargs):
+        y = original(self, x, *args, **kwargs)
+        if y is not None:
+            calls.append(x)
+        return y
+
+    monkeypatch.setattr(winograd.WinogradPlan, "__call__", counted)
+    return calls
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def path(request, monkeypatch):
+    """Each test twice: with the compiled transforms (skipped under PLUGRT_NUMBA=0) and
+    with PLUGRT_NUMBA=0, the GEMM paths."""
+    if request.param == "numba":
+        if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+            pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+        assert winograd.winograd_loops() is not None
+        yield request.param
+        return
+    monkeypatch.setenv("PLUGRT_NUMBA", "0")
+    winograd.winograd_loops.cache_clear()
+    yield request.param
+    winograd.winograd_loops.cache_clear()
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_winograd_matches_onnxruntime(case, bias, relu, path, winograd_calls):
+    x_shape, m, attributes = CASES[case]
+    x, w = _random(*x_shape, seed=1), _random(m, x_shape[1], 3, 3, seed=2)
+    b = _random(m, seed=3) if bias else None
+    model = _model(x_shape, w, b, attributes, relu)
+    session = plugrt.load(model, device="cpu")
+    expected = _onnxruntime(model, {"x": x})
+    for _ in range(2):  # the first call transforms the weight into a workspace, the second keeps it
+        _close(session.run({"x": x})["y"], expected)
+    assert len(winograd_calls) == (2 if path == "numba" else 0)
+
+
+def test_a_weight_fed_at_run_time_is_transformed_each_call(path, winograd_calls):
+    x_shape, m, attributes = CASES["odd-29x31-batch-2"]
+    x = _random(*x_shape, seed=1)
+    model = _model(x_shape, _random(m, x_shape[1], 3, 3), _random(m, seed=3), attributes, relu=True, weight_input=True)
+    session = plugrt.load(model, device="cpu")
+    for seed in (4, 5, 6):
+        feeds = {"x": x, "w": _random(m, x_shape[1], 3, 3, seed=seed)}
+        _close(session.run(feeds)["y"], _onnxruntime(model, feeds))
+    assert len(winograd_calls) == (3 if path == "numba" else 0)
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+def test_nan_and_infinity_reach_the_outputs_onnxruntime_gives_them(relu, path, winograd_calls):
+    x_shape, m, attributes = CASES["odd-29x31-batch-2"]
+    x = _random(*x_shape, seed=1)
+    x[0, 0, 5, 7] = np.nan
+    x[1, 3, 20, 30] = np.inf
+    x[1, 2, 0, 0] = -np.inf
+    model = _model(x_shape, _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3), attributes, relu)
+    session = plugrt.load(model, device="cpu")
+    actual = session.run({"x": x})["y"]
+    expected = _onnxruntime(model, {"x": x})
+    assert np.isnan(expected).any() and not np.isnan(expected).all()
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(actual), np.isinf(expected))
+    _close(actual, expected)
+    assert not winograd_calls  # the direct way computed it
+    # and a finite input afterwards takes the transforms again
+    finite = _random(*x_shape, seed=7)
+    _close(session.run({"x": finite})["y"], _onnxruntime(model, {"x": finite}))
+    assert len(winograd_calls) == (1 if path == "numba" else 0)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, attributes",
+    [
+        ((1, 64, 14, 14), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]}),  # 20 tiles: too few
+        ((1, 8, 56, 56), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}),  # too few channels
+        ((1, 16, 56, 56), (16, 16, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+        ((1, 16, 56, 56), (16, 16, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+        ((1, 32, 56, 56), (32, 16, 3, 3), {"pads": [1, 1, 1, 1], "group": 2}),
+        ((1, 16, 56, 56), (16, 16, 5, 5), {"pads": [2, 2, 2, 2]}),
+    ],
+    ids=["14x14", "8-channels", "stride-2", "dilation-2", "groups", "5x5"],
+)
+def test_the_gemm_paths_take_what_winograd_does_not_pay_for(x_shape, w_shape, attributes, winograd_calls):
+    x = _random(*x_shape, seed=1)
+    model = _model(x_shape, _random(*w_shape, seed=2), _random(w_shape[0], seed=3), attributes, relu=False)
+    actual = plugrt.load(model, device="cpu").run({"x": x})["y"]
+    np.testing.assert_allclose(actual, _onnxruntime(model, {"x": x}), rtol=1e-4, atol=1e-4)
+    assert not winograd_calls
+
+
+def test_float64_takes_the_gemm_paths(winograd_calls):
+    x_shape, m, attributes = CASES["56x56"]
+    x = np.random.default_rng(1).standard_normal(x_shape)
+    w = np.random.default_rng(2).standard_normal((m, x_shape[1], 3, 3))
+    model = one_node("y = Conv<pads = [1, 1, 1, 1]>(x, w)", {"x": x}, {"y": "double"}, constants={"w": w})
+    actual = plugrt.load(model, device="cpu").run({"x": x})["y"]
+    expected = ReferenceEvaluator(model).run(None, {"x": x})[0]  # onnxruntime has no double Conv
+    np.testing.assert_allclose(actual, expected, rtol=1e-10, atol=1e-10)
+    assert not winograd_calls
+
+
+@pytest.mark.parametrize("case", ["56x56", "odd-29x31-batch-2", "asymmetric-pads"])
+def test_winograd_is_captured_and_replays_without_allocating(case, path, winograd_calls):
+    x_shape, m, attributes = CASES[case]
+    pads = attributes.get("pads", [0, 0, 0, 0])
+    model = one_node(
+        f"y = Conv<pads = [{', '.join(map(str, pads))}]>(x, w, b)",
+        {"x": _random(*x_shape)},
+        {"y": "float"},
+        constants={"w": _random(m, x_shape[1], 3, 3, seed=2), "b": _random(m, seed=3)},
+    )
+    check_captured(model, lambda rng: {"x": rng.standard_normal(x_shape).astype(np.float32)})
+    assert bool(winograd_calls) == (path == "numba")
+
+
+def test_a_non_contiguous_input_is_read_as_it_is(path, winograd_calls):
+    # a Transpose in front hands the Conv a strided view
+    x_shape, m, _ = CASES["odd-29x31-batch-2"]
+    transposed = (x_shape[0], x_shape[2], x_shape[3], x_shape[1])
+    model = one_node(
+        "t = Transpose<perm = [0, 3, 1, 2]>(x)\n    y = Conv<pads = [1, 1, 1, 1]>(t, w, b)",
+        {"x": _random(*transposed)},
+        {"y": "float"},
+        constants={"w": _random(m, x_shape[1], 3, 3, seed=2), "b": _random(m, seed=3)},
+    )
+    x = _random(*transposed, seed=1)
+    actual = plugrt.load(model, device="cpu", optimization="none").run({"x": x})["y"]
+    _close(actual, _onnxruntime(model, {"x": x}))
+    assert bool(winograd_calls) == (path == "numba")
+    check_captured(model, lambda rng: {"x": rng.standard_normal(transposed).astype(np.float32)})
+
+
+def test_light_vgg19_matches_its_expected_output(path, winograd_calls):
+    from test_light_models import MODELS, _check, _with_logits
+
+    model = MODELS["vgg19"]
+    outputs = plugrt.load(_with_logits("vgg19")[0], device="cpu").run(model.inputs)
+    assert bool(winograd_calls) == (path == "numba")
+    _check(model, list(outputs.values()))
