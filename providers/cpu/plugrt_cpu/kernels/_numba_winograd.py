@@ -39,53 +39,53 @@ _INPUT = numba.boolean(
     numba.types.Array(numba.float32, 4, "C", readonly=True),  # x (n, C, H, W)
     numba.int64,  # pad_top
     numba.int64,  # pad_left
-    numba.int64,  # tile_rows
     numba.int64,  # tiles (per tile row)
-    numba.float32[:, :, ::1],  # v (36, C, n * tile_rows * (tiles + 1))
-    numba.int64,  # start
-    numba.int64,  # stop
+    numba.float32[:, :, ::1],  # v (36, C, band cells)
+    numba.int64,  # image
+    numba.int64,  # row0
+    numba.int64,  # row1
+    numba.int64,  # first channel
+    numba.int64,  # channel stop
     numba.float32[::1],  # work
 )
 
 
 @numba.njit([_INPUT], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
-def winograd_input(x, pad_top, pad_left, tile_rows, tiles, v, start, stop, work):  # pragma: no cover  (compiled)
-    """``V = B^T d B`` for the input planes [start, stop) counted over (image, channel),
-    into ``v[:, channel, image * cells : (image + 1) * cells]``. ``work`` holds the
-    zero-padded plane (``4 * tile_rows + 2`` rows of ``4 * (tiles + 1)``) and the vertical
-    pass (6 rows of ``tile_rows * 4 * (tiles + 1)``). Returns False when a plane holds a
+def winograd_input(x, pad_top, pad_left, tiles, v, image, row0, row1, c0, c1, work):  # pragma: no cover  (compiled)
+    """``V = B^T d B`` for channels [c0, c1) of ``image`` over tile rows [row0, row1) (a
+    band), into ``v`` (36, C, (row1 - row0) * (tiles + 1)). ``work`` holds the band's zero-padded
+    plane (``4 * rows + 2`` rows of ``4 * (tiles + 1)``) and the vertical pass (6 rows of
+    ``rows * 4 * (tiles + 1)``). Returns False when the input rows the band reads hold a
     NaN or an infinity (``v`` is then incomplete)."""
-    channels, height, width = x.shape[1], x.shape[2], x.shape[3]
+    height, width = x.shape[2], x.shape[3]
+    rows = row1 - row0
     pitch = 4 * (tiles + 1)
-    padded_rows = 4 * tile_rows + 2
-    cells = tile_rows * (tiles + 1)
+    padded_rows = 4 * rows + 2
+    cells = rows * (tiles + 1)
     plane = work[: padded_rows * pitch]
-    vertical = work[padded_rows * pitch : padded_rows * pitch + 6 * tile_rows * pitch]
-    plane[:] = _ZERO  # the padding; every plane writes the same interior
-    rows = min(height, padded_rows - pad_top)
+    vertical = work[padded_rows * pitch : padded_rows * pitch + 6 * rows * pitch]
+    plane[:] = _ZERO  # the padding; every channel writes the same interior
+    first = max(0, pad_top - 4 * row0)  # the plane's first row that holds an input row
+    last = min(padded_rows, height + pad_top - 4 * row0)
     count = min(width, pitch - pad_left)
-    finite = True
-    for index in range(start, stop):
-        image = index // channels
-        channel = index - image * channels
+    for channel in range(c0, c1):
         check = _ZERO  # stays zero unless a value is NaN or infinite (0 * inf is NaN)
-        for r in range(rows):
-            dst = plane[(r + pad_top) * pitch + pad_left :]
-            src = x[image, channel, r]
+        for r in range(first, last):
+            dst = plane[r * pitch + pad_left :]
+            src = x[image, channel, 4 * row0 + r - pad_top]
             for j in range(count):
                 value = src[j]
                 dst[j] = value
                 check += value * _ZERO
         if check != _ZERO:
-            finite = False
-            break
-        for ty in range(tile_rows):
+            return False
+        for ty in range(rows):
             d = plane[4 * ty * pitch :]
             d0, d1, d2 = d[:pitch], d[pitch : 2 * pitch], d[2 * pitch : 3 * pitch]
             d3, d4, d5 = d[3 * pitch : 4 * pitch], d[4 * pitch : 5 * pitch], d[5 * pitch : 6 * pitch]
             t = vertical[ty * pitch :]
-            t0, t1, t2 = t[:pitch], t[tile_rows * pitch :], t[2 * tile_rows * pitch :]
-            t3, t4, t5 = t[3 * tile_rows * pitch :], t[4 * tile_rows * pitch :], t[5 * tile_rows * pitch :]
+            t0, t1, t2 = t[:pitch], t[rows * pitch :], t[2 * rows * pitch :]
+            t3, t4, t5 = t[3 * rows * pitch :], t[4 * rows * pitch :], t[5 * rows * pitch :]
             for j in range(pitch):
                 a0, a1, a2, a3, a4, a5 = d0[j], d1[j], d2[j], d3[j], d4[j], d5[j]
                 t0[j] = _FOUR * a0 - _FIVE * a2 + a4
@@ -94,12 +94,11 @@ def winograd_input(x, pad_top, pad_left, tile_rows, tiles, v, start, stop, work)
                 t3[j] = _TWO * (a3 - a1) - a2 + a4
                 t4[j] = _TWO * (a1 - a3) - a2 + a4
                 t5[j] = _FOUR * a1 - _FIVE * a3 + a5
-        base = image * cells
         for i in range(6):
-            t = vertical[i * tile_rows * pitch :]
-            o0, o1, o2 = v[6 * i, channel, base:], v[6 * i + 1, channel, base:], v[6 * i + 2, channel, base:]
-            o3, o4, o5 = v[6 * i + 3, channel, base:], v[6 * i + 4, channel, base:], v[6 * i + 5, channel, base:]
-            for g in range(cells - 1):  # the last tile of the last row is junk and reads past the end
+            t = vertical[i * rows * pitch :]
+            o0, o1, o2 = v[6 * i, channel], v[6 * i + 1, channel], v[6 * i + 2, channel]
+            o3, o4, o5 = v[6 * i + 3, channel], v[6 * i + 4, channel], v[6 * i + 5, channel]
+            for g in range(cells - 1):  # the band's last tile is junk and would read past the pass
                 a0, a1, a2, a3, a4, a5 = t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3], t[4 * g + 4], t[4 * g + 5]
                 o0[g] = _FOUR * a0 - _FIVE * a2 + a4
                 o1[g] = a3 + a4 - _FOUR * (a1 + a2)
@@ -107,42 +106,44 @@ def winograd_input(x, pad_top, pad_left, tile_rows, tiles, v, start, stop, work)
                 o3[g] = _TWO * (a3 - a1) - a2 + a4
                 o4[g] = _TWO * (a1 - a3) - a2 + a4
                 o5[g] = _FOUR * a1 - _FIVE * a3 + a5
-            last = cells - 1
-            o0[last] = o1[last] = o2[last] = o3[last] = o4[last] = o5[last] = _ZERO
-    return finite
+            last_cell = cells - 1
+            o0[last_cell] = o1[last_cell] = o2[last_cell] = _ZERO
+            o3[last_cell] = o4[last_cell] = o5[last_cell] = _ZERO
+    return True
 
 
 _OUTPUT = numba.void(
-    numba.types.Array(numba.float32, 3, "C", readonly=True),  # m (36, K, n * cells)
+    numba.types.Array(numba.float32, 3, "C", readonly=True),  # m (36, K, band cells)
     numba.types.Array(numba.float32, 1, "C", readonly=True),  # bias (K,)
     numba.boolean,  # relu
-    numba.int64,  # tile_rows
     numba.int64,  # tiles
     numba.float32[:, :, :, ::1],  # y (n, K, OH, OW)
-    numba.int64,  # start
-    numba.int64,  # stop
+    numba.int64,  # image
+    numba.int64,  # row0
+    numba.int64,  # row1
+    numba.int64,  # first output channel
+    numba.int64,  # output channel stop
     numba.float32[::1],  # work
 )
 
 
 @numba.njit([_OUTPUT], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
-def winograd_output(m, bias, relu, tile_rows, tiles, y, start, stop, work):  # pragma: no cover  (compiled)
-    """``Y = A^T M A + bias`` (clamped at zero when ``relu``; NaN stays NaN) for the output
-    planes [start, stop) counted over (image, output channel). ``work`` holds the vertical
-    pass (4 x 6 rows of ``cells``) and the output rows (4 rows of ``4 * cells``)."""
-    outputs, out_h, out_w = y.shape[1], y.shape[2], y.shape[3]
-    cells = tile_rows * (tiles + 1)
+def winograd_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  # pragma: no cover  (compiled)
+    """``Y = A^T M A + bias`` (clamped at zero when ``relu``; NaN stays NaN) for output
+    channels [k0, k1) of ``image`` over tile rows [row0, row1), from the band's products
+    ``m`` (36, K, (row1 - row0) * (tiles + 1)). ``work`` holds the vertical pass (4 x 6
+    rows of the band's cells) and the output rows (4 rows of 4 floats a cell)."""
+    out_h, out_w = y.shape[2], y.shape[3]
+    rows = row1 - row0
+    cells = rows * (tiles + 1)
     pitch = 4 * (tiles + 1)
     vertical = work[: 24 * cells]
     rows_out = work[24 * cells : 24 * cells + 16 * cells]
-    for index in range(start, stop):
-        image = index // outputs
-        k = index - image * outputs
+    for k in range(k0, k1):
         b = bias[k]
-        base = image * cells
         for col in range(6):
-            m0, m1, m2 = m[col, k, base:], m[6 + col, k, base:], m[12 + col, k, base:]
-            m3, m4, m5 = m[18 + col, k, base:], m[24 + col, k, base:], m[30 + col, k, base:]
+            m0, m1, m2 = m[col, k], m[6 + col, k], m[12 + col, k]
+            m3, m4, m5 = m[18 + col, k], m[24 + col, k], m[30 + col, k]
             r0, r1 = vertical[col * cells :], vertical[(6 + col) * cells :]
             r2, r3 = vertical[(12 + col) * cells :], vertical[(18 + col) * cells :]
             for g in range(cells):
@@ -172,9 +173,10 @@ def winograd_output(m, bias, relu, tile_rows, tiles, y, start, stop, work):  # p
                 out[4 * g + 2] = v2
                 out[4 * g + 3] = v3
         plane = y[image, k]
-        for ty in range(tile_rows):
-            for row in range(min(4, out_h - 4 * ty)):
+        for ty in range(rows):
+            top = 4 * (row0 + ty)
+            for row in range(min(4, out_h - top)):
                 src = rows_out[row * 4 * cells + ty * pitch :]
-                dst = plane[4 * ty + row]
+                dst = plane[top + row]
                 for j in range(out_w):
                     dst[j] = src[j]
