@@ -8,6 +8,7 @@ import math
 import numpy as np
 import onnx
 import onnx.parser
+import onnx.reference
 import onnx_ir as ir
 import onnxruntime
 import pytest
@@ -140,6 +141,84 @@ def test_a_channel_shaped_constant_on_a_tensor_of_another_rank_is_not_folded():
     # (4, 1, 1) against (1, 4, 5) broadcasts to (4, 4, 5): not a per-channel map.
     model = _batch_norm_then_channel_affine((1, 4, 5), (4, 4, 5))
     _assert_fused(model, {"x": _random(1, 4, 5, seed=9)}, ["MaxPool", "BatchNormalization", "Mul", "Add"])
+
+
+# ---------------------------------------------------------------------------------------
+# (1b) BatchNormalization + Relu
+
+
+def _batch_norm_relu(outputs: str = "float[2, 4, 5, 5] y", body: str = "", opset: int = 13, **feeds: str) -> bytes:
+    """x -> BatchNormalization -> n -> Relu -> y, with ``body`` appended and ``feeds`` as more
+    graph inputs (name: type) in place of constants."""
+    inputs = ", ".join(["float[2, 4, 5, 5] x", *(f"{t} {name}" for name, t in feeds.items())])
+    text = f"""
+    <ir_version: 8, opset_import: ["" : {opset}]>
+    g ({inputs}) => ({outputs}) {{
+        n = BatchNormalization <epsilon = 0.001> (x, scale, bias, mean, var)
+        y = Relu (n)
+        {body}
+    }}
+    """
+    constants = {k: v for k, v in _BN_CONSTANTS.items() if k not in ("w", "b", *feeds)}
+    return _model(text, **constants)
+
+
+def test_batch_normalization_then_relu_runs_as_one_channel_affine():
+    _assert_fused(_batch_norm_relu(), {"x": _random(2, 4, 5, 5, seed=9)}, ["ChannelAffine"])
+
+
+def test_batch_normalization_channel_mul_then_relu_fold_and_run_as_one_channel_affine():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (float[2, 4, 5, 5] x) => (float[2, 4, 5, 5] y) {
+            n = BatchNormalization (x, scale, bias, mean, var)
+            m = Mul (n, gain)
+            y = Relu (m)
+        }
+        """,
+        **{k: v for k, v in _BN_CONSTANTS.items() if k not in ("w", "b")}, gain=_random(4, 1, 1, seed=6),
+    )
+    _assert_fused(model, {"x": _random(2, 4, 5, 5, seed=9)}, ["ChannelAffine"])
+
+
+def test_batch_normalization_whose_output_is_also_read_elsewhere_keeps_the_relu_apart():
+    model = _batch_norm_relu("float[2, 4, 5, 5] y, float[2, 4, 5, 5] t", "t = Sigmoid (n)")
+    _assert_fused(model, {"x": _random(2, 4, 5, 5, seed=9)}, ["BatchNormalization", "Relu", "Sigmoid"])
+
+
+def test_batch_normalization_whose_output_is_a_graph_output_keeps_the_relu_apart():
+    model = _batch_norm_relu("float[2, 4, 5, 5] n, float[2, 4, 5, 5] y")
+    _assert_fused(model, {"x": _random(2, 4, 5, 5, seed=9)}, ["BatchNormalization", "Relu"])
+
+
+def test_batch_normalization_with_runtime_statistics_keeps_the_relu_apart():
+    model = _batch_norm_relu(var="float[4]")
+    feeds = {"x": _random(2, 4, 5, 5, seed=9), "var": _random(4, seed=5, low=0.5)}
+    _assert_fused(model, feeds, ["BatchNormalization", "Relu"])
+
+
+def test_batch_normalization_in_training_mode_keeps_the_relu_apart():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 15]>
+        g (float[2, 4, 5, 5] x) => (float[2, 4, 5, 5] y, float[4] running_mean, float[4] running_var) {
+            n, running_mean, running_var = BatchNormalization <training_mode = 1> (x, scale, bias, mean, var)
+            y = Relu (n)
+        }
+        """,
+        **{k: v for k, v in _BN_CONSTANTS.items() if k not in ("w", "b")},
+    )
+    feeds = {"x": _random(2, 4, 5, 5, seed=9)}
+    ops, outputs = _step_ops(model, feeds)
+    assert ops == ["BatchNormalization", "Relu"]
+    expected = onnx.reference.ReferenceEvaluator(onnx.load_from_string(model)).run(None, feeds)
+    for actual, wanted in zip(outputs, expected):
+        np.testing.assert_allclose(actual, wanted, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_batch_normalization_relu_is_captured_and_replays_without_allocating():
+    _assert_replays_without_allocating(_batch_norm_relu(), {"x": _random(2, 4, 5, 5, seed=9)}, ["ChannelAffine"])
 
 
 # ---------------------------------------------------------------------------------------

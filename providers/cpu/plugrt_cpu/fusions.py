@@ -5,7 +5,8 @@ at optimisation level "all", after constant folding and before placement, so a s
 built at "none" or "basic" never sees a fused node. The nodes they write live in the
 private domain ``plugrt.cpu`` (version 1, added to the model's opset imports by the pass
 that writes one); their kernels are registered at the end of this module and reuse the
-standard kernels (Conv from kernels/conv.py, LayerNormalization, Gelu).
+standard kernels (Conv from kernels/conv.py, BatchNormalization's per-channel affine pass,
+LayerNormalization, Gelu).
 
 Every pass fuses only where each intermediate value is read by the next node of the
 pattern alone and is not a graph output, so no value anyone else can see disappears, and
@@ -39,6 +40,7 @@ __all__ = [
     "DOMAIN_VERSION",
     "fusion_passes",
     "FoldChannelAffinePass",
+    "FuseBatchNormReluPass",
     "FuseConvAddPass",
     "FuseConvReluPass",
     "FuseMatMulBiasPass",
@@ -54,9 +56,11 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 def fusion_passes() -> list[InPlacePass]:
     """The CPU fusions in the order they must run (folding before the Add and Relu fusions
-    that look for a Conv right before them; Conv + Add + Relu before Conv + Relu)."""
+    that look for a Conv or a BatchNormalization right before them; Conv + Add + Relu
+    before Conv + Relu)."""
     return [
-        FoldChannelAffinePass(), FuseConvAddPass(), FuseConvReluPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(),
+        FoldChannelAffinePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(), FuseMatMulBiasPass(),
+        FuseLayerNormPass(), FuseGeluPass(),
     ]
 
 
@@ -195,10 +199,8 @@ def _channel_affine(
         arrays = _batch_norm_constants(node, opset)
         if arrays is None or arrays[0].shape != (channels,):
             return None
-        epsilon = node.attributes.get_float("epsilon", 1e-5)
-        scale, bias, mean, var = (np.asarray(a, np.float64) for a in arrays)
-        multiplier = scale / np.sqrt(var + epsilon)
-        return multiplier, bias - mean * multiplier
+        scale, bias, mean, var = arrays
+        return normalization.batch_norm_affine(scale, bias, mean, var, node.attributes.get_float("epsilon", 1e-5))
     if node.op_type not in ("Add", "Sub", "Mul", "Div"):
         return None
     other = _other_input(node, value)
@@ -324,6 +326,39 @@ class FoldChannelAffinePass(_NodePass):
         attributes = list(node.attributes.values())
         batch_norm = ir.Node("", "BatchNormalization", inputs, attributes, num_outputs=1, name=node.name)
         _replace(graph, [node, *chain], batch_norm)
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# (1b) BatchNormalization + Relu: one ChannelAffine step that applies the Relu block by block
+
+
+class FuseBatchNormReluPass(_NodePass):
+    """BatchNormalization (inference, constant statistics) that no Conv took in and whose
+    output only a Relu reads: ``plugrt.cpu::ChannelAffine(x, multiplier, shift)`` with
+    activation="Relu", the pair folded in float64 as the BatchNormalization kernel folds it
+    (so the values are the unfused ones bit for bit). DenseNet's Concat, BN, Relu, Conv."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "BatchNormalization"):
+            return False
+        arrays = _batch_norm_constants(node, model.opset_imports.get("", 0))
+        if arrays is None or any(a.dtype.kind != "f" for a in arrays):
+            return False
+        relu = _sole_reader(node.outputs[0])
+        if not _is(relu, "Relu"):
+            return False
+        scale, bias, mean, var = arrays
+        epsilon = node.attributes.get_float("epsilon", 1e-5)
+        multiplier, shift = normalization.batch_norm_affine(scale, bias, mean, var, epsilon)
+        graph, name = model.graph, node.name or "batch_norm"
+        inputs = [
+            node.inputs[0],
+            _add_constant(graph, f"{name}_multiplier", multiplier),
+            _add_constant(graph, f"{name}_shift", shift),
+        ]
+        fused = _private_node(model, "ChannelAffine", inputs, name, [ir.AttrString("activation", "Relu")])
+        _replace(graph, [node, relu], fused)
         return True
 
 
@@ -617,6 +652,30 @@ def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
     if residual:
         return conv_residual.build_residual_conv(conv_ctx, relu=activation == "Relu")
     return convolution.build_conv(conv_ctx, relu=True)
+
+
+@kernel_builder("ChannelAffine", DOMAIN_VERSION, domain=DOMAIN)
+def channel_affine(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """x * multiplier + shift per channel (axis 1 of x; multiplier and shift are vectors,
+    cast to x's dtype once when constant), then the Relu with activation="Relu": the
+    inference BatchNormalization's ``channel_affine`` passes, with the Relu on each block
+    while it is in cache."""
+    activation = ctx.attributes.get("activation")
+    if activation not in (None, "Relu"):
+        raise NotImplementedError(f"ChannelAffine: activation={activation!r} is not supported (only 'Relu')")
+    relu = activation == "Relu"
+    affine = normalization.AffineCache(lambda multiplier, shift: (multiplier, shift), ctx.constant_inputs[1:3])
+
+    def run(x: np.ndarray, multiplier: np.ndarray, shift: np.ndarray) -> np.ndarray:
+        m, s = affine(x, multiplier, shift)
+        return normalization.channel_affine(np.empty_like(x), x, m, s, relu)
+
+    def run_into(out: np.ndarray, x: np.ndarray, multiplier: np.ndarray, shift: np.ndarray) -> None:
+        m, s = affine(x, multiplier, shift, out=out)
+        elementwise.with_small_buffers(normalization.channel_affine, out, x, m, s, relu)
+
+    declare_into(run_into, run)
+    return run
 
 
 @kernel("FusedMatMul", DOMAIN_VERSION, domain=DOMAIN)

@@ -1,0 +1,168 @@
+"""Inference BatchNormalization followed by Relu runs as one ``plugrt.cpu::ChannelAffine`` step,
+whose values are onnxruntime's (onnx.reference's for non-finite inputs) for any rank, batch
+and float type, also in blocks shared between threads, and whose capture replays without
+allocating. Where the fusion applies is tested with the other fusions (test_fusions.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnx.reference
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+
+import plugrt
+from plugrt.capture import Captured
+from plugrt.conformance.light_models import light_models
+from plugrt.threads import parallel_for
+from plugrt_cpu.kernels import normalization
+
+from cpu.test_into import REPLAY_BYTES, replay_bytes
+from test_light_models import _check, _with_logits
+
+_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+def _batch_norm_relu(shape: tuple[int, ...], dtype: Any = np.float32, seed: int = 0) -> bytes:
+    """x (``shape``) -> BatchNormalization with random constant statistics -> Relu -> y."""
+    dtype = np.dtype(dtype)
+    dims = ", ".join(map(str, shape))
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 15]>
+    g ({_TYPES[dtype]}[{dims}] x) => ({_TYPES[dtype]}[{dims}] y) {{
+        n = BatchNormalization <epsilon = 0.001> (x, scale, bias, mean, var)
+        y = Relu (n)
+    }}
+    """
+    model = onnx.parser.parse_model(text)
+    rng = np.random.default_rng(seed)
+    channels = shape[1]
+    constants = {
+        "scale": rng.standard_normal(channels),
+        "bias": rng.standard_normal(channels),
+        "mean": rng.standard_normal(channels),
+        "var": rng.random(channels) + 0.5,
+    }
+    model.graph.initializer.extend(numpy_helper.from_array(a.astype(dtype), name) for name, a in constants.items())
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _input(shape: tuple[int, ...], dtype: Any = np.float32, seed: int = 9) -> dict[str, np.ndarray]:
+    return {"x": (np.random.default_rng(seed).standard_normal(shape) * 2).astype(dtype)}
+
+
+def _run(model: bytes, feeds: dict[str, np.ndarray], optimization: str = "all") -> tuple[list[str], np.ndarray]:
+    """The op types of the plan's steps and the output y of one run."""
+    session = plugrt.load(model, device="cpu", optimization=optimization, profiling=True)
+    y = session.run(feeds)["y"]
+    return [e["args"]["op_name"] for e in session.profile() if e["cat"] == "Node"], y
+
+
+def _onnxruntime(model: bytes, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _tolerance(dtype: Any) -> dict[str, float]:
+    return {"rtol": 1e-5, "atol": 1e-5} if np.dtype(dtype) == np.float32 else {"rtol": 1e-12, "atol": 1e-12}
+
+
+_SHAPES = {"2d": (6, 5), "3d": (2, 3, 7), "4d": (2, 4, 5, 6), "5d": (2, 3, 4, 5, 6), "4d_batch_1": (1, 8, 28, 28)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("shape", list(_SHAPES.values()), ids=list(_SHAPES))
+def test_batch_norm_relu_runs_as_one_step_with_onnxruntimes_values(shape, dtype):
+    model, feeds = _batch_norm_relu(shape, dtype), _input(shape, dtype)
+    ops, y = _run(model, feeds)
+    assert ops == ["ChannelAffine"]
+    assert y.dtype == dtype
+    np.testing.assert_allclose(y, _onnxruntime(model, feeds), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_fused_step_gives_the_unfused_steps_values_bit_for_bit(dtype):
+    # the pass folds the multiplier and shift as the BatchNormalization kernel does
+    model, feeds = _batch_norm_relu((2, 4, 5, 6), dtype), _input((2, 4, 5, 6), dtype)
+    _, fused = _run(model, feeds)
+    ops, unfused = _run(model, feeds, optimization="none")
+    assert ops == ["BatchNormalization", "Relu"]
+    assert fused.tobytes() == unfused.tobytes()
+
+
+def test_non_finite_inputs_give_onnx_references_values_and_relu_keeps_nan():
+    shape = (2, 4, 3, 3)
+    model, feeds = _batch_norm_relu(shape), _input(shape)
+    x = feeds["x"]
+    x[0, :, 0, 0] = np.nan
+    x[0, :, 0, 1] = np.inf
+    x[1, :, 1, 1] = -np.inf
+    x[1, :, 2, 2] = -0.0
+    ops, y = _run(model, feeds)
+    assert ops == ["ChannelAffine"]
+    expected = onnx.reference.ReferenceEvaluator(onnx.load_from_string(model)).run(None, feeds)[0]
+    assert np.isnan(y[0, :, 0, 0]).all()
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(expected))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)  # NaN where expected has NaN
+
+
+# Shapes over the kernel's 4 MiB block: whole images per block, a range of one image's
+# channels per block, blocks of rows of an (N, C) input, and float64 (half the values a block).
+_LARGE = {
+    "images": ((3, 64, 80, 80), np.float32),
+    "channel_ranges": ((1, 300, 60, 60), np.float32),
+    "rows": ((20000, 64), np.float32),
+    "float64_images": ((3, 64, 64, 64), np.float64),
+}
+
+
+def _two_threads(calls: list[int]):
+    """parallel_for that records its chunk count and always uses two threads."""
+
+    def run(count, body, work, **options):
+        calls.append(count)
+        parallel_for(count, body, work, **options, threads=2)
+
+    return run
+
+
+@pytest.mark.parametrize("shape, dtype", list(_LARGE.values()), ids=list(_LARGE))
+def test_blocks_shared_between_two_threads_give_onnxruntimes_values(shape, dtype, monkeypatch):
+    calls: list[int] = []
+    monkeypatch.setattr(normalization, "parallel_for", _two_threads(calls))
+    model, feeds = _batch_norm_relu(shape, dtype), _input(shape, dtype)
+    ops, y = _run(model, feeds)
+    assert ops == ["ChannelAffine"]
+    assert calls and calls[0] >= 2  # really split into blocks
+    np.testing.assert_allclose(y, _onnxruntime(model, feeds), **_tolerance(dtype))
+
+
+# (48, 64, 20, 20): two blocks of short planes, which numpy would copy through buffers
+# of its default size (allocated per call) on a pool thread that kept that size
+@pytest.mark.parametrize("shape", [(2, 8, 16, 32), (48, 64, 20, 20)], ids=["one_block", "blocks_on_two_threads"])
+def test_fused_step_is_captured_and_replays_without_allocating(shape, monkeypatch):
+    monkeypatch.setattr(normalization, "parallel_for", _two_threads([]))
+    model = _batch_norm_relu(shape)
+    session = plugrt.load(model, device="cpu")
+    first, second = _input(shape, seed=1), _input(shape, seed=2)
+    result = session.try_capture(first)
+    assert isinstance(result, Captured)
+    assert result.report.seams == []
+    for feeds in (first, second):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+
+
+@pytest.mark.slow
+def test_densenet_runs_each_batch_norm_and_relu_as_one_step_and_matches_its_expected_output():
+    model = {m.name: m for m in light_models()}["densenet121"]
+    session = plugrt.load(_with_logits(model.name)[0], device="cpu", profiling=True)
+    outputs = list(session.run(model.inputs).values())
+    ops = [e["args"]["op_name"] for e in session.profile() if e["cat"] == "Node"]
+    assert "BatchNormalization" not in ops and "Relu" not in ops
+    assert ops.count("ChannelAffine") == 62
+    _check(model, outputs)  # logits against onnxruntime's, then the expected probabilities
