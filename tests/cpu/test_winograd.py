@@ -1,5 +1,6 @@
-"""Winograd F(4x4, 3x3) for float32 3x3 Conv: matches onnxruntime over sizes that are and are
-not multiples of the tile, pads, batches, bias and fused Relu, and a weight fed at run time;
+"""Winograd F(4x4, 3x3) and F(2x2, 3x3) for float32 3x3 Conv: matches onnxruntime over sizes
+that are and are not multiples of the tile, pads, batches, bias and fused Relu, and a weight
+fed at run time; takes the larger tiles where they give enough tiles;
 keeps NaN and infinity where onnxruntime puts them; steps aside under PLUGRT_NUMBA=0 and
 where the GEMM paths are faster; replays without allocating."""
 
@@ -36,7 +37,14 @@ CASES = {
     "same-upper": ((1, 17, 25, 27), 9, {"auto_pad": "SAME_UPPER"}),
     "batch-5-small": ((5, 16, 10, 11), 3, {"pads": [1, 1, 1, 1]}),
     "one-row-of-tiles": ((1, 16, 3, 190), 8, {"pads": [1, 1, 1, 1]}),
+    # F(2x2, 3x3): too few 4x4 tiles
+    "f2-14x14": ((1, 32, 14, 14), 24, {"pads": [1, 1, 1, 1]}),
+    "f2-13x15-batch-2": ((2, 16, 13, 15), 8, {"pads": [1, 1, 1, 1]}),
+    "f2-asymmetric-pads": ((1, 16, 12, 13), 20, {"pads": [0, 2, 1, 0]}),
+    "f2-no-pads": ((1, 16, 16, 17), 5, {}),
 }
+# the tile each case takes
+TILES = {case: 2 if case.startswith("f2-") else 4 for case in CASES}
 
 
 def _model(x_shape, w: np.ndarray, b: np.ndarray | None, attributes: dict, relu: bool, weight_input: bool = False) -> bytes:
@@ -68,16 +76,23 @@ def _close(actual: np.ndarray, expected: np.ndarray) -> None:
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5 * scale)
 
 
+class _Calls(list):
+    """The inputs of the Conv calls that ran Winograd's transforms to the end, and their tiles."""
+
+    tiles: list[int]
+
+
 @pytest.fixture
-def winograd_calls(monkeypatch) -> list[np.ndarray]:
-    """The inputs of the Conv calls that run Winograd's transforms to the end."""
-    calls: list[np.ndarray] = []
+def winograd_calls(monkeypatch) -> _Calls:
+    calls = _Calls()
+    calls.tiles = []
     original = winograd.WinogradPlan.__call__
 
     def counted(self, x, *args, **kwargs):
         y = original(self, x, *args, **kwargs)
         if y is not None:
             calls.append(x)
+            calls.tiles.append(self.variant.tile)
         return y
 
     monkeypatch.setattr(winograd.WinogradPlan, "__call__", counted)
@@ -113,10 +128,12 @@ def test_winograd_matches_onnxruntime(case, bias, relu, path, winograd_calls):
     for _ in range(2):  # the first call transforms the weight into a workspace, the second keeps it
         _close(session.run({"x": x})["y"], expected)
     assert len(winograd_calls) == (2 if path == "numba" else 0)
+    assert set(winograd_calls.tiles) <= {TILES[case]}
 
 
-def test_a_weight_fed_at_run_time_is_transformed_each_call(path, winograd_calls):
-    x_shape, m, attributes = CASES["odd-29x31-batch-2"]
+@pytest.mark.parametrize("case", ["odd-29x31-batch-2", "f2-13x15-batch-2"])
+def test_a_weight_fed_at_run_time_is_transformed_each_call(case, path, winograd_calls):
+    x_shape, m, attributes = CASES[case]
     x = _random(*x_shape, seed=1)
     model = _model(x_shape, _random(m, x_shape[1], 3, 3), _random(m, seed=3), attributes, relu=True, weight_input=True)
     session = plugrt.load(model, device="cpu")
@@ -127,11 +144,12 @@ def test_a_weight_fed_at_run_time_is_transformed_each_call(path, winograd_calls)
 
 
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
-def test_nan_and_infinity_reach_the_outputs_onnxruntime_gives_them(relu, path, winograd_calls):
-    x_shape, m, attributes = CASES["odd-29x31-batch-2"]
+@pytest.mark.parametrize("case", ["odd-29x31-batch-2", "f2-13x15-batch-2"])
+def test_nan_and_infinity_reach_the_outputs_onnxruntime_gives_them(case, relu, path, winograd_calls):
+    x_shape, m, attributes = CASES[case]
     x = _random(*x_shape, seed=1)
     x[0, 0, 5, 7] = np.nan
-    x[1, 3, 20, 30] = np.inf
+    x[1, 3, 11, 14] = np.inf
     x[1, 2, 0, 0] = -np.inf
     model = _model(x_shape, _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3), attributes, relu)
     session = plugrt.load(model, device="cpu")
@@ -151,14 +169,14 @@ def test_nan_and_infinity_reach_the_outputs_onnxruntime_gives_them(relu, path, w
 @pytest.mark.parametrize(
     "x_shape, w_shape, attributes",
     [
-        ((1, 64, 14, 14), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]}),  # 20 tiles: too few
+        ((1, 64, 7, 7), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]}),  # 20 tiles of 2x2: too few
         ((1, 8, 56, 56), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}),  # too few channels
         ((1, 16, 56, 56), (16, 16, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
         ((1, 16, 56, 56), (16, 16, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
         ((1, 32, 56, 56), (32, 16, 3, 3), {"pads": [1, 1, 1, 1], "group": 2}),
         ((1, 16, 56, 56), (16, 16, 5, 5), {"pads": [2, 2, 2, 2]}),
     ],
-    ids=["14x14", "8-channels", "stride-2", "dilation-2", "groups", "5x5"],
+    ids=["7x7", "8-channels", "stride-2", "dilation-2", "groups", "5x5"],
 )
 def test_the_gemm_paths_take_what_winograd_does_not_pay_for(x_shape, w_shape, attributes, winograd_calls):
     x = _random(*x_shape, seed=1)
@@ -179,7 +197,7 @@ def test_float64_takes_the_gemm_paths(winograd_calls):
     assert not winograd_calls
 
 
-@pytest.mark.parametrize("case", ["56x56", "odd-29x31-batch-2", "asymmetric-pads"])
+@pytest.mark.parametrize("case", ["56x56", "odd-29x31-batch-2", "asymmetric-pads", "f2-13x15-batch-2"])
 def test_winograd_is_captured_and_replays_without_allocating(case, path, winograd_calls):
     x_shape, m, attributes = CASES[case]
     pads = attributes.get("pads", [0, 0, 0, 0])

@@ -1,4 +1,4 @@
-"""numba-compiled float32 transforms of the Winograd 3x3 convolution F(4x4, 3x3) (Lavin and Gray, 2016).
+"""numba-compiled float32 transforms of the Winograd 3x3 convolutions F(4x4, 3x3) and F(2x2, 3x3) (Lavin and Gray, 2016).
 
 Imported only through :func:`plugrt_cpu.kernels.winograd.winograd_loops`, which returns
 None when numba is missing or ``PLUGRT_NUMBA=0``; Conv then takes its GEMM paths. The
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["winograd_input", "winograd_output"]
+__all__ = ["winograd_input", "winograd_output", "winograd2_input", "winograd2_output"]
 
 _ZERO = np.float32(0.0)
 _TWO = np.float32(2.0)
@@ -34,6 +34,39 @@ _FIVE = np.float32(5.0)
 _EIGHT = np.float32(8.0)
 
 _FLAGS = {"contract", "arcp", "nsz", "reassoc"}
+
+_inline = numba.njit(fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+
+
+@_inline
+def _fill(source, top, first, last, plane, pitch, pad_left, count):  # pragma: no cover  (compiled; inlined)
+    """Rows [first, last) of the padded ``plane`` from input plane ``source`` (plane row
+    ``r`` is input row ``top + r``), each at ``pad_left`` and ``count`` floats long;
+    False when one holds a NaN or an infinity."""
+    check = _ZERO  # stays zero unless a value is NaN or infinite (0 * inf is NaN)
+    for r in range(first, last):
+        dst = plane[r * pitch + pad_left :]
+        src = source[top + r]
+        for j in range(count):
+            value = src[j]
+            dst[j] = value
+            check += value * _ZERO
+    return check == _ZERO
+
+
+@_inline
+def _crop(rows_out, tile, row0, rows, pitch, cells, plane):  # pragma: no cover  (compiled; inlined)
+    """The output rows of a band (``tile`` rows of ``tile * cells`` floats, grid rows
+    ``pitch`` apart) into the output ``plane``, without the junk tiles and the rows past
+    its end."""
+    out_h, out_w = plane.shape[0], plane.shape[1]
+    for ty in range(rows):
+        top = tile * (row0 + ty)
+        for row in range(min(tile, out_h - top)):
+            src = rows_out[row * tile * cells + ty * pitch :]
+            dst = plane[top + row]
+            for j in range(out_w):
+                dst[j] = src[j]
 
 _INPUT = numba.boolean(
     numba.types.Array(numba.float32, 4, "C", readonly=True),  # x (n, C, H, W)
@@ -69,15 +102,7 @@ def winograd_input(x, pad_top, pad_left, tiles, v, image, row0, row1, c0, c1, wo
     last = min(padded_rows, height + pad_top - 4 * row0)
     count = min(width, pitch - pad_left)
     for channel in range(c0, c1):
-        check = _ZERO  # stays zero unless a value is NaN or infinite (0 * inf is NaN)
-        for r in range(first, last):
-            dst = plane[r * pitch + pad_left :]
-            src = x[image, channel, 4 * row0 + r - pad_top]
-            for j in range(count):
-                value = src[j]
-                dst[j] = value
-                check += value * _ZERO
-        if check != _ZERO:
+        if not _fill(x[image, channel], 4 * row0 - pad_top, first, last, plane, pitch, pad_left, count):
             return False
         for ty in range(rows):
             d = plane[4 * ty * pitch :]
@@ -133,7 +158,6 @@ def winograd_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  
     channels [k0, k1) of ``image`` over tile rows [row0, row1), from the band's products
     ``m`` (36, K, (row1 - row0) * (tiles + 1)). ``work`` holds the vertical pass (4 x 6
     rows of the band's cells) and the output rows (4 rows of 4 floats a cell)."""
-    out_h, out_w = y.shape[2], y.shape[3]
     rows = row1 - row0
     cells = rows * (tiles + 1)
     pitch = 4 * (tiles + 1)
@@ -172,11 +196,114 @@ def winograd_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  
                 out[4 * g + 1] = v1
                 out[4 * g + 2] = v2
                 out[4 * g + 3] = v3
-        plane = y[image, k]
+        _crop(rows_out, 4, row0, rows, pitch, cells, y[image, k])
+
+
+# F(2x2, 3x3): 2x2 output tiles from 4x4 input tiles, 16 transform points, for outputs
+# too small to give F(4x4, 3x3)'s products enough tiles (14x14: 20 tiles, here 56).
+
+_INPUT_2 = numba.boolean(
+    numba.types.Array(numba.float32, 4, "C", readonly=True),  # x (n, C, H, W)
+    numba.int64,  # pad_top
+    numba.int64,  # pad_left
+    numba.int64,  # tiles (per tile row)
+    numba.float32[:, :, ::1],  # v (16, C, band cells)
+    numba.int64,  # image
+    numba.int64,  # row0
+    numba.int64,  # row1
+    numba.int64,  # first channel
+    numba.int64,  # channel stop
+    numba.float32[::1],  # work
+)
+
+
+@numba.njit([_INPUT_2], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def winograd2_input(x, pad_top, pad_left, tiles, v, image, row0, row1, c0, c1, work):  # pragma: no cover  (compiled)
+    """F(2x2, 3x3)'s ``V = B^T d B``, as :func:`winograd_input` (tiles 2 apart, rows of
+    ``2 * (tiles + 1)`` floats; ``work``: ``(6 * rows + 2) * pitch`` floats)."""
+    height, width = x.shape[2], x.shape[3]
+    rows = row1 - row0
+    pitch = 2 * (tiles + 1)
+    padded_rows = 2 * rows + 2
+    cells = rows * (tiles + 1)
+    plane = work[: padded_rows * pitch]
+    vertical = work[padded_rows * pitch : padded_rows * pitch + 4 * rows * pitch]
+    plane[:] = _ZERO
+    first = max(0, pad_top - 2 * row0)
+    last = min(padded_rows, height + pad_top - 2 * row0)
+    count = min(width, pitch - pad_left)
+    for channel in range(c0, c1):
+        if not _fill(x[image, channel], 2 * row0 - pad_top, first, last, plane, pitch, pad_left, count):
+            return False
         for ty in range(rows):
-            top = 4 * (row0 + ty)
-            for row in range(min(4, out_h - top)):
-                src = rows_out[row * 4 * cells + ty * pitch :]
-                dst = plane[top + row]
-                for j in range(out_w):
-                    dst[j] = src[j]
+            d = plane[2 * ty * pitch :]
+            d0, d1, d2, d3 = d[:pitch], d[pitch : 2 * pitch], d[2 * pitch : 3 * pitch], d[3 * pitch : 4 * pitch]
+            t = vertical[ty * pitch :]
+            t0, t1, t2, t3 = t[:pitch], t[rows * pitch :], t[2 * rows * pitch :], t[3 * rows * pitch :]
+            for j in range(pitch):
+                a0, a1, a2, a3 = d0[j], d1[j], d2[j], d3[j]
+                t0[j] = a0 - a2
+                t1[j] = a1 + a2
+                t2[j] = a2 - a1
+                t3[j] = a1 - a3
+        for i in range(4):
+            t = vertical[i * rows * pitch :]
+            o0, o1, o2, o3 = v[4 * i, channel], v[4 * i + 1, channel], v[4 * i + 2, channel], v[4 * i + 3, channel]
+            for g in range(cells - 1):  # the band's last tile is junk and would read past the pass
+                a0, a1, a2, a3 = t[2 * g], t[2 * g + 1], t[2 * g + 2], t[2 * g + 3]
+                o0[g] = a0 - a2
+                o1[g] = a1 + a2
+                o2[g] = a2 - a1
+                o3[g] = a1 - a3
+            last_cell = cells - 1
+            o0[last_cell] = o1[last_cell] = o2[last_cell] = o3[last_cell] = _ZERO
+    return True
+
+
+_OUTPUT_2 = numba.void(
+    numba.types.Array(numba.float32, 3, "C", readonly=True),  # m (16, K, band cells)
+    numba.types.Array(numba.float32, 1, "C", readonly=True),  # bias (K,)
+    numba.boolean,  # relu
+    numba.int64,  # tiles
+    numba.float32[:, :, :, ::1],  # y (n, K, OH, OW)
+    numba.int64,  # image
+    numba.int64,  # row0
+    numba.int64,  # row1
+    numba.int64,  # first output channel
+    numba.int64,  # output channel stop
+    numba.float32[::1],  # work
+)
+
+
+@numba.njit([_OUTPUT_2], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def winograd2_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  # pragma: no cover  (compiled)
+    """F(2x2, 3x3)'s ``Y = A^T M A + bias``, as :func:`winograd_output` (``work``: 12
+    floats a tile)."""
+    rows = row1 - row0
+    cells = rows * (tiles + 1)
+    pitch = 2 * (tiles + 1)
+    vertical = work[: 8 * cells]
+    rows_out = work[8 * cells : 12 * cells]
+    for k in range(k0, k1):
+        b = bias[k]
+        for col in range(4):
+            m0, m1, m2, m3 = m[col, k], m[4 + col, k], m[8 + col, k], m[12 + col, k]
+            r0, r1 = vertical[col * cells :], vertical[(4 + col) * cells :]
+            for g in range(cells):
+                a0, a1, a2, a3 = m0[g], m1[g], m2[g], m3[g]
+                r0[g] = a0 + a1 + a2
+                r1[g] = a1 - a2 - a3
+        for row in range(2):
+            q = vertical[4 * row * cells :]
+            q0, q1, q2, q3 = q[:cells], q[cells : 2 * cells], q[2 * cells : 3 * cells], q[3 * cells : 4 * cells]
+            out = rows_out[row * 2 * cells :]
+            for g in range(cells):
+                a0, a1, a2, a3 = q0[g], q1[g], q2[g], q3[g]
+                v0 = b + a0 + a1 + a2
+                v1 = b + a1 - a2 - a3
+                if relu:  # NaN is not below zero: it stays
+                    v0 = _ZERO if v0 < _ZERO else v0
+                    v1 = _ZERO if v1 < _ZERO else v1
+                out[2 * g] = v0
+                out[2 * g + 1] = v1
+        _crop(rows_out, 2, row0, rows, pitch, cells, y[image, k])

@@ -1,20 +1,23 @@
-"""3x3 convolution by Winograd's minimal filtering F(4x4, 3x3): 36 GEMMs of a quarter of the multiply-adds.
+"""3x3 convolution by Winograd's minimal filtering F(4x4, 3x3) and F(2x2, 3x3): GEMMs of a quarter (a half) of the multiply-adds.
 
 A 3x3 Conv with unit strides and dilations, one group, computes each 4x4 output tile from
 a 6x6 input tile. Transformed (``V = B^T d B`` per input tile and channel, ``U = G g G^T``
 per weight), the tile's outputs are ``A^T M A`` with ``M[xi] = U[xi] @ V[xi]`` for each of
 the 36 transform points: 36 products of (M, C) by (C, tiles), 36 multiply-adds per 16
-outputs and channel pair instead of 144. The transforms are compiled loops
-(``_numba_winograd``), the products one numpy matmul (one-thread BLAS calls).
+outputs and channel pair instead of 144. Outputs too small for enough 4x4 tiles (14x14
+gives 20) take 2x2 tiles from 4x4 input tiles: 16 products, 16 multiply-adds per 4
+outputs instead of 36. The transforms are compiled loops (``_numba_winograd``), the
+products one numpy matmul (one-thread BLAS calls).
 
 Threads share the work by bands of tile rows, each band carried from input to output by
 one thread in its own workspaces: one hand-off per call, and a band's transforms and
 products stay in cache. Where bands that feed every thread would be too narrow (a band
 reads all of the transformed weight, so they are kept wide when it is bigger than a
 core's cache), each step is shared out instead: the input transform by channels, the
-products by transform point, the output transform by output channel. Errors stay at float32 rounding of the transformed values: measured at most 1e-5
-of the largest output on ResNet, VGG and random layers against onnxruntime's direct
-convolution.
+products by transform point, the output transform by output channel.
+
+Errors stay at float32 rounding of the transformed values: measured at most 1e-5 of the
+largest output on ResNet, VGG and random layers against onnxruntime's direct convolution.
 
 Measured on one core of a 2-core AMD EPYC (Zen 4) against plugrt's im2col and tap-grid
 GEMMs and onnxruntime's MLAS convolution, Conv + Relu, float32, batch 1 (ms):
@@ -32,11 +35,16 @@ C -> M, size          GEMM paths  Winograd  onnxruntime
 ===================  ==========  ========  ===========
 
 Below about 48 tiles per call (a 14x14 output has 4 tile rows of 4 and a junk tile
-each: 20) the products are too narrow for BLAS to run at speed, and the GEMM paths win.
+each: 20) the products are too narrow for BLAS to run at speed: there F(2x2, 3x3) takes
+over (measured on one core, the other engineers' benchmarks running: 256 -> 256 at
+14x14 3.49 ms against 4.04 for the GEMM paths, 128 -> 128 at 14x14 0.89 against 1.21,
+64 -> 256 at 13x13 0.77 against 0.90; onnxruntime 2.79, 0.75, 0.62), down to 48 of its
+tiles (7x7 gives 20: the GEMM paths).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from types import ModuleType
@@ -63,18 +71,45 @@ _WIDE_BAND_CELLS = 192
 _CACHED_WEIGHT_BYTES = 1 << 20
 _BANDS_PER_THREAD = 2
 
-# F(4x4, 3x3)'s weight transform G (6x3); B^T and A^T are in the compiled loops.
-_G = np.array(
-    [
-        [1 / 4, 0, 0],
-        [-1 / 6, -1 / 6, -1 / 6],
-        [-1 / 6, 1 / 6, -1 / 6],
-        [1 / 24, 1 / 12, 1 / 6],
-        [1 / 24, -1 / 12, 1 / 6],
-        [0, 0, 1],
-    ],
-    dtype=np.float32,
+
+
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+    """One of the two tilings: output tiles ``tile`` x ``tile``, input tiles ``tile + 2``
+    square, one transform point per input tile value. G is the weight transform; B^T and
+    A^T live in the compiled loops ``<loops>_input`` and ``<loops>_output``."""
+
+    tile: int
+    g: np.ndarray
+    loops: str
+
+    @property
+    def points(self) -> int:
+        return (self.tile + 2) ** 2
+
+    def work_floats(self, rows: int, pitch: int) -> int:
+        """Scratch floats of the compiled transforms for a band of ``rows`` tile rows: the
+        input's padded plane (``tile * rows + 2`` rows) and vertical pass (``tile + 2``
+        rows of ``rows * pitch``), which also hold the output's."""
+        return ((2 * self.tile + 2) * rows + 2) * pitch
+
+
+_F4 = _Variant(
+    4,
+    np.array(
+        [
+            [1 / 4, 0, 0],
+            [-1 / 6, -1 / 6, -1 / 6],
+            [-1 / 6, 1 / 6, -1 / 6],
+            [1 / 24, 1 / 12, 1 / 6],
+            [1 / 24, -1 / 12, 1 / 6],
+            [0, 0, 1],
+        ],
+        dtype=np.float32,
+    ),
+    "winograd",
 )
+_F2 = _Variant(2, np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]], dtype=np.float32), "winograd2")
 
 
 @functools.cache
@@ -87,19 +122,21 @@ def winograd_loops() -> ModuleType | None:
 class WinogradPlan:
     """The tiling of one input shape."""
 
-    def __init__(self, x_shape: Sequence[int], w_shape: Sequence[int], pads_begin: Sequence[int], out: Sequence[int]):
+    def __init__(self, x_shape: Sequence[int], w_shape: Sequence[int], pads_begin: Sequence[int], out: Sequence[int], variant: _Variant):
+        self.variant = variant
+        tile = variant.tile
         self.channels = x_shape[1]
         self.m = w_shape[0]
         self.out = (out[0], out[1])
         self.pad_top, self.pad_left = pads_begin[0], pads_begin[1]
-        self.tile_rows = -(-out[0] // 4)
-        self.tiles = -(-out[1] // 4)
+        self.tile_rows = -(-out[0] // tile)
+        self.tiles = -(-out[1] // tile)
         self.cells = self.tile_rows * (self.tiles + 1)  # per image, a junk tile closing each row
-        self.pitch = 4 * (self.tiles + 1)
+        self.pitch = tile * (self.tiles + 1)
         self.no_bias = np.zeros(self.m, np.float32)
         # Every band reads all of the transformed weight: where it does not stay in cache,
         # bands must be wide enough for their products to pay for reading it again.
-        cached = 36 * self.m * self.channels * 4 <= _CACHED_WEIGHT_BYTES
+        cached = variant.points * self.m * self.channels * 4 <= _CACHED_WEIGHT_BYTES
         self.band_cells = _BAND_CELLS if cached else _WIDE_BAND_CELLS
 
     def __call__(
@@ -116,9 +153,9 @@ class WinogradPlan:
             x = np.ascontiguousarray(x) if y is None else _copy_to_workspace("winograd_x", x)
         if y is None:
             y = np.empty((n, m, *self.out), dtype=x.dtype)
-        u = winograd_weights(weight)
+        u = winograd_weights(weight, self.variant)
         b = self.no_bias if bias is None else bias.reshape(m)
-        work = 36 * m * self.channels * n * self.cells
+        work = self.variant.points * m * self.channels * n * self.cells
         threads = split_threads(work)
         # one band an image on one thread; else enough for every thread, if they stay wide
         wanted = 1 if threads == 1 else -(-_BANDS_PER_THREAD * threads // n)
@@ -135,6 +172,9 @@ class WinogradPlan:
         products in that thread's workspaces, in cache, and no thread waits for another."""
         n, c, m = x.shape[0], self.channels, self.m
         rows, tiles, pitch = self.tile_rows, self.tiles, self.pitch
+        points = self.variant.points
+        transform_input = getattr(loops, self.variant.loops + "_input")
+        transform_output = getattr(loops, self.variant.loops + "_output")
         finite = [True]
 
         def band(start: int, stop: int) -> None:
@@ -142,14 +182,14 @@ class WinogradPlan:
                 image, k = divmod(unit, bands)
                 r0, r1 = k * rows // bands, (k + 1) * rows // bands
                 cells = (r1 - r0) * (tiles + 1)
-                v, _ = _workspace("winograd_v", (36, c, cells), x.dtype)
-                products, _ = _workspace("winograd_m", (36, m, cells), x.dtype)
-                scratch, _ = _workspace("winograd_work", (_work_floats(r1 - r0, pitch),), x.dtype)
-                if not loops.winograd_input(x, self.pad_top, self.pad_left, tiles, v, image, r0, r1, 0, c, scratch):
+                v, _ = _workspace("winograd_v", (points, c, cells), x.dtype)
+                products, _ = _workspace("winograd_m", (points, m, cells), x.dtype)
+                scratch, _ = _workspace("winograd_work", (self.variant.work_floats(r1 - r0, pitch),), x.dtype)
+                if not transform_input(x, self.pad_top, self.pad_left, tiles, v, image, r0, r1, 0, c, scratch):
                     finite[0] = False
                     return
                 np.matmul(u, v, out=products)
-                loops.winograd_output(products, b, relu, tiles, y, image, r0, r1, 0, m, scratch)
+                transform_output(products, b, relu, tiles, y, image, r0, r1, 0, m, scratch)
 
         parallel_for(n * bands, band, work, threads=threads, chunks_per_thread=_BANDS_PER_THREAD)
         return finite[0]
@@ -162,41 +202,38 @@ class WinogradPlan:
         (for images too few to give every thread bands of their own)."""
         n, c, m = x.shape[0], self.channels, self.m
         rows, tiles, cells = self.tile_rows, self.tiles, self.cells
-        v, _ = _workspace("winograd_v", (n, 36, c, cells), x.dtype)
-        products, _ = _workspace("winograd_m", (n, 36, m, cells), x.dtype)
+        points = self.variant.points
+        v, _ = _workspace("winograd_v", (n, points, c, cells), x.dtype)
+        products, _ = _workspace("winograd_m", (n, points, m, cells), x.dtype)
+        forward = getattr(loops, self.variant.loops + "_input")
+        backward = getattr(loops, self.variant.loops + "_output")
+        scratch_floats = self.variant.work_floats(rows, self.pitch)
         finite = [True]
 
         def transform_input(start: int, stop: int) -> None:
-            scratch, _ = _workspace("winograd_work", (_work_floats(rows, self.pitch),), x.dtype)
+            scratch, _ = _workspace("winograd_work", (scratch_floats,), x.dtype)
             for image in range(start // c, (stop - 1) // c + 1):
                 c0, c1 = max(start - image * c, 0), min(stop - image * c, c)
-                if not loops.winograd_input(x, self.pad_top, self.pad_left, tiles, v[image], image, 0, rows, c0, c1, scratch):
+                if not forward(x, self.pad_top, self.pad_left, tiles, v[image], image, 0, rows, c0, c1, scratch):
                     finite[0] = False
 
         def multiply(start: int, stop: int) -> None:
-            for image in range(start // 36, (stop - 1) // 36 + 1):
-                p0, p1 = max(start - image * 36, 0), min(stop - image * 36, 36)
+            for image in range(start // points, (stop - 1) // points + 1):
+                p0, p1 = max(start - image * points, 0), min(stop - image * points, points)
                 np.matmul(u[p0:p1], v[image, p0:p1], out=products[image, p0:p1])
 
         def transform_output(start: int, stop: int) -> None:
-            scratch, _ = _workspace("winograd_work", (_work_floats(rows, self.pitch),), x.dtype)
+            scratch, _ = _workspace("winograd_work", (scratch_floats,), x.dtype)
             for image in range(start // m, (stop - 1) // m + 1):
                 k0, k1 = max(start - image * m, 0), min(stop - image * m, m)
-                loops.winograd_output(products[image], b, relu, tiles, y, image, 0, rows, k0, k1, scratch)
+                backward(products[image], b, relu, tiles, y, image, 0, rows, k0, k1, scratch)
 
         parallel_for(n * c, transform_input, work, threads=threads)
         if not finite[0]:
             return False
-        parallel_for(n * 36, multiply, work, threads=threads)
+        parallel_for(n * points, multiply, work, threads=threads)
         parallel_for(n * m, transform_output, work, threads=threads)
         return True
-
-
-def _work_floats(rows: int, pitch: int) -> int:
-    """Scratch floats of the compiled transforms for a band of ``rows`` tile rows: the input's
-    padded plane and vertical pass, (10 rows + 2) * pitch, which also hold the output's 40
-    floats a tile."""
-    return (10 * rows + 2) * pitch
 
 
 def winograd_plan(
@@ -216,39 +253,46 @@ def winograd_plan(
         return None
     if x_shape[1] < _MIN_CHANNELS or not math.prod(out) or not x_shape[0] or not w_shape[0]:
         return None
-    plan = WinogradPlan(x_shape, w_shape, pads_begin, out)
-    if x_shape[0] * plan.cells < _MIN_TILES:
-        return None
-    return plan
+    for variant in (_F4, _F2):  # the larger tiles save more, where they give enough tiles
+        plan = WinogradPlan(x_shape, w_shape, pads_begin, out, variant)
+        if x_shape[0] * plan.cells >= _MIN_TILES:
+            return plan
+    return None
 
 
-def _transform(gemm_weight: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``U = G g G^T`` for the weight (1, M, C * 9), into ``out`` (36, M, C); float32
+def _transform(gemm_weight: np.ndarray, variant: _Variant, out: np.ndarray) -> np.ndarray:
+    """``U = G g G^T`` for the weight (1, M, C * 9), into ``out`` (points, M, C); float32
     arithmetic in workspaces, the same for a constant and a weight fed at run time."""
     _, m, ck = gemm_weight.shape
     pairs = m * (ck // 9)
+    side = variant.tile + 2
     g = gemm_weight.reshape(pairs, 3, 3)
-    half, _ = _workspace("winograd_g", (pairs, 6, 3), np.dtype(np.float32))
-    full, _ = _workspace("winograd_ggt", (pairs, 6, 6), np.dtype(np.float32))
-    np.matmul(_G, g, out=half)
-    np.matmul(half, _G.T, out=full)
-    np.copyto(out, full.reshape(m, ck // 9, 36).transpose(2, 0, 1))
+    half, _ = _workspace("winograd_g", (pairs, side, 3), np.dtype(np.float32))
+    full, _ = _workspace("winograd_ggt", (pairs, side, side), np.dtype(np.float32))
+    np.matmul(variant.g, g, out=half)
+    np.matmul(half, variant.g.T, out=full)
+    np.copyto(out, full.reshape(m, ck // 9, side * side).transpose(2, 0, 1))
     return out
 
 
-def winograd_weights(weight: Any) -> np.ndarray:
-    """The transformed weight (36, M, C) of a prepared Conv weight (its ``gemm``: (1, M,
-    C * 9)). A weight object a kernel uses a second time is a constant and keeps its
+def winograd_weights(weight: Any, variant: _Variant) -> np.ndarray:
+    """The transformed weight (points, M, C) of a prepared Conv weight (its ``gemm``: (1,
+    M, C * 9)). A weight object a kernel uses a second time is a constant and keeps its
     transform; one fed at run time is transformed afresh each call into a workspace (so a
     replay allocates nothing)."""
-    u = getattr(weight, "winograd", None)
+    kept = getattr(weight, "winograd", None)
+    if kept is None:
+        kept = {}
+    u = kept.get(variant.tile)
     if u is not None:
         return u
     gemm_weight = weight.gemm
     _, m, ck = gemm_weight.shape
+    shape = (variant.points, m, ck // 9)
     if getattr(weight, "winograd_seen", False):
-        u = weight.winograd = _transform(gemm_weight, np.empty((36, m, ck // 9), np.float32))
+        kept[variant.tile] = u = _transform(gemm_weight, variant, np.empty(shape, np.float32))
+        weight.winograd = kept
         return u
     weight.winograd_seen = True
-    out, _ = _workspace("winograd_u", (36, m, ck // 9), np.dtype(np.float32))
-    return _transform(gemm_weight, out)
+    out, _ = _workspace("winograd_u", shape, np.dtype(np.float32))
+    return _transform(gemm_weight, variant, out)
