@@ -52,8 +52,11 @@ def _assert_fused(model: bytes, feeds: dict[str, np.ndarray], expected_ops: list
     _, unfused = _step_ops(model, feeds, optimization="none")
     ort = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
     for actual, plain, theirs in zip(fused, unfused, ort):
-        np.testing.assert_allclose(actual, plain, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(actual, theirs, rtol=1e-5, atol=1e-5)
+        # the unfused Conv may take another algorithm (Winograd: errors within 1e-5 of the
+        # output's scale), so the sums round differently
+        scale = float(np.abs(plain).max())
+        np.testing.assert_allclose(actual, plain, rtol=1e-5, atol=1e-5 * scale)
+        np.testing.assert_allclose(actual, theirs, rtol=1e-5, atol=1e-5 * max(scale, 1.0))
 
 
 # ---------------------------------------------------------------------------------------
