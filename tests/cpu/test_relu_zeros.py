@@ -31,6 +31,18 @@ def test_relu_into_works_in_place_on_a_multidimensional_array():
     assert x.tobytes() == expected.tobytes()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_into_on_a_block_of_rows_of_a_larger_array_matches_maximum_bitwise(dtype):
+    whole = _values(7 * 300, dtype).reshape(7, 300)
+    whole[3, 100:106] = whole[0, :6]  # NaNs, infinities and signed zeros inside the block
+    block = whole[:, 100:250]  # unit-step rows, 300 apart
+    expected = np.maximum(block, 0)
+    untouched = whole[:, 250:].copy()
+    assert relu_into(block, block) is block
+    assert block.tobytes() == expected.tobytes()
+    assert whole[:, 250:].tobytes() == untouched.tobytes()
+
+
 @pytest.mark.parametrize(
     "x",
     [

@@ -25,11 +25,18 @@ def _zeros(dtype: np.dtype) -> np.ndarray:
 def relu_into(out: np.ndarray, x: np.ndarray) -> np.ndarray:
     """``np.maximum(x, 0, out=out)``, the same values bit for bit (NaN stays NaN); ``out``
     may be ``x``. Returns ``out``."""
-    if x.dtype not in _FAST or out.dtype != x.dtype or out.shape != x.shape or not (
-        x.flags.c_contiguous and out.flags.c_contiguous
-    ):
+    if x.dtype not in _FAST or out.dtype != x.dtype or out.shape != x.shape:
         return np.maximum(x, 0, out=out)
     zeros = _zeros(x.dtype)
+    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+        # a block of rows of a larger array (an output block of Conv): the zeros broadcast
+        # along the rows (measured on 64 rows of 1512 of 3025 floats with numpy's ufunc
+        # buffers at 1024 values: 16 us against 41 for the scalar 0; at its default 8192,
+        # 47 against 62, so callers on such blocks shrink the buffers: see _gemm.bias_relu)
+        last = x.shape[-1]
+        if last > _CHUNK or x.strides[-1] != x.itemsize or out.strides[-1] != out.itemsize:
+            return np.maximum(x, 0, out=out)
+        return np.maximum(x, zeros[:last], out=out)
     source, target = x.reshape(-1), out.reshape(-1)
     size = source.size
     for start in range(0, size, _CHUNK):
