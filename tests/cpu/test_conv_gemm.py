@@ -67,6 +67,23 @@ def test_gemm_computes_other_dtypes_and_layouts_with_numpy():
     np.testing.assert_allclose(out, x @ x, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_gemm_adds_a_bias_per_row_then_clamps_at_zero(dtype):
+    a, b = (_random(6, 5, seed=1) * 4).astype(dtype), (_random(5, 30, seed=2) * 4).astype(dtype)
+    bias = (_random(6, 1, seed=3) * 4).astype(dtype)
+    c = np.empty((6, 40), dtype)[:, 5:35]  # a block of a wider output
+    _gemm.gemm(a, b, c, bias=bias, relu=True)
+    np.testing.assert_allclose(c, np.maximum(a @ b + bias, 0), rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_adds_a_bias_to_an_accumulated_product():
+    a, b, start = _random(4, 3, seed=1), _random(3, 5, seed=2), _random(4, 5, seed=3)
+    bias = _random(4, 1, seed=4)
+    c = start.copy()
+    _gemm.gemm(a, b, c, 1.0, bias=bias)
+    np.testing.assert_allclose(c, a @ b + start + bias, rtol=1e-5, atol=1e-5)
+
+
 def test_gemm_without_blas_symbols_computes_with_numpy(without_blas):
     assert not _gemm.available(np.dtype(np.float32))
     a, b = _random(4, 6, seed=1), _random(6, 3, seed=2)

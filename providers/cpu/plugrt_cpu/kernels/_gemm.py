@@ -9,7 +9,10 @@ from typing import Any, Callable
 import numpy as np
 from plugrt.threads import blas_threads, openblas_libraries, parallel_for, split_threads
 
-__all__ = ["available", "gemm", "split_gemm", "split_columns"]
+from ._relu import relu_into
+from .elementwise import with_small_buffers
+
+__all__ = ["available", "bias_relu", "gemm", "split_gemm", "split_columns", "splits_columns"]
 
 # cblas enums (cblas.h): row-major storage, no transpose / transpose.
 _ROW_MAJOR = 101
@@ -101,11 +104,44 @@ def _layout(a: np.ndarray) -> tuple[int, int] | None:
     return None
 
 
-def gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -> None:
+def gemm(
+    a: np.ndarray,
+    b: np.ndarray,
+    c: np.ndarray,
+    beta: float = 0.0,
+    *,
+    bias: np.ndarray | None = None,
+    relu: bool = False,
+) -> None:
     """``c = a @ b + beta * c`` on 2-D views (any leading dimensions, either axis of ``a``
     and ``b`` of unit step, ``c`` with unit-step rows), without copies. The calling thread's
     BLAS thread count applies (``plugrt.threads.blas_threads``). Other layouts, dtypes and
-    BLAS libraries are computed with numpy."""
+    BLAS libraries are computed with numpy.
+
+    Then ``bias`` (one value per row of ``c``, shape (m, 1)) is added and ``relu`` clamps
+    the result at zero, while ``c`` is in cache."""
+    _product(a, b, c, beta)
+    if bias is not None or relu:
+        bias_relu(c, bias, relu)
+
+
+def bias_relu(c: np.ndarray, bias: np.ndarray | None, relu: bool) -> None:
+    """``c += bias`` (one value per row), then a Relu if asked. On a block of a matrix's
+    columns numpy's ufuncs copy the rows through their buffers unless these are small, so
+    both run with small buffers (measured on 64 rows of 1512 of 3025 floats: the sum 45 us
+    with numpy's 8192-value buffers, 8.6 with 1024; as fast as writing the bias before the
+    product, which then takes the ctypes call, ~8 us dearer than numpy's matmul)."""
+    with_small_buffers(_bias_relu, c, bias, relu)
+
+
+def _bias_relu(c: np.ndarray, bias: np.ndarray | None, relu: bool) -> None:
+    if bias is not None:
+        np.add(c, bias, out=c)
+    if relu:
+        relu_into(c, c)
+
+
+def _product(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float) -> None:
     if beta == 0.0:
         # numpy's matmul calls the same BLAS on these views (leading dimensions and
         # transposes included) for ~1.6 us a call, where building this call's arguments
@@ -149,13 +185,19 @@ def split_columns(n: int, body: Callable[[int, int], Any], work: int) -> None:
     parallel_for(n, body, work, grain=_SPLIT_GRAIN, threads=threads, chunks_per_thread=_BLOCKS_PER_THREAD)
 
 
+def splits_columns(m: int, n: int) -> bool:
+    """Whether :func:`split_gemm` splits an m x n product into blocks of columns (else of
+    rows: where it has far fewer columns than rows)."""
+    return n >= m or n >= 8 * _SPLIT_GRAIN
+
+
 def split_gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -> None:
-    """:func:`gemm` split into blocks of ``c``'s columns (or of its rows, where it has far
-    fewer columns than rows) over the free threads; each block packs its share of the
-    wide operand and all of the narrow one, as one BLAS thread of a static split would."""
+    """:func:`gemm` split into blocks of ``c``'s columns (or of its rows, see
+    :func:`splits_columns`) over the free threads; each block packs its share of the wide
+    operand and all of the narrow one, as one BLAS thread of a static split would."""
     m, n = c.shape
     work = m * n * a.shape[1]
-    if n >= m or n >= 8 * _SPLIT_GRAIN:
+    if splits_columns(m, n):
 
         def columns(start: int, stop: int) -> None:
             gemm(a, b[:, start:stop], c[:, start:stop], beta)
