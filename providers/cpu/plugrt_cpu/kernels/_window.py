@@ -108,14 +108,10 @@ def _phase_fill(
 
 
 class _Tap:
-    """One kernel tap: where it reads the input and where it writes the output.
+    """One kernel tap: where it reads the input (``src``, step = stride) and where it writes
+    the output (``dst``)."""
 
-    ``src`` slices the input itself (step = stride). For strided windows ``phase`` names
-    the stride phase the tap reads and ``phase_src`` slices that phase plane,
-    ``input[..., phase::stride]``, with unit steps.
-    """
-
-    __slots__ = ("index", "dst", "src", "empty", "bounds", "phase", "phase_src")
+    __slots__ = ("index", "dst", "src", "empty", "bounds")
 
     def __init__(
         self,
@@ -133,10 +129,6 @@ class _Tap:
         self.src = tuple(
             slice(f * st + off, f * st + off + (n - 1) * st + 1, st) if n else slice(0, 0)
             for f, off, st, n in zip(firsts, offsets, strides, counts)
-        )
-        self.phase = tuple(off % st for off, st in zip(offsets, strides))
-        self.phase_src = tuple(
-            slice(f + off // st, f + off // st + n) for f, off, st, n in zip(firsts, offsets, strides, counts)
         )
 
 
@@ -161,23 +153,6 @@ def _taps(
             firsts.append(first)
         taps.append(_Tap(index, bounds, offsets, strides, firsts))
     return taps
-
-
-def _zero_regions(tap: _Tap, box: Sequence[int]) -> list[tuple[slice, ...]]:
-    """The parts of an output box a tap does not cover (they must read as zero padding)."""
-    if tap.empty:
-        return [tuple(slice(None) for _ in box)]
-    regions = []
-    for i, (b, e) in enumerate(tap.bounds):
-        head = [slice(None)] * len(box)
-        if b > 0:
-            head[i] = slice(0, b)
-            regions.append(tuple(head))
-        if e < box[i]:
-            tail = [slice(None)] * len(box)
-            tail[i] = slice(e, None)
-            regions.append(tuple(tail))
-    return regions
 
 
 class _ShapeCache:
@@ -221,7 +196,6 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
 # ---------------------------------------------------------------------------
 
 _WORKSPACE = threading.local()
-_CHUNK_BYTES = 8 << 20  # im2col block size: big enough for an efficient GEMM, small enough for cache
 
 
 def _cast_into_scratch(out: np.ndarray, slot: str, x: np.ndarray, dtype: np.dtype) -> np.ndarray:

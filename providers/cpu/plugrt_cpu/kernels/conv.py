@@ -9,13 +9,12 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, split_threads
+from plugrt.threads import blas_threads, parallel_for, split_threads
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._compiled import compiled_module
 from ._window import (
-    _CHUNK_BYTES,
     _auto_pad,
     _call,
     _cast_into_scratch,
@@ -31,10 +30,9 @@ from ._window import (
     _taps,
     _window_geometry,
     _workspace,
-    _zero_regions,
     _zeroed,
 )
-from ._gemm import available, gemm, split_gemm
+from ._gemm import available, bias_relu, gemm, split_gemm, splits_columns
 from .conv_gemm import grid_plan
 from .winograd import winograd_loops, winograd_plan
 from ._relu import relu_into
@@ -44,6 +42,16 @@ from .elementwise import scratch, with_small_buffers
 # Conv
 # ---------------------------------------------------------------------------
 
+# The im2col and pointwise paths run in blocks of output rows, one block on one thread from
+# its columns to its Relu (see _ConvPlan._plan_blocks). A block's columns and output stay
+# within _BLOCK_BYTES: measured 1-8 MiB on ResNet's 7x7 and Inception's 3x3 Conv, 4 MiB as
+# fast as 1-2 and 5-15% faster than 8; cache-sized blocks (256-512 KiB) were 1.2-1.6x
+# slower than one block, from the numpy and BLAS calls each block makes (a few us each,
+# more with two threads taking turns at the GIL), so blocks are made smaller only to give
+# every thread one. A GEMM on fewer columns than _MIN_BLOCK_POSITIONS runs 15-50% slower
+# per multiply-add (measured on 64 x 144 by 64-3025 columns: 1.5x at 64, 1.15x at 256).
+_BLOCK_BYTES = 4 << 20
+_MIN_BLOCK_POSITIONS = 256
 _DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 planes of 28 x 30 beat 8 and 128)
 # A multiply-add of the compiled depthwise loops costs about this many of a BLAS product's
 # (measured: 7-21 G/s by shape against ~34 G/s for one-thread sgemm): parallel_for's work
@@ -132,36 +140,96 @@ class _ConvPlan:
                 slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides)
             )
             self.copy_input = any(s != 1 for s in strides) or out != spatial
+            self._plan_blocks(c // group, m // group, itemsize)
             return
         if w_shape[1] == 1 and group > 1:
             self.kind = "depthwise"
             self._plan_depthwise(spatial, kernel, strides, dilations, pb, out, n * group, group, itemsize)
             return
         self.kind = "im2col"
-        # A strided window reads each stride phase of the input with unit steps once that
-        # phase is copied out contiguously: one gather instead of one per tap.
-        self.phase_slices = None
-        if any(st > 1 for st in strides):
-            phases = {t.phase for t in _taps(spatial, kernel, strides, dilations, pb, [0] * rank, out) if not t.empty}
-            self.phase_slices = {
-                phase: (slice(None),) + tuple(slice(p, None, st) for p, st in zip(phase, strides)) for phase in phases
-            }
-        # Blocks of whole rows of the first output axis, each small enough to stay in cache.
-        rest = math.prod(out[1:])
-        row_bytes = max(1, c * ksize * rest * itemsize)
-        rows = max(1, min(out[0], _CHUNK_BYTES // row_bytes)) if out[0] else 1
-        self.blocks = []
-        for r0 in range(0, out[0], rows):
-            r1 = min(out[0], r0 + rows)
-            box = [r1 - r0] + out[1:]
-            taps = _taps(spatial, kernel, strides, dilations, pb, [r0] + [0] * (rank - 1), [r1] + out[1:])
-            zeros = tuple(
-                (t.index, region) for t in taps for region in _zero_regions(t, box)
-            )
-            layout_key = (c, ksize, tuple(box), tuple((i, tuple((s.start, s.stop) for s in r)) for i, r in zeros))
-            self.blocks.append((r0 * rest, r1 * rest, (c, ksize, *box), [t for t in taps if not t.empty], zeros, layout_key))
+        self._plan_columns(spatial, kernel, strides, dilations, pb, c)
+        self._plan_blocks(c // group * ksize, m // group, itemsize)
         self.grid = grid_plan(x_shape, w_shape, strides, dilations, pb, out, group)
         self.winograd = winograd_plan(x_shape, w_shape, strides, dilations, pb, out, group)
+
+    def _plan_columns(
+        self,
+        spatial: list[int],
+        kernel: list[int],
+        strides: list[int],
+        dilations: list[int],
+        pb: list[int],
+        channels: int,
+    ) -> None:
+        """The im2col path's geometry. The input is copied once into zero-padded planes,
+        one per stride phase (``padded[..., phase::stride]``); on its plane the taps of a
+        phase read at offsets that form a grid (a step per axis), so one strided view of
+        the plane holds all of them and a block of output rows gathers its columns with
+        one copy per phase. No tap reads outside the planes: the columns need no zeros."""
+        out = self.out
+        rank = len(spatial)
+        # per axis, per phase of it: the taps reading it (a slice), their count, first shift and shift step
+        per_axis: list[dict[int, tuple[slice, int, int, int]]] = []
+        for size, dilation, stride in zip(kernel, dilations, strides):
+            reach = [t * dilation for t in range(size)]
+            axis = {}
+            for residue in sorted({r % stride for r in reach}):
+                members = [t for t in range(size) if reach[t] % stride == residue]
+                shifts = [reach[t] // stride for t in members]  # evenly spaced, as the members are
+                step, shift_step = (members[1] - members[0], shifts[1] - shifts[0]) if len(members) > 1 else (1, 0)
+                axis[residue] = (slice(members[0], members[-1] + 1, step), len(members), shifts[0], shift_step)
+            per_axis.append(axis)
+        plane = [o + (k - 1) * d // s for o, k, d, s in zip(out, kernel, dilations, strides)]
+        self.plane_shape = plane
+        self.plane_size = math.prod(plane)
+        self.plane_strides = [math.prod(plane[i + 1 :]) for i in range(rank)]
+        self.kernel = list(kernel)
+        whole = (slice(None), slice(None))
+        self.plane_fills = []  # per phase k: (its region of the planes (n, phases, C, *plane), the input's)
+        self.phase_windows = []  # per phase: (its taps' columns, tap counts, steps and first offset on its plane)
+        for k, phase in enumerate(itertools.product(*(list(axis) for axis in per_axis))):
+            dst, src = _phase_fill(spatial, phase, pb, strides, plane)
+            self.plane_fills.append(((slice(None), k, slice(None)) + dst, whole + src))
+            entries = [axis[residue] for axis, residue in zip(per_axis, phase)]
+            start = sum(entry[2] * ps for entry, ps in zip(entries, self.plane_strides))
+            self.phase_windows.append(
+                (
+                    (slice(None), *(entry[0] for entry in entries)),
+                    [entry[1] for entry in entries],
+                    [entry[3] * ps for entry, ps in zip(entries, self.plane_strides)],
+                    start,
+                )
+            )
+        self.planes_layout = ("im2col", channels, tuple(plane), tuple(self.plane_fills))
+        # the windows of the last planes they were made on: (planes' address, batch, dtype), windows
+        self.windows: tuple[tuple[int, int, np.dtype], list[tuple[tuple[slice, ...], np.ndarray]]] | None = None
+
+    def _plan_blocks(self, depth: int, mg: int, itemsize: int) -> None:
+        """Bounds on the blocks of output rows (rows of the first output axis) the products
+        run in, for ``depth`` rows of columns and ``mg`` output channels per group: at least
+        ``_MIN_BLOCK_POSITIONS`` output positions each, and as few as keep a block's columns
+        and output within ``_BLOCK_BYTES`` (see ``block_count``)."""
+        rows = self.out[0]
+        self.rest = math.prod(self.out[1:])  # output positions per row
+        least_rows = max(1, -(-_MIN_BLOCK_POSITIONS // max(1, self.rest)))
+        fitting_rows = max(least_rows, _BLOCK_BYTES // max(1, self.rest * (depth + mg) * itemsize))
+        self.most_blocks = max(1, rows // least_rows)
+        self.fitting_blocks = min(self.most_blocks, -(-rows // fitting_rows))
+        # a lone product with more output channels than positions is better split by its
+        # channels (split_gemm) than into blocks of positions that each pack all the weights
+        self.split_positions = splits_columns(mg, self.rest * rows)
+
+    def block_count(self, outer: int, threads: int) -> int:
+        """Blocks of output rows per image and group, for ``outer`` images times groups on
+        ``threads`` threads: as few as fit ``_BLOCK_BYTES``, raised (while the blocks keep
+        ``_MIN_BLOCK_POSITIONS``) until the units, ``outer`` times the count, share out evenly."""
+        count = self.fitting_blocks
+        if outer * count == 1 and not self.split_positions:
+            return 1
+        count = max(count, -(-threads // outer))
+        while (outer * count) % threads:
+            count += 1
+        return min(count, self.most_blocks)
 
     def _plan_depthwise(
         self,
@@ -328,22 +396,11 @@ class _Convolution:
     def _convolve(
         self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None, plan: _ConvPlan
     ) -> np.ndarray:
-        n, c = x.shape[:2]
-        g = self.group
+        n = x.shape[0]
         m = plan.m
         wg = weight.gemm
         if plan.kind == "pointwise":
-            xs = x[plan.src] if plan.copy_input else x
-            if y is not None and not xs.flags.c_contiguous:
-                # what the reshape below would copy to, in a workspace
-                xs = _copy_to_workspace("pointwise", xs)
-            y = np.empty((n, m, plan.out_size), x.dtype) if y is None else y.reshape(n, m, plan.out_size)
-            columns = xs.reshape(n, g, c // g, plan.out_size)
-            _products(wg, columns, y.reshape(n, g, m // g, plan.out_size))
-            if bias is not None:
-                y += bias
-            if self.relu:
-                relu_into(y, y)
+            y = self._pointwise(x, wg, plan, bias, y)
         elif plan.kind == "depthwise" and plan.compiled is not None and x.dtype == np.float32 and depthwise_loops():
             y = self._depthwise_compiled(x, weight, plan, bias, y)
         elif plan.kind == "depthwise" and plan.depthwise_product:
@@ -627,60 +684,123 @@ class _Convolution:
                     a += t
         return acc
 
+    def _pointwise(
+        self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
+    ) -> np.ndarray:
+        """A 1x1 Conv: the input's channels are the columns (strided inputs copied once)."""
+        n, c = x.shape[:2]
+        xs = x[plan.src] if plan.copy_input else x
+        if not xs.flags.c_contiguous:
+            xs = np.ascontiguousarray(xs) if y is None else _copy_to_workspace("pointwise", xs)
+        y = np.empty((n, plan.m, plan.out_size), x.dtype) if y is None else y.reshape(n, plan.m, plan.out_size)
+        columns = xs.reshape(n, c, plan.out_size)
+        cg, rest = c // self.group, plan.rest
+
+        def block(image: int, group: int, r0: int, r1: int) -> np.ndarray:
+            return columns[image, group * cg : (group + 1) * cg, r0 * rest : r1 * rest]
+
+        self._products(plan, n, block, wg, bias, y)
+        return y
+
     def _im2col(
         self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
     ) -> np.ndarray:
+        """im2col block by block: the input copied into zero-padded stride-phase planes once
+        (in this thread's workspace, its zeros written once per layout), then each block's
+        columns gathered from them, one strided copy per phase (see ``_plan_columns``), into
+        the workspace of the thread that runs its products."""
         n, c = x.shape[:2]
-        g = self.group
-        into = y is not None
         y = np.empty((n, plan.m, plan.out_size), dtype=x.dtype) if y is None else y.reshape(n, plan.m, plan.out_size)
-        whole = (slice(None),)
-        for image in range(n):
-            xi = x[image]
-            planes = None
-            if plan.phase_slices is not None:
-                planes = {
-                    phase: _copy_to_workspace(f"phase{k}", xi[index]) if into else np.ascontiguousarray(xi[index])
-                    for k, (phase, index) in enumerate(plan.phase_slices.items())
-                }
-            for p0, p1, shape, taps, zeros, layout_key in plan.blocks:
-                cols, stale = _workspace("im2col", shape, x.dtype, layout_key)
-                if stale:
-                    for index, region in zeros:
-                        cols[(slice(None), index) + region] = 0
-                if planes is None:
-                    for tap in taps:
-                        cols[(slice(None), tap.index) + tap.dst] = xi[whole + tap.src]
-                else:
-                    for tap in taps:
-                        cols[(slice(None), tap.index) + tap.dst] = planes[tap.phase][whole + tap.phase_src]
-                out = y[image, :, p0:p1]
-                _products(wg, cols.reshape(1, g, -1, p1 - p0), out.reshape(1, g, -1, p1 - p0))
-                if bias is not None:
-                    out += bias
-            if self.relu:
-                relu_into(y[image], y[image])  # once per image: the blocks' outputs are strided views
+        if y.size == 0:
+            return y
+        phases = len(plan.phase_windows)
+        planes, stale = _workspace("im2col-planes", (n, phases, c, plan.plane_size), x.dtype, plan.planes_layout)
+        if stale:
+            planes.fill(0)  # the padding: only the regions below are ever written
+        shaped = planes.reshape(n, phases, c, *plan.plane_shape)
+        for dst, src in plan.plane_fills:
+            shaped[dst] = x[src]
+        key = (planes.__array_interface__["data"][0], n, x.dtype)
+        made = plan.windows  # read once: another thread may replace it
+        if made is None or made[0] != key:
+            made = plan.windows = (key, self._windows(plan, planes))
+        windows = made[1]
+        cg = c // self.group
+        depth = cg * math.prod(plan.kernel)
+        kernel_axes = (slice(None),) * len(plan.kernel)
+        # every block asks for the room of the largest, so that a thread's workspace grows
+        # once, whichever blocks it is handed
+        room = depth * -(-plan.out[0] // plan.fitting_blocks) * plan.rest
+
+        def block(image: int, group: int, r0: int, r1: int) -> np.ndarray:
+            flat, _ = _workspace("im2col", (room,), x.dtype)
+            cols = flat[: depth * (r1 - r0) * plan.rest].reshape(cg, *plan.kernel, r1 - r0, *plan.out[1:])
+            channels = (image, slice(group * cg, (group + 1) * cg))
+            for taps, window in windows:
+                np.copyto(cols[taps], window[channels + kernel_axes + (slice(r0, r1),)])
+            return cols.reshape(depth, -1)
+
+        self._products(plan, n, block, wg, bias, y)
         return y
 
+    @staticmethod
+    def _windows(plan: _ConvPlan, planes: np.ndarray) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+        """Per phase: the columns its taps fill, and a read-only view (n, C, *tap counts,
+        *out) of ``planes`` (n, phases, C, plane size) holding what they read. Made once per
+        planes buffer and kept in the plan: a replay makes no views but the blocks'."""
+        item = planes.itemsize
+        windows = []
+        for k, (columns, counts, steps, start) in enumerate(plan.phase_windows):
+            base = planes[:, k, :, start:]
+            shape = (*base.shape[:2], *counts, *plan.out)
+            strides = (*base.strides[:2], *(st * item for st in steps), *(ps * item for ps in plan.plane_strides))
+            window = np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides, writeable=False)
+            windows.append((columns, window))
+        return windows
 
-def _products(weights: np.ndarray, columns: np.ndarray, out: np.ndarray) -> None:
-    """``out[i, j] = weights[j] @ columns[i, j]`` for every image ``i`` and group ``j``
-    (columns (n, g, K, P), out (n, g, M/g, P)): each product split over the threads when
-    it is big enough alone, else the products shared out between them."""
-    n, g = columns.shape[:2]
-    each = weights.shape[1] * weights.shape[2] * columns.shape[3]
-    if n * g == 1 or each >= PARALLEL_MIN_WORK:
-        for i in range(n):
-            for j in range(g):
-                split_gemm(weights[j], columns[i, j], out[i, j])
-        return
+    def _products(
+        self,
+        plan: _ConvPlan,
+        n: int,
+        columns: Callable[[int, int, int, int], np.ndarray],
+        wg: np.ndarray,
+        bias: np.ndarray | None,
+        y: np.ndarray,
+    ) -> None:
+        """``y[i, group j's channels, block] = wg[j] @ columns(i, j, r0, r1) + bias``, then
+        the fused Relu, for every image ``i``, group ``j`` and block ``[r0, r1)`` of output
+        rows (``plan.block_count``). Each such unit runs on one thread, from gathering its
+        columns (into that thread's workspace) to clamping its output while it is still in
+        cache; ``parallel_for`` shares the units out, one chunk each. A lone unit splits its
+        product over the threads instead (``split_gemm``), then adds the bias and clamps the
+        whole output at once (measured faster than doing so in each of split_gemm's blocks
+        on SqueezeNet's small 1x1 Conv, 64-1000 outputs on 13x13, by 20-90 us on two
+        threads: four blocks' calls in turn at the GIL against two calls)."""
+        if y.size == 0:
+            return
+        g = self.group
+        mg = plan.m // g
+        work = n * plan.m * plan.out_size * wg.shape[2]
+        threads = split_threads(work)
+        blocks = plan.block_count(n * g, threads)
+        count = n * g * blocks
+        rows, rest, relu = plan.out[0], plan.rest, self.relu
+        if count == 1:
+            split_gemm(wg[0], columns(0, 0, 0, rows), y[0])
+            if bias is not None or relu:
+                bias_relu(y[0], bias, relu)
+            return
 
-    def some(start: int, stop: int) -> None:
-        for index in range(start, stop):
-            i, j = divmod(index, g)
-            gemm(weights[j], columns[i, j], out[i, j])
+        def units(start: int, stop: int) -> None:
+            for unit in range(start, stop):
+                image, within = divmod(unit, g * blocks)
+                j, k = divmod(within, blocks)
+                r0, r1 = k * rows // blocks, (k + 1) * rows // blocks
+                channels = slice(j * mg, (j + 1) * mg)
+                out = y[image, channels, r0 * rest : r1 * rest]
+                gemm(wg[j], columns(image, j, r0, r1), out, bias=None if bias is None else bias[channels], relu=relu)
 
-    parallel_for(n * g, some, each * n * g, threads=split_threads(each * n * g))
+        parallel_for(count, units, work, threads=threads, chunks_per_thread=count)
 
 
 @kernel_builder("Conv", 1)

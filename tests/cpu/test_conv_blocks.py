@@ -1,0 +1,155 @@
+"""Conv's im2col and pointwise paths in blocks of output rows, each block on one thread from
+gathering its columns to its bias and Relu: every geometry matches onnx.reference, with the
+blocks cut small and shared out between two threads, and a replay allocates nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx.reference import ReferenceEvaluator
+
+import plugrt
+from plugrt_cpu.kernels import conv as convolution
+
+from cpu.test_conv_gemm import _conv_model
+from cpu.test_into import check_captured, one_node
+
+# (input shape, weight shape, attributes): none of them on the tap grid or Winograd (fewer
+# than 16 channels per group or more outputs than inputs per group), so im2col computes them
+_IM2COL = {
+    "3x3-same": ((1, 6, 13, 11), (10, 6, 3, 3), {"pads": [1, 1, 1, 1]}),
+    "stride-2": ((1, 3, 23, 23), (8, 3, 3, 3), {"strides": [2, 2]}),
+    "strided-dilated-asymmetric": (
+        (1, 5, 21, 19), (7, 5, 3, 2), {"pads": [2, 0, 1, 3], "strides": [2, 3], "dilations": [2, 2]}
+    ),
+    "kernel-wider-than-stride": ((1, 3, 45, 45), (8, 3, 11, 11), {"pads": [2, 2, 2, 2], "strides": [4, 4]}),
+    "valid-input-left-over": ((1, 4, 17, 16), (6, 4, 3, 3), {"strides": [3, 3]}),
+    "grouped": ((1, 12, 15, 15), (24, 4, 3, 3), {"pads": [1, 1, 1, 1], "group": 3}),
+    "batch": ((3, 5, 14, 9), (8, 5, 3, 3), {"pads": [1, 0, 1, 0]}),
+    "batch-grouped-strided": ((2, 8, 16, 16), (12, 4, 5, 5), {"pads": [2, 2, 2, 2], "strides": [2, 2], "group": 2}),
+    "1d": ((2, 4, 37), (9, 4, 5), {"pads": [2, 1], "strides": [2]}),
+    "3d": ((1, 3, 7, 9, 8), (5, 3, 3, 3, 2), {"pads": [1, 1, 0, 1, 1, 1], "strides": [1, 2, 1]}),
+}
+
+_POINTWISE = {
+    "pointwise": ((1, 16, 13, 15), (24, 16, 1, 1), {}),
+    "pointwise-grouped-batch": ((2, 12, 9, 10), (8, 6, 1, 1), {"group": 2}),
+    "pointwise-strided": ((1, 8, 17, 17), (12, 8, 1, 1), {"strides": [2, 2]}),
+}
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of one to three output rows, shared out between two threads whatever the
+    machine has: every block boundary and the pool's workers are exercised."""
+    monkeypatch.setattr(convolution, "_BLOCK_BYTES", 2048)
+    monkeypatch.setattr(convolution, "_MIN_BLOCK_POSITIONS", 1)
+    monkeypatch.setattr(convolution, "split_threads", lambda work: 2)
+
+
+@pytest.fixture
+def im2col_calls(monkeypatch):
+    calls = []
+    original = convolution._Convolution._im2col
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(convolution._Convolution, "_im2col", counted)
+    return calls
+
+
+def _random(*shape: int, seed: int = 0, dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _compare(case: tuple, relu: bool, dtype=np.float32, bias: bool = True, tolerance: float = 1e-4) -> None:
+    x_shape, w_shape, attributes = case
+    x, w = _random(*x_shape, seed=1, dtype=dtype), _random(*w_shape, seed=2, dtype=dtype)
+    b = _random(w_shape[0], seed=3, dtype=dtype) if bias else None
+    model = _conv_model(x_shape, w, b, attributes, relu, dtype)
+    (actual,) = plugrt.load(model, device="cpu").run({"x": x}).values()
+    reference = ReferenceEvaluator(onnx.load_from_string(model))
+    (expected,) = reference.run(None, {"x": x.astype(np.float64)} if dtype == np.float16 else {"x": x})
+    assert actual.dtype == dtype and actual.shape == expected.shape
+    np.testing.assert_allclose(actual.astype(np.float64), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("case", list(_IM2COL), ids=list(_IM2COL))
+def test_im2col_in_small_blocks_on_two_threads_matches_the_reference(small_blocks, im2col_calls, case, relu):
+    _compare(_IM2COL[case], relu)
+    assert im2col_calls
+
+
+@pytest.mark.parametrize("case", ["3x3-same", "batch-grouped-strided", "1d"])
+def test_im2col_in_one_block_matches_the_reference(im2col_calls, case):
+    _compare(_IM2COL[case], relu=True)
+    assert im2col_calls
+
+
+def test_im2col_without_a_bias_matches_the_reference(small_blocks):
+    _compare(_IM2COL["strided-dilated-asymmetric"], relu=True, bias=False)
+
+
+@pytest.mark.parametrize("case", ["3x3-same", "batch-grouped-strided", "3d"])
+def test_im2col_in_float64_matches_the_reference(small_blocks, case):
+    _compare(_IM2COL[case], relu=True, dtype=np.float64, tolerance=1e-10)
+
+
+@pytest.mark.parametrize("case", ["3x3-same", "kernel-wider-than-stride"])
+def test_im2col_in_float16_matches_the_reference(small_blocks, case):
+    _compare(_IM2COL[case], relu=True, dtype=np.float16, tolerance=2e-2)
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("case", list(_POINTWISE), ids=list(_POINTWISE))
+def test_pointwise_in_small_blocks_on_two_threads_matches_the_reference(small_blocks, case, relu):
+    _compare(_POINTWISE[case], relu)
+
+
+@pytest.mark.parametrize("w_shape", [(8, 5, 3, 3), (8, 5, 1, 1)], ids=["im2col", "pointwise"])
+def test_an_empty_batch_gives_an_empty_output(small_blocks, w_shape):
+    model = _conv_model((0, 5, 9, 9), _random(*w_shape), _random(8), {}, relu=True)
+    (actual,) = plugrt.load(model, device="cpu").run({"x": np.zeros((0, 5, 9, 9), np.float32)}).values()
+    assert actual.shape == (0, 8, 9 - w_shape[2] + 1, 9 - w_shape[3] + 1)
+
+
+def _attributes_text(attributes: dict) -> str:
+    return ", ".join(f"{k} = [{', '.join(map(str, v))}]" if isinstance(v, list) else f"{k} = {v}" for k, v in attributes.items())
+
+
+@pytest.mark.parametrize("case", ["batch-grouped-strided", "kernel-wider-than-stride", "pointwise-strided"])
+def test_blocks_on_two_threads_are_captured_and_replay_without_allocating(small_blocks, case):
+    x_shape, w_shape, attributes = {**_IM2COL, **_POINTWISE}[case]
+    model = one_node(
+        f"c = Conv<{_attributes_text(attributes)}>(x, w, b)\n    y = Relu(c)",
+        {"x": _random(*x_shape)},
+        {"y": "float"},
+        constants={"w": _random(*w_shape, seed=2), "b": _random(w_shape[0], seed=3)},
+    )
+    check_captured(model, lambda rng: {"x": rng.standard_normal(x_shape).astype(np.float32)})
+
+
+def _plan(x_shape, w_shape, attributes: dict):
+    return convolution._Convolution(attributes)._plans(tuple(x_shape), tuple(w_shape), 4)
+
+
+def test_blocks_share_out_evenly_between_the_threads():
+    plan = _plan((1, 16, 55, 55), (64, 16, 3, 3), {"pads": [1, 1, 1, 1]})
+    assert plan.block_count(1, 1) == 1  # one block fits
+    assert plan.block_count(1, 2) == 2
+    assert plan.block_count(3, 2) == 2  # six units
+    assert plan.block_count(4, 2) == 1
+
+
+def test_a_lone_product_with_more_outputs_than_positions_is_not_cut_into_blocks():
+    plan = _plan((1, 64, 13, 13), (256, 64, 3, 3), {"pads": [1, 1, 1, 1]})
+    assert plan.block_count(1, 2) == 1  # split_gemm splits its output channels instead
+
+
+def test_blocks_keep_their_least_positions():
+    plan = _plan((1, 16, 20, 20), (16, 16, 3, 3), {"pads": [1, 1, 1, 1]})  # 400 positions
+    assert plan.block_count(1, 4) == 1
