@@ -73,7 +73,7 @@ _INPUT = numba.boolean(
     numba.int64,  # pad_top
     numba.int64,  # pad_left
     numba.int64,  # tiles (per tile row)
-    numba.float32[:, :, ::1],  # v (36, C, band cells)
+    numba.float32[:, :, ::1],  # v (36 or 16 transform points, C, band cells)
     numba.int64,  # image
     numba.int64,  # row0
     numba.int64,  # row1
@@ -138,7 +138,7 @@ def winograd_input(x, pad_top, pad_left, tiles, v, image, row0, row1, c0, c1, wo
 
 
 _OUTPUT = numba.void(
-    numba.types.Array(numba.float32, 3, "C", readonly=True),  # m (36, K, band cells)
+    numba.types.Array(numba.float32, 3, "C", readonly=True),  # m (36 or 16 transform points, K, band cells)
     numba.types.Array(numba.float32, 1, "C", readonly=True),  # bias (K,)
     numba.boolean,  # relu
     numba.int64,  # tiles
@@ -202,22 +202,8 @@ def winograd_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  
 # F(2x2, 3x3): 2x2 output tiles from 4x4 input tiles, 16 transform points, for outputs
 # too small to give F(4x4, 3x3)'s products enough tiles (14x14: 20 tiles, here 56).
 
-_INPUT_2 = numba.boolean(
-    numba.types.Array(numba.float32, 4, "C", readonly=True),  # x (n, C, H, W)
-    numba.int64,  # pad_top
-    numba.int64,  # pad_left
-    numba.int64,  # tiles (per tile row)
-    numba.float32[:, :, ::1],  # v (16, C, band cells)
-    numba.int64,  # image
-    numba.int64,  # row0
-    numba.int64,  # row1
-    numba.int64,  # first channel
-    numba.int64,  # channel stop
-    numba.float32[::1],  # work
-)
 
-
-@numba.njit([_INPUT_2], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+@numba.njit([_INPUT], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
 def winograd2_input(x, pad_top, pad_left, tiles, v, image, row0, row1, c0, c1, work):  # pragma: no cover  (compiled)
     """F(2x2, 3x3)'s ``V = B^T d B``, as :func:`winograd_input` (tiles 2 apart, rows of
     ``2 * (tiles + 1)`` floats; ``work``: ``(6 * rows + 2) * pitch`` floats)."""
@@ -260,22 +246,7 @@ def winograd2_input(x, pad_top, pad_left, tiles, v, image, row0, row1, c0, c1, w
     return True
 
 
-_OUTPUT_2 = numba.void(
-    numba.types.Array(numba.float32, 3, "C", readonly=True),  # m (16, K, band cells)
-    numba.types.Array(numba.float32, 1, "C", readonly=True),  # bias (K,)
-    numba.boolean,  # relu
-    numba.int64,  # tiles
-    numba.float32[:, :, :, ::1],  # y (n, K, OH, OW)
-    numba.int64,  # image
-    numba.int64,  # row0
-    numba.int64,  # row1
-    numba.int64,  # first output channel
-    numba.int64,  # output channel stop
-    numba.float32[::1],  # work
-)
-
-
-@numba.njit([_OUTPUT_2], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+@numba.njit([_OUTPUT], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
 def winograd2_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  # pragma: no cover  (compiled)
     """F(2x2, 3x3)'s ``Y = A^T M A + bias``, as :func:`winograd_output` (``work``: 12
     floats a tile)."""
