@@ -63,12 +63,16 @@ _MIN_TILES = 48
 # Input channels below which the products are too shallow (measured 16 -> 64 at 55x55:
 # Winograd 0.80x the im2col path's time; 3 -> 64 has no gain to make).
 _MIN_CHANNELS = 16
-# Tiles per band at least (a band of tile rows runs from input to output on one thread):
-# its products still wide enough for BLAS, and, where the transformed weight (read by every
-# band) is bigger than a core's L2 cache, wide enough to pay for reading it again.
-_BAND_CELLS = 16
-_WIDE_BAND_CELLS = 192
-_CACHED_WEIGHT_BYTES = 1 << 20
+# A band of tile rows runs from input to output on one thread, and reads all of the
+# transformed weight. Bigger weights than this share out each step instead (measured on 2
+# threads: 256 -> 256 at 56x56, 9.4 MB, 10.6 ms by steps against 10.9 by a band per
+# thread and 14.3 by two; 128 -> 160 at 28x28, 2.9 MB, 1.18 ms by two bands a thread
+# against 1.44 by steps).
+_BANDED_WEIGHT_BYTES = 8 << 20
+# Multiply-adds a band at least for two bands a thread, which let a thread that finishes
+# first take over (measured: 64 -> 192 at 56x56, 23 M a band, 2.12 ms against 2.53 for one
+# band a thread; 64 -> 96 at 28x28, 3 M a band, 0.42 against 0.39).
+_BAND_WORK = 6 << 20
 
 
 
@@ -133,10 +137,7 @@ class WinogradPlan:
         self.cells = self.tile_rows * (self.tiles + 1)  # per image, a junk tile closing each row
         self.pitch = tile * (self.tiles + 1)
         self.no_bias = np.zeros(self.m, np.float32)
-        # Every band reads all of the transformed weight: where it does not stay in cache,
-        # bands must be wide enough for their products to pay for reading it again.
-        cached = variant.points * self.m * self.channels * 4 <= _CACHED_WEIGHT_BYTES
-        self.band_cells = _BAND_CELLS if cached else _WIDE_BAND_CELLS
+        self.banded = variant.points * self.m * self.channels * 4 <= _BANDED_WEIGHT_BYTES
 
     def __call__(
         self, x: np.ndarray, weight: Any, bias: np.ndarray | None, relu: bool, y: np.ndarray | None = None
@@ -158,10 +159,12 @@ class WinogradPlan:
         # Threads only while other processes leave the cores free: with one busy core, one
         # thread measured 15-25% faster than two (a worker waits for the busy core).
         threads = threads_for(work)
-        # a band per thread, while bands that many stay wide enough; else shared-out steps
+        # a band per thread, two where each still has _BAND_WORK; a band is a tile row at least
         bands = -(-threads // n)
-        if bands <= max(1, min(self.tile_rows, self.cells // self.band_cells)):
-            finite = self._by_bands(loops, x, u, b, relu, y, threads, work, bands)
+        if threads > 1 and work >= 2 * threads * _BAND_WORK:
+            bands = -(-2 * threads // n)
+        if threads == 1 or (self.banded and bands <= self.tile_rows):
+            finite = self._by_bands(loops, x, u, b, relu, y, threads, work, min(bands, self.tile_rows))
         else:
             finite = self._by_steps(loops, x, u, b, relu, y, threads, work)
         return y if finite else None
