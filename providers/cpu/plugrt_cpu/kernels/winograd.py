@@ -11,10 +11,10 @@ products one numpy matmul (one-thread BLAS calls).
 
 Threads share the work by bands of tile rows, each band carried from input to output by
 one thread in its own workspaces: one hand-off per call, and a band's transforms and
-products stay in cache. Where bands that feed every thread would be too narrow (a band
-reads all of the transformed weight, so they are kept wide when it is bigger than a
-core's cache), each step is shared out instead: the input transform by channels, the
-products by transform point, the output transform by output channel.
+products stay in cache. Every band reads all of the transformed weight, so where that is
+large (over 8 MB) or the images have too few tile rows for a band per thread, each step is
+shared out instead: the input transform by channels, the products by transform point,
+the output transform by output channel.
 
 Errors stay at float32 rounding of the transformed values: measured at most 1e-5 of the
 largest output on ResNet, VGG and random layers against onnxruntime's direct convolution.
