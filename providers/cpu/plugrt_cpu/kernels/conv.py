@@ -418,8 +418,8 @@ class _Convolution:
     def _winograd(
         self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None, plan: _ConvPlan
     ) -> np.ndarray | None:
-        """The 3x3 float32 Conv by Winograd's F(4x4, 3x3) where it is planned and numba is
-        there; None otherwise, or when ``x`` holds a NaN or an infinity (a tile would spread
+        """The 3x3 float32 Conv by Winograd's F(4x4, 3x3) or F(2x2, 3x3) where it is planned
+        and numba is there; None otherwise, or when ``x`` holds a NaN or an infinity (a tile would spread
         it over outputs the direct ways keep finite)."""
         if plan.winograd is None or x.dtype != np.float32 or winograd_loops() is None:
             return None
