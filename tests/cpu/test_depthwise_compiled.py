@@ -16,6 +16,7 @@ import plugrt
 from plugrt.capture import Captured
 from plugrt_cpu.kernels import conv as convolution
 
+from cpu.numba_paths import PATHS, numba_or_numpy
 from cpu.test_into import REPLAY_BYTES, _same, check_captured, one_node, replay_bytes
 
 pytest.importorskip("numba")
@@ -87,20 +88,11 @@ def compiled_calls(monkeypatch) -> list[np.ndarray]:
     return calls
 
 
-@pytest.fixture(params=["numba", "numpy"])
+@pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     """Each test twice: with the compiled loops (skipped under PLUGRT_NUMBA=0) and with
     PLUGRT_NUMBA=0, the numpy paths."""
-    if request.param == "numba":
-        if os.environ.get("PLUGRT_NUMBA", "1") == "0":
-            pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
-        assert convolution.depthwise_loops() is not None
-        yield request.param
-        return
-    monkeypatch.setenv("PLUGRT_NUMBA", "0")
-    convolution.depthwise_loops.cache_clear()
-    yield request.param
-    convolution.depthwise_loops.cache_clear()
+    yield from numba_or_numpy(request, monkeypatch, convolution.depthwise_loops)
 
 
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])

@@ -6,7 +6,6 @@ where the GEMM paths are faster; replays without allocating."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import onnx
@@ -18,6 +17,7 @@ from onnx.reference import ReferenceEvaluator
 import plugrt
 from plugrt_cpu.kernels import winograd
 
+from cpu.numba_paths import PATHS, numba_or_numpy
 from cpu.test_into import check_captured, one_node
 
 pytest.importorskip("numba")
@@ -99,20 +99,11 @@ def winograd_calls(monkeypatch) -> _Calls:
     return calls
 
 
-@pytest.fixture(params=["numba", "numpy"])
+@pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     """Each test twice: with the compiled transforms (skipped under PLUGRT_NUMBA=0) and
     with PLUGRT_NUMBA=0, the GEMM paths."""
-    if request.param == "numba":
-        if os.environ.get("PLUGRT_NUMBA", "1") == "0":
-            pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
-        assert winograd.winograd_loops() is not None
-        yield request.param
-        return
-    monkeypatch.setenv("PLUGRT_NUMBA", "0")
-    winograd.winograd_loops.cache_clear()
-    yield request.param
-    winograd.winograd_loops.cache_clear()
+    yield from numba_or_numpy(request, monkeypatch, winograd.winograd_loops)
 
 
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
