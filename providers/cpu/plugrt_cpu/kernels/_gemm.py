@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from typing import Any, Callable
 
 import numpy as np
 from plugrt.threads import blas_threads, openblas_libraries, parallel_for, split_threads
 
+from ._compiled import compiled_module
 from ._relu import relu_into
 from .elementwise import with_small_buffers
 
-__all__ = ["available", "bias_relu", "gemm", "split_gemm", "split_columns", "splits_columns"]
+__all__ = ["available", "bias_relu", "epilogue", "epilogue_loops", "gemm", "split_gemm", "split_columns", "splits_columns"]
 
 # cblas enums (cblas.h): row-major storage, no transpose / transpose.
 _ROW_MAJOR = 101
@@ -112,29 +114,85 @@ def gemm(
     *,
     bias: np.ndarray | None = None,
     relu: bool = False,
+    residual: np.ndarray | None = None,
 ) -> None:
     """``c = a @ b + beta * c`` on 2-D views (any leading dimensions, either axis of ``a``
     and ``b`` of unit step, ``c`` with unit-step rows), without copies. The calling thread's
     BLAS thread count applies (``plugrt.threads.blas_threads``). Other layouts, dtypes and
     BLAS libraries are computed with numpy.
 
-    Then ``bias`` (one value per row of ``c``, shape (m, 1)) is added and ``relu`` clamps
-    the result at zero, while ``c`` is in cache."""
+    Then ``residual`` (shaped like ``c``, not overlapping it) and ``bias`` (one value per
+    row of ``c``, shape (m, 1)) are added and ``relu`` clamps the result at zero, while
+    ``c`` is in cache."""
     _product(a, b, c, beta)
-    if bias is not None or relu:
-        bias_relu(c, bias, relu)
+    if bias is not None or relu or residual is not None:
+        bias_relu(c, bias, relu, residual)
 
 
-def bias_relu(c: np.ndarray, bias: np.ndarray | None, relu: bool) -> None:
-    """``c += bias`` (one value per row), then a Relu if asked. On a block of a matrix's
+def bias_relu(c: np.ndarray, bias: np.ndarray | None, relu: bool, residual: np.ndarray | None = None) -> None:
+    """``c += residual`` (when given: an array shaped like ``c``), ``c += bias`` (one value
+    per row), then a Relu if asked. On a block of a matrix's
     columns numpy's ufuncs copy the rows through their buffers unless these are small, so
     both run with small buffers (measured on 64 rows of 1512 of 3025 floats: the sum 45 us
     with numpy's 8192-value buffers, 8.6 with 1024; as fast as writing the bias before the
     product, which then takes the ctypes call, ~8 us dearer than numpy's matmul)."""
-    with_small_buffers(_bias_relu, c, bias, relu)
+    with_small_buffers(_bias_relu, c, bias, relu, residual)
 
 
-def _bias_relu(c: np.ndarray, bias: np.ndarray | None, relu: bool) -> None:
+@functools.cache
+def epilogue_loops() -> Any:
+    """The compiled epilogue loops (``kernels._numba_epilogue``), or None without numba
+    (see ``compiled_module``)."""
+    return compiled_module("_numba_epilogue")
+
+
+_F32 = np.dtype(np.float32)
+_NO_BIAS: dict[int, np.ndarray] = {}  # float32 zeros by length: the bias of a Conv without one
+
+
+def epilogue(
+    matrix: np.ndarray,
+    rows: slice,
+    columns: slice,
+    bias: np.ndarray | None,
+    relu: bool,
+    residual: np.ndarray | None = None,
+) -> None:
+    """:func:`bias_relu` on the block ``matrix[rows, columns]`` (unit-step slices) of a
+    C-contiguous matrix: ``+ residual[rows, columns]`` (``residual`` shaped like
+    ``matrix``), ``+ bias`` (one value per row of the block, shape (rows, 1)), then a Relu
+    when asked. float32 takes one compiled pass where numba is there (one to three numpy
+    passes through ufunc buffers otherwise)."""
+    if bias is None and residual is None and not relu:
+        return
+    loops = epilogue_loops()
+    if (
+        loops is None
+        or matrix.dtype != _F32
+        or matrix.ndim != 2
+        or not matrix.flags.c_contiguous
+        or (bias is not None and bias.dtype != _F32)
+        or (residual is not None and (residual.dtype != _F32 or residual.shape != matrix.shape or not residual.flags.c_contiguous))
+    ):
+        bias_relu(matrix[rows, columns], bias, relu, None if residual is None else residual[rows, columns])
+        return
+    r0, r1, _ = rows.indices(matrix.shape[0])
+    j0, j1, _ = columns.indices(matrix.shape[1])
+    if bias is None:
+        values = _NO_BIAS.get(r1 - r0)
+        if values is None:
+            values = _NO_BIAS[r1 - r0] = np.zeros(r1 - r0, _F32)
+    else:
+        values = bias.reshape(-1)
+    if residual is None:
+        loops.bias_relu_rows(matrix, r0, r1, j0, j1, values, relu)
+    else:
+        loops.bias_residual_relu_rows(matrix, r0, r1, j0, j1, values, residual, relu)
+
+
+def _bias_relu(c: np.ndarray, bias: np.ndarray | None, relu: bool, residual: np.ndarray | None) -> None:
+    if residual is not None:
+        np.add(c, residual, out=c)
     if bias is not None:
         np.add(c, bias, out=c)
     if relu:

@@ -32,7 +32,7 @@ from ._window import (
     _workspace,
     _zeroed,
 )
-from ._gemm import available, bias_relu, gemm, split_gemm, splits_columns
+from ._gemm import available, epilogue, gemm, split_gemm, splits_columns
 from .conv_gemm import grid_plan
 from .winograd import winograd_loops, winograd_plan
 from ._relu import relu_into
@@ -685,9 +685,17 @@ class _Convolution:
         return acc
 
     def _pointwise(
-        self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
+        self,
+        x: np.ndarray,
+        wg: np.ndarray,
+        plan: _ConvPlan,
+        bias: np.ndarray | None,
+        y: np.ndarray | None = None,
+        residual: np.ndarray | None = None,
     ) -> np.ndarray:
-        """A 1x1 Conv: the input's channels are the columns (strided inputs copied once)."""
+        """A 1x1 Conv: the input's channels are the columns (strided inputs copied once).
+        With ``residual`` (shaped like the output, not overlapping ``y``) each output
+        block adds its share of it before the bias and the Relu, while it is in cache."""
         n, c = x.shape[:2]
         xs = x[plan.src] if plan.copy_input else x
         if not xs.flags.c_contiguous:
@@ -699,7 +707,7 @@ class _Convolution:
         def block(image: int, group: int, r0: int, r1: int) -> np.ndarray:
             return columns[image, group * cg : (group + 1) * cg, r0 * rest : r1 * rest]
 
-        self._products(plan, n, block, wg, bias, y)
+        self._products(plan, n, block, wg, bias, y, None if residual is None else residual.reshape(y.shape))
         return y
 
     def _im2col(
@@ -766,9 +774,11 @@ class _Convolution:
         wg: np.ndarray,
         bias: np.ndarray | None,
         y: np.ndarray,
+        residual: np.ndarray | None = None,
     ) -> None:
-        """``y[i, group j's channels, block] = wg[j] @ columns(i, j, r0, r1) + bias``, then
-        the fused Relu, for every image ``i``, group ``j`` and block ``[r0, r1)`` of output
+        """``y[i, group j's channels, block] = wg[j] @ columns(i, j, r0, r1) + bias`` (plus
+        the same block of ``residual``, shaped like ``y``, when given), then the fused
+        Relu, for every image ``i``, group ``j`` and block ``[r0, r1)`` of output
         rows (``plan.block_count``). Each such unit runs on one thread, from gathering its
         columns (into that thread's workspace) to clamping its output while it is still in
         cache; ``parallel_for`` shares the units out, one chunk each. A lone unit splits its
@@ -785,10 +795,10 @@ class _Convolution:
         blocks = plan.block_count(n * g, threads)
         count = n * g * blocks
         rows, rest, relu = plan.out[0], plan.rest, self.relu
+        whole = slice(None)
         if count == 1:
             split_gemm(wg[0], columns(0, 0, 0, rows), y[0])
-            if bias is not None or relu:
-                bias_relu(y[0], bias, relu)
+            epilogue(y[0], whole, whole, bias, relu, None if residual is None else residual[0])
             return
 
         def units(start: int, stop: int) -> None:
@@ -797,8 +807,16 @@ class _Convolution:
                 j, k = divmod(within, blocks)
                 r0, r1 = k * rows // blocks, (k + 1) * rows // blocks
                 channels = slice(j * mg, (j + 1) * mg)
-                out = y[image, channels, r0 * rest : r1 * rest]
-                gemm(wg[j], columns(image, j, r0, r1), out, bias=None if bias is None else bias[channels], relu=relu)
+                positions = slice(r0 * rest, r1 * rest)
+                gemm(wg[j], columns(image, j, r0, r1), y[image, channels, positions])
+                epilogue(
+                    y[image],
+                    channels,
+                    positions,
+                    None if bias is None else bias[channels],
+                    relu,
+                    None if residual is None else residual[image],
+                )
 
         parallel_for(count, units, work, threads=threads, chunks_per_thread=count)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+from plugrt.threads import blas_threads
 
 from .._registry import KernelContext, declare_into
 from ._gemm import available, split_gemm
@@ -20,13 +21,17 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
     """The kernel of ``Relu(Conv(x, w, b) + z)`` (without the Relu when ``relu`` is false)
     for a node with inputs (x, w, b, z).
 
-    Where the residual ``z`` has the output's shape and dtype, the output starts as
-    ``z + b`` and the products accumulate onto it (BLAS ``beta=1``): a pointwise Conv in one
-    GEMM per image, a Conv on the tap grid adding ``z`` as it crops. No separate pass adds
-    the residual, and no sum is allocated besides the output. Anything else (a
-    broadcasting residual, other dtypes, no direct BLAS) computes the Conv, then the sum.
+    Where the residual ``z`` has the output's shape and dtype, the sum is made by the
+    Conv's own passes: a pointwise Conv adds each output block's share of ``z``, the bias
+    and the Relu right after the block's product, while it is in cache, on whichever
+    thread computed it (where the output is ``z``'s own buffer, it starts as ``z + b`` and
+    the products accumulate onto it: BLAS ``beta=1``); a Conv on the tap grid adds ``z``
+    as it crops. No separate pass adds the residual, and no sum is allocated besides the
+    output. Anything else (a broadcasting residual, other dtypes, no direct BLAS) computes
+    the Conv, then the sum.
     """
     op = _Convolution(ctx.attributes)
+    summed = _Convolution(ctx.attributes, relu)  # the pointwise path: its blocks clamp the sum
     constants = ConvConstants(ctx, op)  # the weight build_conv prepares, shared through a WeightStore
 
     def fused(x: np.ndarray, weight: Any, bias: np.ndarray | None, z: np.ndarray, y: np.ndarray | None) -> np.ndarray | None:
@@ -37,6 +42,9 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
         plan = op._plans(x.shape, weight.shape, x.dtype.itemsize)
         if z.shape != (x.shape[0], plan.m, *plan.out):
             return None
+        if plan.kind == "pointwise" and (y is None or not np.may_share_memory(y, z)):
+            blas_threads(0)  # the products split themselves over threads, as in Conv
+            return summed._pointwise(x, weight.gemm, plan, bias, y, z).reshape(z.shape)
         if plan.kind == "pointwise" and op.group == 1:
             return _pointwise(x, weight.gemm[0], bias, z, plan, relu, y)
         if plan.kind == "im2col" and plan.grid is not None:  # BLAS is there: checked above
@@ -61,7 +69,9 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
         xc = _cast_into_scratch(out, "x", x, dtype)
         plan = op._plans(xc.shape, weight.shape, dtype.itemsize)
         shape = (xc.shape[0], plan.m, *plan.out)
-        y = out if out.shape == shape and out.dtype == dtype and out.flags.c_contiguous else scratch(out, "y", shape, dtype)
+        direct = out.shape == shape and out.dtype == dtype and out.flags.c_contiguous
+        # the Conv is written before the residual is read: not into the residual's own buffer
+        y = out if direct and not np.may_share_memory(out, z) else scratch(out, "y", shape, dtype)
         op(xc, weight, bias, y)
         with_small_buffers(_add_into, y, z, out)
         if relu:
@@ -80,7 +90,8 @@ def _pointwise(
     relu: bool,
     y: np.ndarray | None,
 ) -> np.ndarray:
-    """A 1x1 Conv (one group) accumulated onto ``z + bias``: one GEMM per image."""
+    """A 1x1 Conv (one group) accumulated onto ``z + bias``, in place where ``y`` is
+    ``z``'s buffer: one GEMM per image."""
     n, c = x.shape[:2]
     size = plan.out_size
     if y is None:
