@@ -19,12 +19,22 @@ import plugrt
 from plugrt.capture import Captured
 from plugrt.conformance.light_models import light_models
 from plugrt.threads import parallel_for
-from plugrt_cpu.kernels import normalization
+from plugrt_cpu.kernels import _gemm, normalization
 
+from cpu.numba_paths import PATHS, numba_or_numpy
 from cpu.test_into import REPLAY_BYTES, replay_bytes
 from test_light_models import _check, _with_logits
 
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """float32 planes of 16 values and more take a compiled one-pass loop where numba is
+    there (its module is the Conv epilogue's), numpy's ufuncs otherwise: both are tested."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    yield from numba_or_numpy(request, monkeypatch, _gemm.epilogue_loops)
 
 
 def _batch_norm_relu(shape: tuple[int, ...], dtype: Any = np.float32, seed: int = 0) -> bytes:
@@ -76,6 +86,7 @@ _SHAPES = {"2d": (6, 5), "3d": (2, 3, 7), "4d": (2, 4, 5, 6), "5d": (2, 3, 4, 5,
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("shape", list(_SHAPES.values()), ids=list(_SHAPES))
+@pytest.mark.usefixtures("path")
 def test_batch_norm_relu_runs_as_one_step_with_onnxruntimes_values(shape, dtype):
     model, feeds = _batch_norm_relu(shape, dtype), _input(shape, dtype)
     ops, y = _run(model, feeds)
@@ -85,17 +96,19 @@ def test_batch_norm_relu_runs_as_one_step_with_onnxruntimes_values(shape, dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.usefixtures("path")
 def test_fused_step_gives_the_unfused_steps_values_bit_for_bit(dtype):
     # the pass folds the multiplier and shift as the BatchNormalization kernel does
-    model, feeds = _batch_norm_relu((2, 4, 5, 6), dtype), _input((2, 4, 5, 6), dtype)
+    model, feeds = _batch_norm_relu((2, 4, 5, 6), dtype), _input((2, 4, 5, 6), dtype)  # planes of 30: compiled
     _, fused = _run(model, feeds)
     ops, unfused = _run(model, feeds, optimization="none")
     assert ops == ["BatchNormalization", "Relu"]
     assert fused.tobytes() == unfused.tobytes()
 
 
+@pytest.mark.usefixtures("path")
 def test_non_finite_inputs_give_onnx_references_values_and_relu_keeps_nan():
-    shape = (2, 4, 3, 3)
+    shape = (2, 4, 4, 5)  # planes of 20: the compiled loop where numba is there
     model, feeds = _batch_norm_relu(shape), _input(shape)
     x = feeds["x"]
     x[0, :, 0, 0] = np.nan
@@ -131,6 +144,7 @@ def _two_threads(calls: list[int]):
 
 
 @pytest.mark.parametrize("shape, dtype", list(_LARGE.values()), ids=list(_LARGE))
+@pytest.mark.usefixtures("path")
 def test_blocks_shared_between_two_threads_give_onnxruntimes_values(shape, dtype, monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(normalization, "parallel_for", _two_threads(calls))
@@ -144,6 +158,7 @@ def test_blocks_shared_between_two_threads_give_onnxruntimes_values(shape, dtype
 # (48, 64, 20, 20): two blocks of short planes, which numpy would copy through buffers
 # of its default size (allocated per call) on a pool thread that kept that size
 @pytest.mark.parametrize("shape", [(2, 8, 16, 32), (48, 64, 20, 20)], ids=["one_block", "blocks_on_two_threads"])
+@pytest.mark.usefixtures("path")
 def test_fused_step_is_captured_and_replays_without_allocating(shape, monkeypatch):
     monkeypatch.setattr(normalization, "parallel_for", _two_threads([]))
     model = _batch_norm_relu(shape)

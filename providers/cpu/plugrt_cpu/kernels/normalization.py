@@ -9,6 +9,7 @@ import numpy as np
 from plugrt.threads import parallel_for
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
+from ._gemm import epilogue_loops
 from ._relu import relu_into
 from .elementwise import scratch, with_small_buffers
 
@@ -206,6 +207,9 @@ def _cast_into(out: np.ndarray, slot: str, x: np.ndarray, dtype: np.dtype) -> np
 # no faster on 8x256x56x56 (25 MiB). 4 MiB keeps a block of x and of y within a quarter
 # of the L3, and the calls' cost per block below 2%.
 _AFFINE_BLOCK_BYTES = 4 << 20
+# Planes (values per image and channel) from which float32 takes the compiled one-pass
+# loop where numba is there; shorter rows cost a loop entry per few values.
+_COMPILED_MIN_PLANE = 16
 _BLOCKED_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -215,9 +219,11 @@ def channel_affine(
     """y = x * multiplier + shift, then max(y, 0) (``relu_into``: NaN stays NaN) when
     ``relu``; ``y`` may be ``x``. ``multiplier`` and ``shift`` have x's dtype and broadcast
     against it. Where they hold one value per channel (axis 1) and x and y are C-contiguous
-    float32 or float64, the three passes run one block at a time (whole images, or a range
-    of one image's channels), each block's passes one after the other while it is in
-    cache, the blocks shared out between threads by ``parallel_for``. Returns y."""
+    float32 or float64, float32 planes of ``_COMPILED_MIN_PLANE`` values and more take one
+    compiled pass where numba is there (``_numba_epilogue``), rows shared out between
+    threads by ``parallel_for``; otherwise the three numpy passes run one block at a time
+    (whole images, or a range of one image's channels), each block's passes one after the
+    other while it is in cache, the blocks shared out likewise. Returns y."""
     per_channel = (x.shape[1],) + (1,) * (x.ndim - 2) if x.ndim >= 2 else None
     if (
         x.dtype not in _BLOCKED_TYPES
@@ -231,6 +237,18 @@ def channel_affine(
         return y
     n, c = x.shape[:2]
     plane = x.size // (n * c)
+    loops = epilogue_loops() if x.dtype == np.float32 and plane >= _COMPILED_MIN_PLANE else None
+    if loops is not None and multiplier.flags.c_contiguous and shift.flags.c_contiguous:
+        # one compiled pass: x read once, y written once (numpy's three passes over a
+        # block larger than the L2 cache each went out to memory: see _COMPILED_MIN_PLANE)
+        xs, ys = x.reshape(n * c, plane), y.reshape(n * c, plane)
+        ms, ss = multiplier.reshape(c), shift.reshape(c)
+
+        def rows(start: int, stop: int) -> None:
+            loops.scale_shift_relu_rows(xs, ys, ms, ss, relu, start, stop)
+
+        parallel_for(n * c, rows, x.size * 2)
+        return y
     # numpy's buffer size is per thread: the chunks on pool threads take this thread's
     # (an into call's small buffers), capped by _row_buffer_size
     current = np.getbufsize()
