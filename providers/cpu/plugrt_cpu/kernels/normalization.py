@@ -241,11 +241,11 @@ def channel_affine(
     if loops is not None and multiplier.flags.c_contiguous and shift.flags.c_contiguous:
         # one compiled pass: x read once, y written once (numpy's three passes over a
         # block larger than the L2 cache each went out to memory: see _COMPILED_MIN_PLANE)
-        xs, ys = x.reshape(n * c, plane), y.reshape(n * c, plane)
-        ms, ss = multiplier.reshape(c), shift.reshape(c)
+        x_rows, y_rows = x.reshape(n * c, plane), y.reshape(n * c, plane)
+        scales, shifts = multiplier.reshape(c), shift.reshape(c)
 
         def rows(start: int, stop: int) -> None:
-            loops.scale_shift_relu_rows(xs, ys, ms, ss, relu, start, stop)
+            loops.scale_shift_relu_rows(x_rows, y_rows, scales, shifts, relu, start, stop)
 
         parallel_for(n * c, rows, x.size * 2)
         return y
