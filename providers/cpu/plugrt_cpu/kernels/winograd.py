@@ -94,9 +94,10 @@ class _Variant:
 
     def work_floats(self, rows: int, pitch: int) -> int:
         """Scratch floats of the compiled transforms for a band of ``rows`` tile rows: the
-        input's padded plane (``tile * rows + 2`` rows) and vertical pass (``tile + 2``
-        rows of ``rows * pitch``), which also hold the output's."""
-        return ((2 * self.tile + 2) * rows + 2) * pitch
+        input's padded plane (``tile * rows + 2`` rows), vertical pass (``tile + 2`` rows
+        of ``rows * pitch``) and the horizontal pass's phases (``rows * pitch``), which
+        also hold the output's."""
+        return ((2 * self.tile + 3) * rows + 2) * pitch
 
 
 _F4 = _Variant(
