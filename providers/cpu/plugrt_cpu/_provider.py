@@ -30,6 +30,7 @@ from plugrt.provider import (
 from . import _registry
 from ._capture import capture_partition, into_of
 from ._counters import PartitionCounters, collecting, counted, track_runner
+from ._host_memory import tune_host_allocator
 
 __all__ = ["CPUProvider"]
 
@@ -125,6 +126,7 @@ class CPUProvider:
 
     def compile(self, partition: Partition) -> CompiledPartition:
         _load_kernels()
+        tune_host_allocator()  # once per process: see _host_memory
         with collecting(PartitionCounters()) as counters:
             bound = [self._bind(node, partition.opset_imports, partition.build_subgraph) for node in partition.nodes]
         steps = [step for step, _ in bound]
