@@ -114,19 +114,17 @@ def gemm(
     *,
     bias: np.ndarray | None = None,
     relu: bool = False,
-    residual: np.ndarray | None = None,
 ) -> None:
     """``c = a @ b + beta * c`` on 2-D views (any leading dimensions, either axis of ``a``
     and ``b`` of unit step, ``c`` with unit-step rows), without copies. The calling thread's
     BLAS thread count applies (``plugrt.threads.blas_threads``). Other layouts, dtypes and
     BLAS libraries are computed with numpy.
 
-    Then ``residual`` (shaped like ``c``, not overlapping it) and ``bias`` (one value per
-    row of ``c``, shape (m, 1)) are added and ``relu`` clamps the result at zero, while
-    ``c`` is in cache."""
+    Then ``bias`` (one value per row of ``c``, shape (m, 1)) is added and ``relu`` clamps
+    the result at zero, while ``c`` is in cache."""
     _product(a, b, c, beta)
-    if bias is not None or relu or residual is not None:
-        bias_relu(c, bias, relu, residual)
+    if bias is not None or relu:
+        bias_relu(c, bias, relu)
 
 
 def bias_relu(c: np.ndarray, bias: np.ndarray | None, relu: bool, residual: np.ndarray | None = None) -> None:
