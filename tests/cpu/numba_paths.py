@@ -13,11 +13,12 @@ PATHS = ["numba", "numpy"]
 def numba_or_numpy(request: Any, monkeypatch: pytest.MonkeyPatch, loops: Callable[[], Any]) -> Iterator[str]:
     """The body of a fixture parametrized by ``PATHS``: "numba" checks that ``loops`` (a
     ``functools.cache``d loader such as ``depthwise_loops``) finds the compiled module and is
-    skipped under PLUGRT_NUMBA=0; "numpy" sets PLUGRT_NUMBA=0 and clears the loader's cache
+    skipped under PLUGRT_NUMBA=0 or without numba; "numpy" sets PLUGRT_NUMBA=0 and clears the loader's cache
     around the test, so the kernel takes its numpy path."""
     if request.param == "numba":
         if os.environ.get("PLUGRT_NUMBA", "1") == "0":
             pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+        pytest.importorskip("numba")
         assert loops() is not None
         yield request.param
         return

@@ -32,8 +32,6 @@ _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 def path(request, monkeypatch):
     """float32 planes of 16 values and more take a compiled one-pass loop where numba is
     there (its module is the Conv epilogue's), numpy's ufuncs otherwise: both are tested."""
-    if request.param == "numba":
-        pytest.importorskip("numba")
     yield from numba_or_numpy(request, monkeypatch, _gemm.epilogue_loops)
 
 

@@ -20,8 +20,6 @@ from cpu.numba_paths import PATHS, numba_or_numpy
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    if request.param == "numba":
-        pytest.importorskip("numba")
     yield from numba_or_numpy(request, monkeypatch, _gemm.epilogue_loops)
 
 

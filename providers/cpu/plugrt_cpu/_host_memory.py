@@ -20,8 +20,8 @@ where the environment already sets ``MALLOC_MMAP_THRESHOLD_`` or
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import threading
 from typing import Any
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_host_allocator"]
@@ -32,10 +32,6 @@ _M_MMAP_THRESHOLD = -3
 # glibc's dynamic maxima on 64-bit: DEFAULT_MMAP_THRESHOLD_MAX and twice it for the trim
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 64 << 20
-
-_LOCK = threading.Lock()
-_DONE: list[bool] = []  # [the outcome] once tried
-
 
 def _glibc_mallopt() -> Any:
     """glibc's ``mallopt``, or None for another C library (or none reachable)."""
@@ -53,14 +49,12 @@ def _glibc_mallopt() -> Any:
     return mallopt
 
 
+@functools.cache
 def tune_host_allocator() -> bool:
     """Set glibc's mmap and trim thresholds (see the module's docstring) the first time
     it is called; returns whether they are plugrt's now. Later calls return the first
-    outcome without trying again."""
-    with _LOCK:
-        if not _DONE:
-            _DONE.append(_tune())
-        return _DONE[0]
+    outcome without trying again (two first calls at once both set the same values)."""
+    return _tune()
 
 
 def _tune() -> bool:
