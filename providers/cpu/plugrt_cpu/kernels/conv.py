@@ -692,10 +692,12 @@ class _Convolution:
         bias: np.ndarray | None,
         y: np.ndarray | None = None,
         residual: np.ndarray | None = None,
+        relu: bool | None = None,
     ) -> np.ndarray:
         """A 1x1 Conv: the input's channels are the columns (strided inputs copied once).
         With ``residual`` (shaped like the output, not overlapping ``y``) each output
-        block adds its share of it before the bias and the Relu, while it is in cache."""
+        block adds its share of it before the bias and the Relu, while it is in cache.
+        ``relu`` overrides the node's fused Relu (a residual Conv clamps the sum)."""
         n, c = x.shape[:2]
         xs = x[plan.src] if plan.copy_input else x
         if not xs.flags.c_contiguous:
@@ -707,7 +709,7 @@ class _Convolution:
         def block(image: int, group: int, r0: int, r1: int) -> np.ndarray:
             return columns[image, group * cg : (group + 1) * cg, r0 * rest : r1 * rest]
 
-        self._products(plan, n, block, wg, bias, y, None if residual is None else residual.reshape(y.shape))
+        self._products(plan, n, block, wg, bias, y, None if residual is None else residual.reshape(y.shape), relu)
         return y
 
     def _im2col(
@@ -775,10 +777,11 @@ class _Convolution:
         bias: np.ndarray | None,
         y: np.ndarray,
         residual: np.ndarray | None = None,
+        relu: bool | None = None,
     ) -> None:
         """``y[i, group j's channels, block] = wg[j] @ columns(i, j, r0, r1) + bias`` (plus
         the same block of ``residual``, shaped like ``y``, when given), then the fused
-        Relu, for every image ``i``, group ``j`` and block ``[r0, r1)`` of output
+        Relu (or ``relu`` where given), for every image ``i``, group ``j`` and block ``[r0, r1)`` of output
         rows (``plan.block_count``). Each such unit runs on one thread, from gathering its
         columns (into that thread's workspace) to clamping its output while it is still in
         cache; ``parallel_for`` shares the units out, one chunk each. A lone unit splits its
@@ -794,7 +797,8 @@ class _Convolution:
         threads = split_threads(work)
         blocks = plan.block_count(n * g, threads)
         count = n * g * blocks
-        rows, rest, relu = plan.out[0], plan.rest, self.relu
+        rows, rest = plan.out[0], plan.rest
+        relu = self.relu if relu is None else relu
         whole = slice(None)
         if count == 1:
             split_gemm(wg[0], columns(0, 0, 0, rows), y[0])

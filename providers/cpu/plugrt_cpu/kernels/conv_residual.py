@@ -31,7 +31,6 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
     the Conv, then the sum.
     """
     op = _Convolution(ctx.attributes)
-    summed = _Convolution(ctx.attributes, relu)  # the pointwise path: its blocks clamp the sum
     constants = ConvConstants(ctx, op)  # the weight build_conv prepares, shared through a WeightStore
 
     def fused(x: np.ndarray, weight: Any, bias: np.ndarray | None, z: np.ndarray, y: np.ndarray | None) -> np.ndarray | None:
@@ -44,7 +43,7 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
             return None
         if plan.kind == "pointwise" and (y is None or not np.may_share_memory(y, z)):
             blas_threads(0)  # the products split themselves over threads, as in Conv
-            return summed._pointwise(x, weight.gemm, plan, bias, y, z).reshape(z.shape)
+            return op._pointwise(x, weight.gemm, plan, bias, y, z, relu).reshape(z.shape)
         if plan.kind == "pointwise" and op.group == 1:
             return _pointwise(x, weight.gemm[0], bias, z, plan, relu, y)
         if plan.kind == "im2col" and plan.grid is not None:  # BLAS is there: checked above
