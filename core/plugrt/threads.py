@@ -46,6 +46,9 @@ __all__ = [
     "parallel_for",
     "parallel_threads",
     "openblas_libraries",
+    "set_worker_wait",
+    "start_workers",
+    "wake_workers",
 ]
 
 SAMPLE_INTERVAL = 0.1  # seconds between two readings of /proc/stat
@@ -285,30 +288,68 @@ class _Job:
 
 
 class _Pool:
-    """Daemon worker threads that run parallel_for jobs, started on first use."""
+    """Daemon worker threads that run parallel_for jobs, started on first use.
+
+    A provider may give the workers a GIL-free wait (``set_worker_wait``): a worker then
+    calls ``wait(index)`` before it blocks on the queue, and that call may run the
+    provider's own compiled jobs and spin for a bounded time; it returns when Python jobs
+    may be queued (``submit`` calls ``notify``) or when it stops waiting. The provider wakes
+    a blocked worker with ``wake_workers``: the worker then calls ``wait`` again."""
 
     def __init__(self) -> None:
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.size = 0
         self.lock = threading.Lock()
+        self.wait: Callable[[int], Any] | None = None
+        self.notify: Callable[[], Any] | None = None
+
+    def grow(self, workers: int) -> None:
+        if self.size < workers:
+            with self.lock:
+                while self.size < workers:
+                    threading.Thread(target=self._serve, args=(self.size,), name=f"plugrt-worker-{self.size}", daemon=True).start()
+                    self.size += 1
 
     def submit(self, job: _Job, helpers: int) -> None:
-        if self.size < helpers:
-            with self.lock:
-                while self.size < helpers:
-                    threading.Thread(target=self._serve, name=f"plugrt-worker-{self.size}", daemon=True).start()
-                    self.size += 1
+        self.grow(helpers)
         for _ in range(helpers):
             self.tasks.put(job)
+        notify = self.notify
+        if notify is not None:
+            notify()
 
-    def _serve(self) -> None:
+    def _serve(self, index: int) -> None:
         _LOCAL.in_parallel = True  # a body that calls parallel_for runs it inline
         _set_blas_count(1)
         while True:
-            self.tasks.get().work()
+            wait = self.wait
+            if wait is not None:
+                wait(index)
+            task = self.tasks.get()
+            if task is not None:  # None: a wake-up, to wait again
+                task.work()
 
 
 _POOL = _Pool()
+
+
+def set_worker_wait(wait: Callable[[int], Any] | None, notify: Callable[[], Any] | None) -> None:
+    """Give the pool's workers a wait to call before they block (see ``_Pool``), and the
+    call that tells it Python jobs are queued; ``None, None`` removes them."""
+    _POOL.wait, _POOL.notify = wait, notify
+
+
+def start_workers(count: int) -> int:
+    """Start pool workers until there are ``count``; returns how many there are."""
+    _POOL.grow(count)
+    return _POOL.size
+
+
+def wake_workers(count: int) -> None:
+    """Wake ``count`` workers blocked on the pool's queue, so that they call the wait given
+    to ``set_worker_wait`` again."""
+    for _ in range(count):
+        _POOL.tasks.put(None)
 
 
 def _set_blas_count(count: int) -> None:

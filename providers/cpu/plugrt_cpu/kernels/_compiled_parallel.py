@@ -1,0 +1,109 @@
+"""Compiled jobs over the host threads without the GIL (see ``_numba_parallel``).
+
+``compiled_pool()`` is the process's pool, or None without numba (``PLUGRT_NUMBA=0``),
+without an x86 CPU (the spin uses ``pause``), or without a BLAS GEMM to call directly;
+callers then run their Python ``parallel_for`` path. Its workers are
+``plugrt.threads``' pool workers: between jobs they wait in the compiled spin, and they
+still run Python ``parallel_for`` jobs.
+
+The spin is bounded and taken only when the cores are free: a worker spins at most
+``SPIN_SECONDS`` after its last job, and not at all while other processes keep the cores
+busy (``plugrt.threads.free_cores``), where it blocks at once, as the Python pool's do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from plugrt import threads
+
+from ._compiled import compiled_module
+
+__all__ = ["CompiledPool", "compiled_pool", "SPIN_SECONDS"]
+
+# How long a worker spins after a job before it sleeps: longer than the Python steps
+# between two Convs of a model (10-100 us), short enough that a run's end leaves a core
+# busy for a fraction of a millisecond.
+SPIN_SECONDS = 300e-6
+# How long the calling thread spins for the workers' last units before it yields its core
+# at each look (a worker another process took the core from then gets it back sooner).
+_PATIENCE_SECONDS = 200e-6
+_MAX_WORKERS = 63
+
+
+class CompiledPool:
+    """Runs compiled job bodies over the calling thread and the pool's workers."""
+
+    def __init__(self, loops: Any) -> None:
+        self.loops = loops
+        self.state = np.zeros(loops.STATE_WORDS + loops.WORKER_WORDS * _MAX_WORKERS, np.int64)
+        self.address = int(self.state.ctypes.data)
+        # every worker counts as asleep until it first waits here, so that the first job
+        # wakes the workers already blocked on the Python queue
+        for worker in range(_MAX_WORKERS):
+            self.state[loops.STATE_WORDS + loops.WORKER_WORDS * worker] = 1
+        self.lock = threading.Lock()  # one job at a time; a second caller runs its own alone
+        pause_seconds = self._pause_seconds()
+        self.spin = max(1, int(SPIN_SECONDS / pause_seconds))
+        self.patience = max(1, int(_PATIENCE_SECONDS / pause_seconds))
+        self.sched_yield = _sched_yield_address()
+        wait, address = loops.wait, self.address
+        threads.set_worker_wait(lambda worker: wait(address, worker), lambda: loops.signal(address))
+
+    def _pause_seconds(self) -> float:
+        """Seconds one ``pause`` takes here (5-150 cycles, by CPU), measured once."""
+        self.loops.spin(self.address, 64)  # compiled already; warms the call
+        pauses = 4096
+        started = time.perf_counter()
+        self.loops.spin(self.address, pauses)
+        return max(1e-9, (time.perf_counter() - started) / pauses)
+
+    def workers_for(self, threads_: int) -> int:
+        """Start the workers a job on ``threads_`` threads needs; returns how many there
+        are (any of them may take a unit: a body's ``slot`` is below this plus one)."""
+        return threads.start_workers(threads_ - 1)
+
+    def run(self, body: int, context: np.ndarray, count: int, threads_: int) -> None:
+        """``body(context, u, u + 1, slot)`` for every unit ``u`` in ``[0, count)``, on
+        this thread and up to ``threads_ - 1`` workers. ``context`` (int64) stays
+        referenced until every unit has run."""
+        loops = self.loops
+        address = int(context.ctypes.data)
+        if threads_ <= 1 or count <= 1 or not self.lock.acquire(blocking=False):
+            loops.run_alone(body, address, count)
+            return
+        try:
+            helpers = min(threads_, count) - 1
+            workers = self.workers_for(helpers + 1)
+            spin = self.spin if threads.free_cores() >= threads_ - 0.7 else 0
+            published = loops.publish(self.address, body, address, count, spin, workers, helpers)
+            asleep = published >> 32
+            if asleep:
+                threads.wake_workers(asleep)
+            loops.participate(self.address, published & 0xFFFFFFFF, body, address, count, self.patience, self.sched_yield)
+        finally:
+            self.lock.release()
+
+
+def _sched_yield_address() -> int:
+    try:
+        return int(ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value or 0)
+    except (OSError, AttributeError):
+        return 0
+
+
+@functools.cache
+def compiled_pool() -> CompiledPool | None:
+    """The compiled pool, made on first use, or None where it cannot run (see the module)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    loops = compiled_module("_numba_parallel")
+    if loops is None:
+        return None
+    return CompiledPool(loops)

@@ -1,0 +1,339 @@
+"""numba-compiled jobs shared between threads without the GIL: the claim loop, the pool
+workers' bounded spin, and the primitives the compiled job bodies use (atomics on an
+int64 shared state, a direct call of the BLAS GEMM through its address).
+
+Imported only through :func:`plugrt_cpu.kernels._compiled_parallel.compiled_pool`, which
+returns None when numba is missing or ``PLUGRT_NUMBA=0``. Compiled code is cached on
+disk (``cache=True``): addresses (the GEMM's, a body's) are arguments, never constants.
+
+A job is a body, a C function ``void body(int64 context, int64 start, int64 stop, int64
+slot)`` (a ``numba.cfunc``), run once for every unit index in ``[0, count)``: the calling
+thread and pool workers claim units one at a time from a counter that also holds the
+job's sequence number, so a worker that comes late to a finished job claims nothing of
+the next. ``slot`` is 0 on the calling thread and ``1 + worker index`` on a worker: a
+body uses it to pick its own scratch.
+
+Why: a pool worker blocked on a lock takes 30-100 us to start on this kind of machine (a
+virtual CPU halts when idle; waking it is an inter-processor interrupt through the
+hypervisor), then waits for the GIL. Most of a Conv's GEMMs take 50-300 us, so a woken
+worker came too late to help. A worker that spins a few hundred microseconds after its
+last job, GIL-free with ``pause``, starts the next one within a microsecond: on
+SqueezeNet's 1x1 Convs (16 x 128 @ 128 x 3025 and the like) two threads take 50-60% of
+one thread's time where the woken worker took 80-115%.
+"""
+
+from __future__ import annotations
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = [
+    "STATE_WORDS",
+    "WORKER_WORDS",
+    "participate",
+    "publish",
+    "run_alone",
+    "wait",
+]
+
+# The shared state: int64 words, each field group on its own 64-byte line.
+_SEQUENCE = 0  # the last job published
+_NEXT = 8  # (sequence << 32) | next unit to claim
+_DONE = 16  # units finished of the current job
+_BODY, _CONTEXT, _COUNT = 24, 25, 26  # the current job
+_SPIN = 32  # pause instructions a worker spins through before it sleeps
+_SIGNAL = 40  # bumped when Python jobs are queued for the workers
+STATE_WORDS = 48  # then, per worker, a line: [sleeping, last sequence seen]
+WORKER_WORDS = 8
+_SEQUENCE_MASK = 0x7FFFFFFF
+_INDEX_MASK = 0xFFFFFFFF
+
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_BYTES = ir.IntType(8).as_pointer()
+
+
+def _address(builder, value):  # type: ignore[no-untyped-def]
+    return builder.inttoptr(value, _I64.as_pointer())
+
+
+@intrinsic
+def load(typingctx, address):  # type: ignore[no-untyped-def]
+    """The int64 at ``address``, with acquire ordering (never hoisted out of a loop)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.load_atomic(_address(builder, args[0]), "acquire", 8)
+
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
+def store(typingctx, address, value):  # type: ignore[no-untyped-def]
+    """Store the int64 ``value`` at ``address`` with release ordering."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        builder.store_atomic(args[1], _address(builder, args[0]), "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, address, value):  # type: ignore[no-untyped-def]
+    """Atomically add ``value`` to the int64 at ``address``; returns the value before."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.atomic_rmw("add", _address(builder, args[0]), args[1], "seq_cst")
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def swap(typingctx, address, value):  # type: ignore[no-untyped-def]
+    """Atomically replace the int64 at ``address`` (a full fence); returns the value before."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.atomic_rmw("xchg", _address(builder, args[0]), args[1], "seq_cst")
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def compare_swap(typingctx, address, expected, value):  # type: ignore[no-untyped-def]
+    """Replace the int64 at ``address`` with ``value`` if it holds ``expected``; returns
+    the value it held."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        pair = builder.cmpxchg(_address(builder, args[0]), args[1], args[2], "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+
+    return types.int64(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def pause(typingctx):  # type: ignore[no-untyped-def]
+    """The x86 spin-wait hint (``pause``): a spinning thread leaves its core's sibling the
+    execution units, and saves power."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+        builder.call(hint, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def call_body(typingctx, body, context, start, stop, slot):  # type: ignore[no-untyped-def]
+    """Call the job body at address ``body``: ``body(context, start, stop, slot)``."""
+
+    def codegen(context_, builder, signature, args):  # type: ignore[no-untyped-def]
+        function = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [_I64] * 4).as_pointer())
+        builder.call(function, list(args[1:]))
+        return context_.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def call_void(typingctx, function):  # type: ignore[no-untyped-def]
+    """Call the C function ``int f(void)`` at address ``function`` (``sched_yield``)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        target = builder.inttoptr(args[0], ir.FunctionType(_I32, []).as_pointer())
+        builder.call(target, [])
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
+
+
+def _sgemm_intrinsic(integer: ir.IntType):  # type: ignore[no-untyped-def]
+    @intrinsic
+    def sgemm(typingctx, function, m, n, k, a, lda, b, ldb, c, ldc):  # type: ignore[no-untyped-def]
+        """``c = a @ b`` through the row-major cblas_sgemm at address ``function`` (no
+        transposes, alpha 1, beta 0); matrices are addresses, sizes int64."""
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            target, m, n, k, a, lda, b, ldb, c, ldc = args
+            signature_ = ir.FunctionType(
+                ir.VoidType(), [_I32, _I32, _I32, integer, integer, integer, _F32, _BYTES, integer, _BYTES, integer, _F32, _BYTES, integer]
+            )
+            function = builder.inttoptr(target, signature_.as_pointer())
+
+            def size(value):  # type: ignore[no-untyped-def]
+                return value if integer.width == 64 else builder.trunc(value, integer)
+
+            builder.call(
+                function,
+                [
+                    ir.Constant(_I32, 101),  # CblasRowMajor
+                    ir.Constant(_I32, 111),  # CblasNoTrans
+                    ir.Constant(_I32, 111),
+                    size(m),
+                    size(n),
+                    size(k),
+                    ir.Constant(_F32, 1.0),
+                    builder.inttoptr(a, _BYTES),
+                    size(lda),
+                    builder.inttoptr(b, _BYTES),
+                    size(ldb),
+                    ir.Constant(_F32, 0.0),
+                    builder.inttoptr(c, _BYTES),
+                    size(ldc),
+                ],
+            )
+            return context.get_dummy_value()
+
+        return types.void(*(types.int64,) * 10), codegen
+
+    return sgemm
+
+
+sgemm64 = _sgemm_intrinsic(_I64)
+sgemm32 = _sgemm_intrinsic(_I32)
+
+
+@intrinsic
+def float32_pointer(typingctx, address):  # type: ignore[no-untyped-def]
+    """``address`` as a float32 pointer, for ``numba.carray``."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], _F32.as_pointer())
+
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+@intrinsic
+def int64_pointer(typingctx, address):  # type: ignore[no-untyped-def]
+    """``address`` as an int64 pointer, for ``numba.carray``."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], _I64.as_pointer())
+
+    return types.CPointer(types.int64)(types.int64), codegen
+
+
+_W = 8  # bytes per state word
+
+
+@numba.njit(types.int64(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True, boundscheck=False, error_model="numpy")
+def _claim(state, sequence, body, context, count, slot):  # pragma: no cover  (compiled)
+    """Run units of job ``sequence`` until none is left; returns how many this thread ran."""
+    tag = (sequence & _SEQUENCE_MASK) << 32
+    ran = 0
+    while True:
+        word = load(state + _NEXT * _W)
+        if word & ~_INDEX_MASK != tag or word & _INDEX_MASK >= count:
+            break
+        if compare_swap(state + _NEXT * _W, word, word + 1) != word:
+            continue
+        index = word & _INDEX_MASK
+        call_body(body, context, index, index + 1, slot)
+        ran += 1
+    if ran:
+        fetch_add(state + _DONE * _W, ran)
+    return ran
+
+
+@numba.njit(types.void(types.int64, types.int64), nogil=True, cache=True, boundscheck=False, error_model="numpy")
+def wait(state, worker):  # pragma: no cover  (compiled)
+    """A pool worker's wait: run the compiled jobs published, spinning (``pause``) up to
+    the state's spin count between them; return when Python jobs were signalled or the
+    spin ran out. The worker is marked sleeping on return (``publish`` then wakes it)."""
+    line = state + (STATE_WORDS + WORKER_WORDS * worker) * _W
+    store(line, 0)
+    seen = load(line + _W)
+    signal = load(state + _SIGNAL * _W)
+    idle = 0
+    while True:
+        sequence = load(state + _SEQUENCE * _W)
+        if sequence != seen:
+            seen = sequence
+            store(line + _W, seen)
+            _claim(
+                state,
+                sequence,
+                load(state + _BODY * _W),
+                load(state + _CONTEXT * _W),
+                load(state + _COUNT * _W),
+                worker + 1,
+            )
+            idle = 0
+            continue
+        if load(state + _SIGNAL * _W) != signal:
+            break
+        idle += 1
+        if idle > load(state + _SPIN * _W):
+            swap(line, 1)  # then look once more: publish reads the flag after its sequence
+            if load(state + _SEQUENCE * _W) != seen:
+                store(line, 0)
+                continue
+            return
+        pause()
+    swap(line, 1)
+
+
+@numba.njit(
+    types.int64(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64, types.int64),
+    nogil=True,
+    cache=True,
+    boundscheck=False,
+    error_model="numpy",
+)
+def publish(state, body, context, count, spin, workers, helpers):  # pragma: no cover  (compiled)
+    """Publish a job of ``count`` units; returns its sequence number in the low 32 bits
+    and, above them, how many of the first ``helpers`` of ``workers`` were asleep (the
+    caller wakes that many)."""
+    sequence = (load(state + _SEQUENCE * _W) + 1) & _SEQUENCE_MASK
+    store(state + _BODY * _W, body)
+    store(state + _CONTEXT * _W, context)
+    store(state + _COUNT * _W, count)
+    store(state + _SPIN * _W, spin)
+    store(state + _DONE * _W, 0)
+    store(state + _NEXT * _W, sequence << 32)
+    swap(state + _SEQUENCE * _W, sequence)  # a full fence before reading the flags
+    asleep = 0
+    for worker in range(min(helpers, workers)):
+        if swap(state + (STATE_WORDS + WORKER_WORDS * worker) * _W, 0) == 1:
+            asleep += 1
+    return sequence | (asleep << 32)
+
+
+@numba.njit(types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True, boundscheck=False, error_model="numpy")
+def participate(state, sequence, body, context, count, patience, yield_address):  # pragma: no cover  (compiled)
+    """The calling thread's share of job ``sequence``: claim units until none is left,
+    then wait for the units the workers hold, spinning ``patience`` pauses before it
+    yields its core at each look (a worker that lost its core then gets it back sooner)."""
+    _claim(state, sequence, body, context, count, 0)
+    looks = 0
+    while load(state + _DONE * _W) < count:
+        looks += 1
+        if looks > patience and yield_address != 0:
+            call_void(yield_address)
+        else:
+            pause()
+
+
+@numba.njit(types.void(types.int64, types.int64, types.int64), nogil=True, cache=True, boundscheck=False, error_model="numpy")
+def run_alone(body, context, count):  # pragma: no cover  (compiled)
+    """Every unit of a job on the calling thread."""
+    for index in range(count):
+        call_body(body, context, index, index + 1, 0)
+
+
+@numba.njit(types.void(types.int64, types.int64), nogil=True, cache=True, boundscheck=False, error_model="numpy")
+def spin(state, pauses):  # pragma: no cover  (compiled)
+    """``pauses`` spin-wait hints (calibrates how long one takes)."""
+    for _ in range(pauses):
+        pause()
+    load(state)
+
+
+@numba.njit(types.void(types.int64), nogil=True, cache=True, boundscheck=False, error_model="numpy")
+def signal(state):  # pragma: no cover  (compiled)
+    """Tell spinning workers that Python jobs are queued."""
+    fetch_add(state + _SIGNAL * _W, 1)
