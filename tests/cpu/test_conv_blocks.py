@@ -11,7 +11,9 @@ from onnx.reference import ReferenceEvaluator
 
 import plugrt
 from plugrt_cpu.kernels import conv as convolution
+from plugrt_cpu.kernels import conv_units
 
+from cpu.numba_paths import PATHS, numba_or_numpy
 from cpu.test_conv_gemm import _conv_model
 from cpu.test_into import check_captured, one_node
 
@@ -39,10 +41,28 @@ _POINTWISE = {
 }
 
 
+@pytest.fixture(params=PATHS)
+def units(request, monkeypatch):
+    """Each test twice: the units as one compiled job without the GIL (``conv_units``),
+    and as Python blocks on ``parallel_for``. Yields the path and the list of the
+    compiled jobs' calls."""
+    calls: list[int] = []
+    original = convolution.run_units
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(convolution, "run_units", counted)
+    for path in numba_or_numpy(request, monkeypatch, conv_units._loops):
+        yield path, calls
+
+
 @pytest.fixture
-def small_blocks(monkeypatch):
+def small_blocks(monkeypatch, units):
     """Blocks of one to three output rows, shared out between two threads whatever the
-    machine has: every block boundary and the pool's workers are exercised."""
+    machine has: every block boundary and the pool's workers are exercised (on both
+    paths: see ``units``)."""
     monkeypatch.setattr(convolution, "_BLOCK_BYTES", 2048)
     monkeypatch.setattr(convolution, "_MIN_BLOCK_POSITIONS", 1)
     monkeypatch.setattr(convolution, "split_threads", lambda work: 2)
@@ -79,9 +99,11 @@ def _compare(case: tuple, relu: bool, dtype=np.float32, bias: bool = True, toler
 
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
 @pytest.mark.parametrize("case", list(_IM2COL), ids=list(_IM2COL))
-def test_im2col_in_small_blocks_on_two_threads_matches_the_reference(small_blocks, im2col_calls, case, relu):
+def test_im2col_in_small_blocks_on_two_threads_matches_the_reference(units, small_blocks, im2col_calls, case, relu):
     _compare(_IM2COL[case], relu)
     assert im2col_calls
+    path, compiled = units
+    assert bool(compiled) == (path == "numba" and case not in ("1d", "3d"))  # the compiled units are 2-D
 
 
 @pytest.mark.parametrize("case", ["3x3-same", "batch-grouped-strided", "1d"])
@@ -106,8 +128,10 @@ def test_im2col_in_float16_matches_the_reference(small_blocks, case):
 
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
 @pytest.mark.parametrize("case", list(_POINTWISE), ids=list(_POINTWISE))
-def test_pointwise_in_small_blocks_on_two_threads_matches_the_reference(small_blocks, case, relu):
+def test_pointwise_in_small_blocks_on_two_threads_matches_the_reference(units, small_blocks, case, relu):
     _compare(_POINTWISE[case], relu)
+    path, compiled = units
+    assert bool(compiled) == (path == "numba")
 
 
 @pytest.mark.parametrize("w_shape", [(8, 5, 3, 3), (8, 5, 1, 1)], ids=["im2col", "pointwise"])
@@ -153,3 +177,19 @@ def test_a_lone_product_with_more_outputs_than_positions_is_not_cut_into_blocks(
 def test_blocks_keep_their_least_positions():
     plan = _plan((1, 16, 20, 20), (16, 16, 3, 3), {"pads": [1, 1, 1, 1]})  # 400 positions
     assert plan.block_count(1, 4) == 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((1, 8, 14, 14), (64, 8, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),  # im2col, 7x7 out: gathered once
+        ((1, 16, 7, 7), (96, 16, 1, 1), {}),
+        ((1, 8, 14, 14), (20, 8, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),  # too few channels to split
+    ],
+    ids=["im2col", "pointwise", "few-channels"],
+)
+def test_a_lone_product_on_two_threads_splits_its_output_channels(units, monkeypatch, case):
+    monkeypatch.setattr(convolution, "split_threads", lambda work: 2)
+    _compare(case, relu=True)
+    path, compiled = units
+    assert len(compiled) == (1 if path == "numba" else 0)

@@ -14,7 +14,7 @@ from ._compiled import compiled_module
 from ._relu import relu_into
 from .elementwise import with_small_buffers
 
-__all__ = ["available", "bias_relu", "epilogue", "epilogue_loops", "gemm", "split_gemm", "split_columns", "splits_columns"]
+__all__ = ["available", "bias_relu", "sgemm_address", "epilogue", "epilogue_loops", "gemm", "split_gemm", "split_columns", "splits_columns"]
 
 # cblas enums (cblas.h): row-major storage, no transpose / transpose.
 _ROW_MAJOR = 101
@@ -93,6 +93,17 @@ def available(dtype: np.dtype) -> bool:
     numpy's OpenBLAS); otherwise it computes with numpy."""
     functions = _LIBRARY.functions if _LIBRARY.resolved else _LIBRARY.resolve()
     return np.dtype(dtype) in functions
+
+
+def sgemm_address() -> tuple[int, bool] | None:
+    """The address of numpy's OpenBLAS ``cblas_sgemm`` and whether its integers are 64-bit,
+    for compiled code to call it without the GIL; None where :func:`available` is false."""
+    functions = _LIBRARY.functions if _LIBRARY.resolved else _LIBRARY.resolve()
+    entry = functions.get(_F32)
+    if entry is None:
+        return None
+    function = entry[0]
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0), function.argtypes[3] is ctypes.c_int64
 
 
 def _layout(a: np.ndarray) -> tuple[int, int] | None:

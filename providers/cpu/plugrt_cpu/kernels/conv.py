@@ -34,6 +34,7 @@ from ._window import (
 )
 from ._gemm import available, epilogue, gemm, split_gemm, splits_columns
 from .conv_gemm import grid_plan
+from .conv_units import compiled_units, run_units
 from .winograd import winograd_loops, winograd_plan
 from ._relu import relu_into
 from .elementwise import scratch, with_small_buffers
@@ -51,6 +52,7 @@ from .elementwise import scratch, with_small_buffers
 # every thread one. A GEMM on fewer columns than _MIN_BLOCK_POSITIONS runs 15-50% slower
 # per multiply-add (measured on 64 x 144 by 64-3025 columns: 1.5x at 64, 1.15x at 256).
 _BLOCK_BYTES = 4 << 20
+_F32 = np.dtype(np.float32)
 _MIN_BLOCK_POSITIONS = 256
 _DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 planes of 28 x 30 beat 8 and 128)
 # A multiply-add of the compiled depthwise loops costs about this many of a BLAS product's
@@ -201,8 +203,26 @@ class _ConvPlan:
                 )
             )
         self.planes_layout = ("im2col", channels, tuple(plane), tuple(self.plane_fills))
+        self._column_offsets: tuple[int, np.ndarray] | None = None
         # the windows of the last planes they were made on: (planes' address, batch, dtype), windows
         self.windows: tuple[tuple[int, int, np.dtype], list[tuple[tuple[slice, ...], np.ndarray]]] | None = None
+
+    def column_offsets(self, channels: int, per_group: int) -> np.ndarray:
+        """Per column row of a group (a channel, then the taps in order), where on an
+        image's phase planes (n, phases, ``channels``, plane size) its values start, for
+        the compiled gather of a 2-D Conv; made once per plan."""
+        made = self._column_offsets
+        if made is None or made[0] != channels:
+            kh, kw = self.kernel
+            offsets = np.empty((per_group, kh, kw), np.int64)
+            for k, (columns, _, steps, start) in enumerate(self.phase_windows):
+                rows, cols = range(kh)[columns[1]], range(kw)[columns[2]]
+                for ti, tap_row in enumerate(rows):
+                    for tj, tap_col in enumerate(cols):
+                        tap = start + ti * steps[0] + tj * steps[1]
+                        offsets[:, tap_row, tap_col] = (k * channels + np.arange(per_group)) * self.plane_size + tap
+            made = self._column_offsets = (channels, offsets.reshape(-1))
+        return made[1]
 
     def _plan_blocks(self, depth: int, mg: int, itemsize: int) -> None:
         """Bounds on the blocks of output rows (rows of the first output axis) the products
@@ -705,6 +725,13 @@ class _Convolution:
         y = np.empty((n, plan.m, plan.out_size), x.dtype) if y is None else y.reshape(n, plan.m, plan.out_size)
         columns = xs.reshape(n, c, plan.out_size)
         cg, rest = c // self.group, plan.rest
+        relu = self.relu if relu is None else relu
+        found = self._compiled_units(x, wg, bias, y, residual)
+        if found is not None:
+            size = plan.out_size
+            threads = split_threads(n * plan.m * size * wg.shape[2])
+            run_units(found, plan, n, self.group, wg, bias, y, residual, relu, columns, c * size, cg * size, threads)
+            return y
 
         def block(image: int, group: int, r0: int, r1: int) -> np.ndarray:
             return columns[image, group * cg : (group + 1) * cg, r0 * rest : r1 * rest]
@@ -736,6 +763,14 @@ class _Convolution:
             made = plan.windows = (key, self._windows(plan, planes))
         windows = made[1]
         cg = c // self.group
+        if len(plan.kernel) == 2 and (found := self._compiled_units(x, wg, bias, y, None)) is not None:
+            offsets = plan.column_offsets(c, cg)
+            threads = split_threads(n * plan.m * plan.out_size * wg.shape[2])
+            run_units(
+                found, plan, n, self.group, wg, bias, y, None, self.relu, planes, phases * c * plan.plane_size,
+                cg * plan.plane_size, threads, offsets, plan.plane_shape[1],
+            )
+            return y
         depth = cg * math.prod(plan.kernel)
         kernel_axes = (slice(None),) * len(plan.kernel)
         # every block asks for the room of the largest, so that a thread's workspace grows
@@ -752,6 +787,20 @@ class _Convolution:
 
         self._products(plan, n, block, wg, bias, y)
         return y
+
+    @staticmethod
+    def _compiled_units(
+        x: np.ndarray, wg: np.ndarray, bias: np.ndarray | None, y: np.ndarray, residual: np.ndarray | None
+    ) -> Any:
+        """The compiled units' parts (``conv_units.compiled_units``) where they take this
+        call: float32 throughout, C-order arrays; else None (the Python units run)."""
+        if x.dtype != _F32 or wg.dtype != _F32 or not wg.flags.c_contiguous or not y.flags.c_contiguous:
+            return None
+        if bias is not None and (bias.dtype != _F32 or not bias.flags.c_contiguous):
+            return None
+        if residual is not None and (residual.dtype != _F32 or not residual.flags.c_contiguous):
+            return None
+        return compiled_units()
 
     @staticmethod
     def _windows(plan: _ConvPlan, planes: np.ndarray) -> list[tuple[tuple[slice, ...], np.ndarray]]:
