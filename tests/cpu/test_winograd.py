@@ -226,3 +226,42 @@ def test_light_vgg19_matches_its_expected_output(path, winograd_calls):
     outputs = plugrt.load(_with_logits("vgg19")[0], device="cpu").run(model.inputs)
     assert bool(winograd_calls) == (path == "numba")
     _check(model, list(outputs.values()))
+
+
+@pytest.fixture(params=["compiled-bands", "python-bands"])
+def bands_on_two_threads(request, monkeypatch):
+    """Bands shared out between two threads whatever the machine has, run as one compiled
+    job without the GIL (``_numba_winograd.winograd_bands``) or as Python bands on
+    ``parallel_for``."""
+    if winograd.winograd_loops() is None:
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled transforms off")
+    monkeypatch.setattr(winograd, "threads_for", lambda work: 2)
+    if request.param == "python-bands":
+        monkeypatch.setattr(winograd, "compiled_pool", lambda: None)
+    elif winograd.compiled_pool() is None:
+        pytest.skip("no compiled pool here")
+    return request.param
+
+
+@pytest.mark.parametrize("case", ["56x56", "odd-29x31-batch-2", "batch-5-small", "f2-14x14", "f2-13x15-batch-2"])
+def test_bands_on_two_threads_match_onnxruntime(case, bands_on_two_threads, winograd_calls):
+    x_shape, m, attributes = CASES[case]
+    x, w, b = _random(*x_shape, seed=1), _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3)
+    model = _model(x_shape, w, b, attributes, relu=True)
+    session = plugrt.load(model, device="cpu")
+    expected = _onnxruntime(model, {"x": x})
+    for _ in range(3):
+        _close(session.run({"x": x})["y"], expected)
+    assert len(winograd_calls) == 3
+
+
+def test_compiled_bands_give_a_non_finite_input_to_the_direct_way(bands_on_two_threads, winograd_calls):
+    x_shape, m, attributes = CASES["odd-29x31-batch-2"]
+    x = _random(*x_shape, seed=1)
+    x[1, 3, 11, 14] = np.nan  # in the second image: the first image's bands finish
+    model = _model(x_shape, _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3), attributes, relu=False)
+    actual = plugrt.load(model, device="cpu").run({"x": x})["y"]
+    expected = _onnxruntime(model, {"x": x})
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    _close(actual, expected)
+    assert not winograd_calls

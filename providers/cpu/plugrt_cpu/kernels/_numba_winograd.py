@@ -29,7 +29,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["winograd_input", "winograd_output", "winograd2_input", "winograd2_output"]
+from ._numba_parallel import float32_pointer, int64_pointer, sgemm32, sgemm64, store
+
+__all__ = ["BAND_WORDS", "winograd_bands", "winograd_input", "winograd_output", "winograd2_input", "winograd2_output"]
 
 _ZERO = np.float32(0.0)
 _TWO = np.float32(2.0)
@@ -294,3 +296,61 @@ def winograd2_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work): 
                 out[2 * g] = v0
                 out[2 * g + 1] = v1
         _crop(rows_out, 2, row0, rows, pitch, cells, y[image, k])
+
+
+# The context of ``winograd_bands`` (int64 words; see ``winograd.WinogradPlan``).
+(
+    BAND_SGEMM, BAND_ILP64, BAND_X, BAND_IMAGES, BAND_CHANNELS, BAND_HEIGHT, BAND_WIDTH, BAND_PAD_TOP, BAND_PAD_LEFT,
+    BAND_TILES, BAND_TILE_ROWS, BAND_BANDS, BAND_TILE, BAND_M, BAND_U, BAND_BIAS, BAND_RELU, BAND_Y, BAND_OUT_HEIGHT,
+    BAND_OUT_WIDTH, BAND_WORKSPACE, BAND_ROOM, BAND_WORK_FLOATS, BAND_FINITE,
+) = range(24)
+BAND_WORDS = 24
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def winograd_bands(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Bands of tile rows, each from the input to the output on this thread (the compiled
+    ``_by_bands`` of ``winograd.WinogradPlan``): its input transform, its products (one
+    BLAS GEMM per transform point, as numpy's batched matmul makes them) and its output
+    transform, in the slot's workspace. A non-finite input clears the context's finite
+    word and leaves the band."""
+    context = numba.carray(int64_pointer(c), BAND_WORDS)
+    n, channels = context[BAND_IMAGES], context[BAND_CHANNELS]
+    tiles, tile_rows, bands = context[BAND_TILES], context[BAND_TILE_ROWS], context[BAND_BANDS]
+    tile, m = context[BAND_TILE], context[BAND_M]
+    points = (tile + 2) * (tile + 2)
+    x = numba.carray(float32_pointer(context[BAND_X]), (n, channels, context[BAND_HEIGHT], context[BAND_WIDTH]))
+    y = numba.carray(float32_pointer(context[BAND_Y]), (n, m, context[BAND_OUT_HEIGHT], context[BAND_OUT_WIDTH]))
+    bias = numba.carray(float32_pointer(context[BAND_BIAS]), m)
+    relu = context[BAND_RELU] != 0
+    for unit in range(start, stop):
+        image = unit // bands
+        k = unit % bands
+        r0 = k * tile_rows // bands
+        r1 = (k + 1) * tile_rows // bands
+        cells = (r1 - r0) * (tiles + 1)
+        base = context[BAND_WORKSPACE] + slot * context[BAND_ROOM] * 4
+        v = numba.carray(float32_pointer(base), (points, channels, cells))
+        products_at = base + points * channels * cells * 4
+        products = numba.carray(float32_pointer(products_at), (points, m, cells))
+        work = numba.carray(float32_pointer(products_at + points * m * cells * 4), context[BAND_WORK_FLOATS])
+        if tile == 4:
+            finite = winograd_input(x, context[BAND_PAD_TOP], context[BAND_PAD_LEFT], tiles, v, image, r0, r1, 0, channels, work)
+        else:
+            finite = winograd2_input(x, context[BAND_PAD_TOP], context[BAND_PAD_LEFT], tiles, v, image, r0, r1, 0, channels, work)
+        if not finite:
+            store(c + BAND_FINITE * 8, 0)
+            continue
+        u = context[BAND_U]
+        for point in range(points):
+            a = u + point * m * channels * 4
+            b = base + point * channels * cells * 4
+            target = products_at + point * m * cells * 4
+            if context[BAND_ILP64]:
+                sgemm64(context[BAND_SGEMM], m, cells, channels, a, channels, b, cells, target, cells)
+            else:
+                sgemm32(context[BAND_SGEMM], m, cells, channels, a, channels, b, cells, target, cells)
+        if tile == 4:
+            winograd_output(products, bias, relu, tiles, y, image, r0, r1, 0, m, work)
+        else:
+            winograd2_output(products, bias, relu, tiles, y, image, r0, r1, 0, m, work)

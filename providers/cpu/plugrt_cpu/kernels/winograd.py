@@ -53,9 +53,11 @@ from types import ModuleType
 from typing import Any, Sequence
 
 import numpy as np
-from plugrt.threads import parallel_for, threads_for
+from plugrt.threads import blas_threads, parallel_for, threads_for
 
 from ._compiled import compiled_module
+from ._compiled_parallel import CompiledPool, compiled_pool
+from ._gemm import sgemm_address
 from ._window import _copy_to_workspace, _workspace
 
 __all__ = ["WinogradPlan", "winograd_loops", "winograd_plan"]
@@ -181,6 +183,9 @@ class WinogradPlan:
         n, c, m = x.shape[0], self.channels, self.m
         rows, tiles, pitch = self.tile_rows, self.tiles, self.pitch
         points = self.variant.points
+        pool, gemm = compiled_pool(), sgemm_address()
+        if pool is not None and gemm is not None and u.flags.c_contiguous and b.flags.c_contiguous:
+            return self._compiled_bands(pool, gemm, x, u, b, relu, y, threads, bands)
         transform_input, transform_output = transforms
         finite = [True]
 
@@ -200,6 +205,33 @@ class WinogradPlan:
 
         parallel_for(n * bands, band, work, threads=threads, chunks_per_thread=n * bands)  # a chunk per band
         return finite[0]
+
+    def _compiled_bands(
+        self, pool: CompiledPool, gemm: tuple[int, bool], x: np.ndarray, u: np.ndarray, b: np.ndarray, relu: bool, y: np.ndarray, threads: int, bands: int
+    ) -> bool:
+        """``_by_bands`` as one compiled job (``_numba_winograd.winograd_bands``): the
+        same transforms and GEMMs, without the GIL, on the compiled pool."""
+        loops = winograd_loops()
+        assert loops is not None
+        n, c, m = x.shape[0], self.channels, self.m
+        points = self.variant.points
+        most_rows = -(-self.tile_rows // bands)
+        most_cells = most_rows * (self.tiles + 1)
+        work_floats = self.variant.work_floats(most_rows, self.pitch)
+        room = points * (c + m) * most_cells + work_floats
+        slots = 1 if threads <= 1 or n * bands == 1 else 1 + pool.workers_for(threads)
+        workspace, _ = _workspace("winograd_bands", (slots * room,), np.dtype(np.float32))
+        context = np.array(
+            [
+                gemm[0], int(gemm[1]), x.ctypes.data, n, c, x.shape[2], x.shape[3], self.pad_top, self.pad_left,
+                self.tiles, self.tile_rows, bands, self.variant.tile, m, u.ctypes.data, b.ctypes.data, int(relu),
+                y.ctypes.data, self.out[0], self.out[1], workspace.ctypes.data, room, work_floats, 1,
+            ],
+            np.int64,
+        )
+        blas_threads(0)
+        pool.run(loops.winograd_bands.address, context, n * bands, threads)
+        return bool(context[loops.BAND_FINITE])
 
     def _by_steps(
         self, transforms: tuple[Any, Any], x: np.ndarray, u: np.ndarray, b: np.ndarray, relu: bool, y: np.ndarray, threads: int, work: int
