@@ -214,8 +214,10 @@ def test_numba_off_takes_the_numpy_path_and_agrees(numba_off, monkeypatch):
 
 @pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
 def test_compiled_pool_split_over_two_threads_matches_onnxruntime(compiled, monkeypatch, op):
+    """The planes in Python chunks on ``parallel_for`` (no compiled jobs' pool)."""
     from plugrt import threads
 
+    monkeypatch.setattr(pooling, "compiled_jobs", lambda: None)
     monkeypatch.setattr(threads, "parallel_threads", lambda work: 2)
     starts = []
     body_of = pooling.parallel_for
@@ -228,6 +230,25 @@ def test_compiled_pool_split_over_two_threads_matches_onnxruntime(compiled, monk
     model = _model(op, x, dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]))
     np.testing.assert_allclose(_plugrt(model, x), _onnxruntime(model, x), rtol=1e-6, atol=1e-6)
     assert len(starts) > 1 and 0 in starts  # the planes went in several chunks
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("name", ["3x3_stride_2_pad_1", "3x3_stride_1_pad_1", "ceil_mode_2x2"])
+def test_compiled_jobs_over_two_threads_match_onnxruntime(compiled, monkeypatch, op, name):
+    """The planes in units of one compiled job on the compiled pool, two threads."""
+    jobs = pooling.compiled_jobs()
+    if jobs is None:
+        pytest.skip("no compiled pool here")
+    monkeypatch.setattr(pooling, "threads_for", lambda work: 2)
+    monkeypatch.setattr(pooling, "_COMPILED_MIN_OPS", 0)
+    runs = []
+    run = jobs.run
+    monkeypatch.setattr(jobs, "run", lambda body, context, count, threads: runs.append((count, threads)) or run(body, context, count, threads))
+    shape, attributes = CASES[name]
+    x = _random(3, *shape[1:])  # more planes than units
+    model = _model(op, x, attributes)
+    np.testing.assert_allclose(_plugrt(model, x), _onnxruntime(model, x), rtol=1e-6, atol=1e-6)
+    assert runs and all(count == 4 and threads == 2 for count, threads in runs)
 
 
 @pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])

@@ -31,7 +31,9 @@ import numba
 import numpy as np
 from numba.core.cpu import CPUTargetOptions
 
-__all__ = ["avg_pool2d", "max_pool2d", "work_length"]
+from ._numba_parallel import float32_pointer, int64_pointer
+
+__all__ = ["PLANES_WORDS", "avg_pool2d", "max_pool2d", "pool_planes", "work_length"]
 
 # ``_nrt=False``: no reference counting. These loops allocate nothing, and the arrays they
 # take views of outlive the call; numba's count updates on each per-row view (atomic, and
@@ -366,3 +368,38 @@ def avg_pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, scale, work): 
     ``y`` (planes, OH, OW): each window's sum times ``scale`` (OH, OW, float32: one over
     the window's count). See ``_pool2d``."""
     _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, False, scale, work)
+
+
+# The context of ``pool_planes`` (int64 words; see ``pooling._Pooling.compiled``).
+(
+    PLANES_X, PLANES_Y, PLANES_COUNT, PLANES_HEIGHT, PLANES_WIDTH, PLANES_OUT_HEIGHT, PLANES_OUT_WIDTH, PLANES_UNITS,
+    PLANES_KH, PLANES_KW, PLANES_SH, PLANES_SW, PLANES_DH, PLANES_DW, PLANES_PH, PLANES_PW, PLANES_SCALE,
+    PLANES_WORK, PLANES_WORK_LENGTH,
+) = range(19)
+PLANES_WORDS = 19
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def pool_planes(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units of planes for ``_compiled_parallel``'s pool: unit ``u`` pools planes
+    ``[u * P // units, (u + 1) * P // units)`` with ``max_pool2d`` (no scale) or
+    ``avg_pool2d``, in the slot's row buffers."""
+    context = numba.carray(int64_pointer(c), PLANES_WORDS)
+    planes, units = context[PLANES_COUNT], context[PLANES_UNITS]
+    out_h, out_w = context[PLANES_OUT_HEIGHT], context[PLANES_OUT_WIDTH]
+    x = numba.carray(float32_pointer(context[PLANES_X]), (planes, context[PLANES_HEIGHT], context[PLANES_WIDTH]))
+    y = numba.carray(float32_pointer(context[PLANES_Y]), (planes, out_h, out_w))
+    length = context[PLANES_WORK_LENGTH]
+    work = numba.carray(float32_pointer(context[PLANES_WORK] + slot * length * 4), length)
+    kh, kw, sh, sw = context[PLANES_KH], context[PLANES_KW], context[PLANES_SH], context[PLANES_SW]
+    dh, dw, ph, pw = context[PLANES_DH], context[PLANES_DW], context[PLANES_PH], context[PLANES_PW]
+    for unit in range(start, stop):
+        first = unit * planes // units
+        last = (unit + 1) * planes // units
+        if last <= first:
+            continue
+        if context[PLANES_SCALE] == 0:
+            max_pool2d(x, y, first, last, kh, kw, sh, sw, dh, dw, ph, pw, work)
+        else:
+            scale = numba.carray(float32_pointer(context[PLANES_SCALE]), (out_h, out_w))
+            avg_pool2d(x, y, first, last, kh, kw, sh, sw, dh, dw, ph, pw, scale, work)

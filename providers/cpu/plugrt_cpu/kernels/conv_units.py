@@ -30,7 +30,7 @@ _ZEROS: dict[int, np.ndarray] = {}  # float32 zeros by length: the bias of a Con
 # A lone product is split by output channels into blocks of at least this many rows, two
 # per thread.
 _CHANNEL_GRAIN = 16
-_CHANNEL_BLOCKS_PER_THREAD = 2
+_CHANNEL_BLOCKS_PER_THREAD = 1
 
 
 @functools.cache
