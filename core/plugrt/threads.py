@@ -23,6 +23,10 @@ to slow whatever runs next (OpenBLAS's own threads spin for a while after each c
 stop)`` runs over chunks of ``range(count)`` that the calling thread and pool workers
 claim one at a time, each with one BLAS thread, so work BLAS does not thread (many small
 products, numpy's elementwise loops) uses the free cores too.
+
+A provider may lend the pool's workers a GIL-free wait (``set_worker_wait``): the CPU
+provider's compiled jobs (``plugrt_cpu.kernels._compiled_parallel``) run there, and the
+workers spin a bounded time between them, only while the cores are free.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ __all__ = [
     "openblas_libraries",
     "set_worker_wait",
     "start_workers",
-    "wake_workers",
+    "wake_worker",
 ]
 
 SAMPLE_INTERVAL = 0.1  # seconds between two readings of /proc/stat
@@ -288,44 +292,50 @@ class _Job:
 
 
 class _Pool:
-    """Daemon worker threads that run parallel_for jobs, started on first use.
+    """Daemon worker threads that run parallel_for jobs, started on first use; each has
+    its own queue, so that a job (or a wake-up) reaches the workers it is meant for.
 
     A provider may give the workers a GIL-free wait (``set_worker_wait``): a worker then
-    calls ``wait(index)`` before it blocks on the queue, and that call may run the
+    calls ``wait(index)`` before it blocks on its queue, and that call may run the
     provider's own compiled jobs and spin for a bounded time; it returns when Python jobs
     may be queued (``submit`` calls ``notify``) or when it stops waiting. The provider wakes
-    a blocked worker with ``wake_workers``: the worker then calls ``wait`` again."""
+    a blocked worker with ``wake_worker``: the worker then calls ``wait`` again."""
 
     def __init__(self) -> None:
-        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.size = 0
+        self.queues: list[queue.SimpleQueue] = []
         self.lock = threading.Lock()
         self.wait: Callable[[int], Any] | None = None
         self.notify: Callable[[], Any] | None = None
 
+    @property
+    def size(self) -> int:
+        return len(self.queues)
+
     def grow(self, workers: int) -> None:
-        if self.size < workers:
+        if len(self.queues) < workers:
             with self.lock:
-                while self.size < workers:
-                    threading.Thread(target=self._serve, args=(self.size,), name=f"plugrt-worker-{self.size}", daemon=True).start()
-                    self.size += 1
+                while len(self.queues) < workers:
+                    tasks: queue.SimpleQueue = queue.SimpleQueue()
+                    index = len(self.queues)
+                    self.queues.append(tasks)
+                    threading.Thread(target=self._serve, args=(index, tasks), name=f"plugrt-worker-{index}", daemon=True).start()
 
     def submit(self, job: _Job, helpers: int) -> None:
         self.grow(helpers)
-        for _ in range(helpers):
-            self.tasks.put(job)
+        for tasks in self.queues[:helpers]:
+            tasks.put(job)
         notify = self.notify
         if notify is not None:
             notify()
 
-    def _serve(self, index: int) -> None:
+    def _serve(self, index: int, tasks: queue.SimpleQueue) -> None:
         _LOCAL.in_parallel = True  # a body that calls parallel_for runs it inline
         _set_blas_count(1)
         while True:
             wait = self.wait
             if wait is not None:
                 wait(index)
-            task = self.tasks.get()
+            task = tasks.get()
             if task is not None:  # None: a wake-up, to wait again
                 task.work()
 
@@ -345,11 +355,10 @@ def start_workers(count: int) -> int:
     return _POOL.size
 
 
-def wake_workers(count: int) -> None:
-    """Wake ``count`` workers blocked on the pool's queue, so that they call the wait given
+def wake_worker(index: int) -> None:
+    """Wake worker ``index`` if it is blocked on its queue, so that it calls the wait given
     to ``set_worker_wait`` again."""
-    for _ in range(count):
-        _POOL.tasks.put(None)
+    _POOL.queues[index].put(None)
 
 
 def _set_blas_count(count: int) -> None:

@@ -153,3 +153,27 @@ def test_workers_do_not_spin_while_other_processes_hold_the_cores(pool, bodies, 
     monkeypatch.setattr(threads, "free_cores", lambda: 2.0)
     pool.run(bodies["count"].address, context, 8, 2)
     assert pool.state[32] == pool.spin > 0
+
+
+def test_workers_beyond_a_jobs_threads_take_no_unit(pool, bodies):
+    """A job sized for two threads (its bodies' scratch has two slots) is not touched by
+    the third and fourth workers another session started."""
+    threads.start_workers(3)
+    for _ in range(50):
+        context, counts, slots, _ = _context(64)
+        pool.run(bodies["count"].address, context, 64, 2)
+        assert counts.tolist() == [1] * 64
+        assert slots[2:].sum() == 0, slots[:4]
+    assert pool.slots(64, 2) == 2 and pool.slots(1, 2) == 1 and pool.slots(64, 1) == 1
+
+
+def test_the_worker_a_job_wakes_is_the_one_it_needs(pool, bodies):
+    """With more workers asleep than a job uses, the wake-up reaches the job's own worker
+    (a shared queue let another worker take it, and the job ran alone from then on)."""
+    threads.start_workers(3)
+    for _ in range(5):
+        time.sleep(0.005)  # every worker has stopped spinning and sleeps on its queue
+        context, counts, slots, _ = _context(8)
+        pool.run(bodies["meet"].address, context, 8, 2)
+        assert counts.tolist() == [1] * 8
+        assert np.count_nonzero(slots) == 2 and slots[2:].sum() == 0, slots[:4]

@@ -54,7 +54,12 @@ class CompiledPool:
         self.patience = max(1, int(_PATIENCE_SECONDS / pause_seconds))
         self.sched_yield = _sched_yield_address()
         wait, address = loops.wait, self.address
-        threads.set_worker_wait(lambda worker: wait(address, worker), lambda: loops.signal(address))
+
+        def worker_wait(worker: int) -> None:
+            if worker < _MAX_WORKERS:  # the state has a line for each of these; the others only run Python jobs
+                wait(address, worker)
+
+        threads.set_worker_wait(worker_wait, lambda: loops.signal(address))
 
     def _pause_seconds(self) -> float:
         """Seconds one ``pause`` takes here (5-150 cycles, by CPU), measured once."""
@@ -64,29 +69,35 @@ class CompiledPool:
         self.loops.spin(self.address, pauses)
         return max(1e-9, (time.perf_counter() - started) / pauses)
 
-    def workers_for(self, threads_: int) -> int:
-        """Start the workers a job on ``threads_`` threads needs; returns how many there
-        are (any of them may take a unit: a body's ``slot`` is below this plus one)."""
-        return threads.start_workers(threads_ - 1)
+    @staticmethod
+    def slots(count: int, threads_: int) -> int:
+        """The scratch slots a job of ``count`` units on ``threads_`` threads may use: its
+        bodies get a ``slot`` below this."""
+        return 1 if threads_ <= 1 or count <= 1 else min(threads_, count, _MAX_WORKERS + 1)
 
     def run(self, body: int, context: np.ndarray, count: int, threads_: int) -> None:
         """``body(context, u, u + 1, slot)`` for every unit ``u`` in ``[0, count)``, on
-        this thread and up to ``threads_ - 1`` workers. ``context`` (int64) stays
-        referenced until every unit has run."""
+        this thread (slot 0) and up to ``threads_ - 1`` workers (slots from 1), every slot
+        below ``slots(count, threads_)``. ``context`` (int64) stays referenced until
+        every unit has run."""
         loops = self.loops
         address = int(context.ctypes.data)
         if threads_ <= 1 or count <= 1 or not self.lock.acquire(blocking=False):
             loops.run_alone(body, address, count)
             return
         try:
-            helpers = min(threads_, count) - 1
-            workers = self.workers_for(helpers + 1)
+            helpers = self.slots(count, threads_) - 1
+            workers = threads.start_workers(helpers)
             spin = self.spin if threads.free_cores() >= threads_ - 0.7 else 0
-            published = loops.publish(self.address, body, address, count, spin, workers, helpers)
-            asleep = published >> 32
-            if asleep:
-                threads.wake_workers(asleep)
-            loops.participate(self.address, published & 0xFFFFFFFF, body, address, count, self.patience, self.sched_yield)
+            asleep = loops.publish(self.address, body, address, count, spin, workers, helpers)
+            worker = 0
+            while asleep:
+                if asleep & 1:
+                    threads.wake_worker(worker)
+                asleep >>= 1
+                worker += 1
+            sequence = int(self.state[0])
+            loops.participate(self.address, sequence, body, address, count, self.patience, self.sched_yield)
         finally:
             self.lock.release()
 

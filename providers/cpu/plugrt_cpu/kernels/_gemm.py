@@ -95,6 +95,7 @@ def available(dtype: np.dtype) -> bool:
     return np.dtype(dtype) in functions
 
 
+@functools.cache
 def sgemm_address() -> tuple[int, bool] | None:
     """The address of numpy's OpenBLAS ``cblas_sgemm`` and whether its integers are 64-bit,
     for compiled code to call it without the GIL; None where :func:`available` is false."""

@@ -24,6 +24,8 @@ one thread's time where the woken worker took 80-115%.
 
 from __future__ import annotations
 
+import platform
+
 import numba
 from llvmlite import ir
 from numba import types
@@ -43,7 +45,7 @@ __all__ = [
 _SEQUENCE = 0  # the last job published
 _NEXT = 8  # (sequence << 32) | next unit to claim
 _DONE = 16  # units finished of the current job
-_BODY, _CONTEXT, _COUNT = 24, 25, 26  # the current job
+_BODY, _CONTEXT, _COUNT, _HELPERS = 24, 25, 26, 27  # the current job; workers below _HELPERS take part
 _SPIN = 32  # pause instructions a worker spins through before it sleeps
 _SIGNAL = 40  # bumped when Python jobs are queued for the workers
 STATE_WORDS = 48  # then, per worker, a line: [sleeping, last sequence seen]
@@ -114,14 +116,19 @@ def compare_swap(typingctx, address, expected, value):  # type: ignore[no-untype
     return types.int64(types.int64, types.int64, types.int64), codegen
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 @intrinsic
 def pause(typingctx):  # type: ignore[no-untyped-def]
     """The x86 spin-wait hint (``pause``): a spinning thread leaves its core's sibling the
-    execution units, and saves power."""
+    execution units, and saves power. Nothing elsewhere (``compiled_pool`` runs only on
+    x86; the other compiled modules import this one)."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
-        builder.call(hint, [])
+        if _X86:
+            hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(hint, [])
         return context.get_dummy_value()
 
     return types.void(), codegen
@@ -254,6 +261,8 @@ def wait(state, worker):  # pragma: no cover  (compiled)
         if sequence != seen:
             seen = sequence
             store(line + _W, seen)
+            if worker >= load(state + _HELPERS * _W):  # its slot is beyond the job's scratch
+                continue
             _claim(
                 state,
                 sequence,
@@ -285,13 +294,15 @@ def wait(state, worker):  # pragma: no cover  (compiled)
     error_model="numpy",
 )
 def publish(state, body, context, count, spin, workers, helpers):  # pragma: no cover  (compiled)
-    """Publish a job of ``count`` units; returns its sequence number in the low 32 bits
-    and, above them, how many of the first ``helpers`` of ``workers`` were asleep (the
-    caller wakes that many)."""
+    """Publish a job of ``count`` units for the calling thread and the first ``helpers``
+    of the ``workers`` (slots 0 to ``helpers``; at most 63); returns a mask of those that
+    were asleep (bit ``w`` for worker ``w``: the caller wakes them). The job's sequence
+    number is then the state's first word."""
     sequence = (load(state + _SEQUENCE * _W) + 1) & _SEQUENCE_MASK
     store(state + _BODY * _W, body)
     store(state + _CONTEXT * _W, context)
     store(state + _COUNT * _W, count)
+    store(state + _HELPERS * _W, helpers)
     store(state + _SPIN * _W, spin)
     store(state + _DONE * _W, 0)
     store(state + _NEXT * _W, sequence << 32)
@@ -299,8 +310,8 @@ def publish(state, body, context, count, spin, workers, helpers):  # pragma: no 
     asleep = 0
     for worker in range(min(helpers, workers)):
         if swap(state + (STATE_WORDS + WORKER_WORDS * worker) * _W, 0) == 1:
-            asleep += 1
-    return sequence | (asleep << 32)
+            asleep |= 1 << worker
+    return asleep
 
 
 @numba.njit(types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True, boundscheck=False, error_model="numpy")

@@ -93,7 +93,7 @@ def run_units(
         mode = loops.GATHER if channel_blocks == 1 else loops.GATHERED
         rows_per_block = -(-rows // blocks)
         room = depth * rows_per_block * rest
-        slots = 1 if count == 1 or threads <= 1 or mode == loops.GATHERED else 1 + pool.workers_for(threads)
+        slots = 1 if mode == loops.GATHERED else pool.slots(count, threads)
         buffer, _ = _workspace("conv-units", (slots * room,), _F32)
         workspace = int(buffer.ctypes.data)
     zeros = 0

@@ -283,7 +283,7 @@ class _Pooling:
         if jobs is not None:
             threads = threads_for(PARALLEL_MIN_WORK) if ops >= _COMPILED_MIN_OPS else 1
             units = min(planes, threads * _COMPILED_UNITS_PER_THREAD)
-            slots = 1 if threads <= 1 else 1 + jobs.workers_for(threads)
+            slots = jobs.slots(units, threads)
             work, _ = _workspace("pool-rows", (slots * length,), _FLOAT32)
             context = np.array(
                 [

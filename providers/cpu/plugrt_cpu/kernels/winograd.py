@@ -219,7 +219,7 @@ class WinogradPlan:
         most_cells = most_rows * (self.tiles + 1)
         work_floats = self.variant.work_floats(most_rows, self.pitch)
         room = points * (c + m) * most_cells + work_floats
-        slots = 1 if threads <= 1 or n * bands == 1 else 1 + pool.workers_for(threads)
+        slots = pool.slots(n * bands, threads)
         workspace, _ = _workspace("winograd_bands", (slots * room,), np.dtype(np.float32))
         context = np.array(
             [
