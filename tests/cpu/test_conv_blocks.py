@@ -30,6 +30,8 @@ _IM2COL = {
     "grouped": ((1, 12, 15, 15), (24, 4, 3, 3), {"pads": [1, 1, 1, 1], "group": 3}),
     "batch": ((3, 5, 14, 9), (8, 5, 3, 3), {"pads": [1, 0, 1, 0]}),
     "batch-grouped-strided": ((2, 8, 16, 16), (12, 4, 5, 5), {"pads": [2, 2, 2, 2], "strides": [2, 2], "group": 2}),
+    "pads-wider-than-the-kernel": ((1, 3, 6, 5), (4, 3, 3, 3), {"pads": [3, 4, 3, 4]}),  # whole windows in padding
+    "stride-3-dilation-2-pads": ((2, 5, 19, 23), (6, 5, 3, 3), {"pads": [1, 3, 2, 0], "strides": [3, 3], "dilations": [2, 2]}),
     "1d": ((2, 4, 37), (9, 4, 5), {"pads": [2, 1], "strides": [2]}),
     "3d": ((1, 3, 7, 9, 8), (5, 3, 3, 3, 2), {"pads": [1, 1, 0, 1, 1, 1], "strides": [1, 2, 1]}),
 }

@@ -4,11 +4,14 @@ the block's columns when the Conv is not pointwise, call the BLAS GEMM, then add
 residual and the bias and clamp, while the block is in cache; all without the GIL.
 
 The context is an int64 array (see ``CONTEXT_WORDS`` and ``plugrt_cpu.kernels.conv``):
-addresses and sizes. The columns of a 2-D im2col block come from the zero-padded
-stride-phase planes ``_ConvPlan`` fills: for column row ``r`` (a channel and a tap) and
-output row ``oh``, the ``OW`` values at ``planes[image] + offsets[r] + oh * plane_width``
-are contiguous. The epilogue is ``_numba_epilogue``'s, so the values are those of the
-``parallel_for`` path.
+addresses and sizes. The columns of a 2-D im2col block are gathered straight from the
+input: column row ``r`` is a channel and a tap (kh, kw), and its values for output row
+``oh`` are input row ``oh * sh + kh * dh - pad_top``, every ``sw``-th value from column
+``kw * dw - pad_left`` (a run of one stride phase of that row), zero where the window
+reaches into the padding (the Python path
+copies the input into zero-padded stride-phase planes first: a serial pass, 0.25 ms on
+ResNet's 128 channels of 56x56). The epilogue is ``_numba_epilogue``'s, so the values are
+those of the ``parallel_for`` path.
 """
 
 from __future__ import annotations
@@ -24,37 +27,85 @@ __all__ = ["CONTEXT_WORDS", "conv_units", "gather_all"]
 # context words
 SGEMM, ILP64, WEIGHT, SOURCE, OUTPUT, BIAS, RESIDUAL, RELU = range(8)
 IMAGES, GROUPS, ROW_BLOCKS, CHANNEL_BLOCKS, ROWS, REST, CHANNELS_PER_GROUP, DEPTH = range(8, 16)
-POSITIONS, MODE, GROUP_STRIDE, IMAGE_STRIDE, OFFSETS, PLANE_WIDTH, WORKSPACE, ROOM = range(16, 24)
-ZEROS = 24
-CONTEXT_WORDS = 25
+POSITIONS, MODE, GROUP_STRIDE, IMAGE_STRIDE, WORKSPACE, ROOM, ZEROS = range(16, 23)
+# the geometry of a 2-D gather
+HEIGHT, WIDTH, KERNEL_H, KERNEL_W, STRIDE_H, STRIDE_W, DILATION_H, DILATION_W, PAD_TOP, PAD_LEFT = range(23, 33)
+GATHER_UNITS = 33  # units of channels of the gather job before a GATHERED product
+CONTEXT_WORDS = 34
 # MODE: where a unit's columns are
 POINTWISE = 0  # the source itself: (images, channels, positions)
-GATHER = 1  # gathered per unit from the planes into the slot's workspace
+GATHER = 1  # gathered per unit from the input into the slot's workspace
 GATHERED = 2  # gathered once before the job, at the workspace (one image, one group)
 
 _FLOAT = 4  # bytes
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _gather_unit(context, image, group, r0, r1, target):  # pragma: no cover  (compiled)
-    """``_gather`` for one unit: the planes of ``image``, the channels of ``group``."""
+def _copy_run(row, lo, hi, read):  # pragma: no cover  (compiled; inlined by LLVM)
+    """``row[:lo] = 0``, ``row[lo:hi] = read[:hi - lo]``, ``row[hi:] = 0``."""
+    zero = numba.float32(0.0)
+    for j in range(lo):
+        row[j] = zero
+    span = row[lo:hi]  # indexed from 0: the loop vectorises
+    for j in range(hi - lo):
+        span[j] = read[j]
+    for j in range(hi, row.shape[0]):
+        row[j] = zero
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _gather_unit(context, image, group, r0, r1, target, c0, c1, scratch):  # pragma: no cover  (compiled)
+    """The im2col columns of output rows ``[r0, r1)`` of ``image`` and ``group``, the rows
+    of its channels ``[c0, c1)``, into ``target``: (depth, (r1 - r0) * OW), C order, rows
+    in (channel, kh, kw) order. With a column stride, each input row a window row reads
+    is first split into its stride phases (at ``scratch``: stride * ceil(W / stride)
+    floats), so that every kernel column copies a contiguous run of one phase (a strided
+    read per kernel column was 3x slower)."""
     depth = context[DEPTH]
-    width = context[REST]
-    plane_width = context[PLANE_WIDTH]
-    offsets = numba.carray(int64_pointer(context[OFFSETS]), depth)
+    width = context[REST]  # OW
+    height_in, width_in = context[HEIGHT], context[WIDTH]
+    kh_size, kw_size = context[KERNEL_H], context[KERNEL_W]
+    sh, sw = context[STRIDE_H], context[STRIDE_W]
+    dh, dw = context[DILATION_H], context[DILATION_W]
+    top, left = context[PAD_TOP], context[PAD_LEFT]
+    plane = height_in * width_in
     source = context[SOURCE] + (image * context[IMAGE_STRIDE] + group * context[GROUP_STRIDE]) * _FLOAT
     columns = (r1 - r0) * width
     out = numba.carray(float32_pointer(target), depth * columns)
-    for r in range(depth):
-        row = numba.carray(float32_pointer(source + offsets[r] * _FLOAT), (r1 - 1) * plane_width + width)
-        base = r * columns
-        for oh in range(r0, r1):
-            start = oh * plane_width
-            at = base + (oh - r0) * width
-            target_row = out[at : at + width]  # indexed from 0 below: no wraparound checks, the loop vectorises
-            source_row = row[start : start + width]
-            for j in range(width):
-                target_row[j] = source_row[j]
+    pitch = (width_in + sw - 1) // sw  # values per phase of an input row
+    phases = numba.carray(float32_pointer(scratch), sw * pitch)
+    zero = numba.float32(0.0)
+    for channel in range(c0, c1):
+        values = numba.carray(float32_pointer(source + channel * plane * _FLOAT), plane)
+        for kh in range(kh_size):
+            first = (channel * kh_size + kh) * kw_size  # the column row of (channel, kh, 0)
+            for oh in range(r0, r1):
+                at = (oh - r0) * width
+                ih = oh * sh + kh * dh - top
+                if ih < 0 or ih >= height_in:
+                    for kw in range(kw_size):
+                        row = out[(first + kw) * columns + at : (first + kw) * columns + at + width]
+                        for j in range(width):
+                            row[j] = zero
+                    continue
+                line = values[ih * width_in : (ih + 1) * width_in]
+                if sw > 1:
+                    for p in range(sw):
+                        phase = phases[p * pitch : (p + 1) * pitch]
+                        count = (width_in - p + sw - 1) // sw
+                        for j in range(count):
+                            phase[j] = line[j * sw + p]
+                for kw in range(kw_size):
+                    row = out[(first + kw) * columns + at : (first + kw) * columns + at + width]
+                    shift = kw * dw - left  # input column of output column 0
+                    lo = 0 if shift >= 0 else min(width, (-shift + sw - 1) // sw)
+                    hi = 0 if width_in - 1 - shift < 0 else min(width, (width_in - 1 - shift) // sw + 1)
+                    hi = max(hi, lo)
+                    if sw == 1:
+                        _copy_run(row, lo, hi, line[lo + shift :])
+                    else:
+                        p = shift % sw  # iw = ow * sw + shift: phase p, index ow + (shift - p) // sw
+                        _copy_run(row, lo, hi, phases[p * pitch + lo + (shift - p) // sw :])
 
 
 @numba.cfunc(types.void(types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True)
@@ -69,6 +120,7 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
     depth = context[DEPTH]
     positions = context[POSITIONS]
     mode = context[MODE]
+    taps = context[KERNEL_H] * context[KERNEL_W]
     m = groups * mg
     for unit in range(start, stop):
         image = unit // (groups * row_blocks * channel_blocks)
@@ -90,7 +142,7 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         elif mode == GATHER:
             b = context[WORKSPACE] + slot * context[ROOM] * _FLOAT
             ldb = columns
-            _gather_unit(context, image, group, r0, r1, b)
+            _gather_unit(context, image, group, r0, r1, b, 0, depth // taps, b + depth * columns * _FLOAT)
         else:
             b = context[WORKSPACE]
             ldb = columns
@@ -115,6 +167,19 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
 
 @numba.cfunc(types.void(types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True)
 def gather_all(c, start, stop, slot):  # pragma: no cover  (compiled)
-    """The columns of all output rows of image 0, group 0 into the workspace (``GATHERED``)."""
+    """Units of channels (``GATHERED``): unit ``u`` gathers the column rows of channels
+    ``[u * C // units, (u + 1) * C // units)`` of image 0 and group 0, all output rows,
+    into the workspace (``units``: the context's ``GATHER_UNITS``), each slot with its
+    own phase scratch after the columns."""
     context = numba.carray(int64_pointer(c), CONTEXT_WORDS)
-    _gather_unit(context, 0, 0, 0, context[ROWS], context[WORKSPACE])
+    taps = context[KERNEL_H] * context[KERNEL_W]
+    channels = context[DEPTH] // taps
+    units = context[GATHER_UNITS]
+    columns = context[ROWS] * context[REST]
+    pitch = (context[WIDTH] + context[STRIDE_W] - 1) // context[STRIDE_W]
+    scratch = context[WORKSPACE] + (context[DEPTH] * columns + slot * context[STRIDE_W] * pitch) * _FLOAT
+    for unit in range(start, stop):
+        c0 = unit * channels // units
+        c1 = (unit + 1) * channels // units
+        if c1 > c0:
+            _gather_unit(context, 0, 0, 0, context[ROWS], context[WORKSPACE], c0, c1, scratch)

@@ -27,10 +27,11 @@ __all__ = ["compiled_units", "run_units"]
 
 _F32 = np.dtype(np.float32)
 _ZEROS: dict[int, np.ndarray] = {}  # float32 zeros by length: the bias of a Conv without one
-# A lone product is split by output channels into blocks of at least this many rows, two
-# per thread.
+# A lone product is split by output channels into blocks of at least this many rows, one
+# per thread (each block packs all of the wide operand: two a thread measured 5-15% slower).
 _CHANNEL_GRAIN = 16
 _CHANNEL_BLOCKS_PER_THREAD = 1
+_GATHER_UNITS_PER_THREAD = 2  # units of input channels per thread of the gather before a lone product
 
 
 @functools.cache
@@ -64,15 +65,15 @@ def run_units(
     image_stride: int,
     group_stride: int,
     threads: int,
-    offsets: np.ndarray | None = None,
-    plane_width: int = 0,
+    geometry: tuple[int, ...] | None = None,
 ) -> None:
     """``y`` (n, M, positions, float32, C order) = the Conv of ``plan`` over the units.
     ``source`` holds the columns: the input (n, C, positions) for a pointwise Conv
-    (``offsets`` None), else the stride-phase planes, with ``offsets`` (int64, one per
-    column row, within an image's and group's planes) and the planes' row length. The
-    arrays must stay alive and unchanged for the call; ``residual`` is shaped like ``y``
-    and does not overlap it. ``threads`` is the Python path's (``split_threads``)."""
+    (``geometry`` None), else the input (n, C, H, W) of a 2-D Conv, with ``geometry``
+    (H, W, kh, kw, strides, dilations, pads top and left) to gather the columns from.
+    ``image_stride`` and ``group_stride`` are floats between images and groups of the
+    source. The arrays must stay alive and unchanged for the call; ``residual`` is shaped
+    like ``y`` and does not overlap it. ``threads`` is the Python path's (``split_threads``)."""
     if y.size == 0:
         return
     loops, pool, (gemm, ilp64) = found
@@ -89,12 +90,19 @@ def run_units(
     mode = loops.POINTWISE
     room = 0
     workspace = 0
-    if offsets is not None:
+    gather_units = 0
+    if geometry is not None:
         mode = loops.GATHER if channel_blocks == 1 else loops.GATHERED
         rows_per_block = -(-rows // blocks)
-        room = depth * rows_per_block * rest
-        slots = 1 if mode == loops.GATHERED else pool.slots(count, threads)
-        buffer, _ = _workspace("conv-units", (slots * room,), _F32)
+        width, stride = geometry[1], geometry[5]
+        phases = stride * -(-width // stride)  # a slot's scratch for an input row's stride phases
+        if mode == loops.GATHER:  # per slot: a block's columns, then its phases
+            room = depth * rows_per_block * rest + phases
+            size = pool.slots(count, threads) * room
+        else:  # all the columns, then each slot's phases
+            gather_units = min(depth // (geometry[2] * geometry[3]), threads * _GATHER_UNITS_PER_THREAD)
+            size = depth * rows * rest + pool.slots(gather_units, threads) * phases
+        buffer, _ = _workspace("conv-units", (size,), _F32)
         workspace = int(buffer.ctypes.data)
     zeros = 0
     if bias is None and (relu or residual is not None):
@@ -124,15 +132,15 @@ def run_units(
             mode,
             group_stride,
             image_stride,
-            0 if offsets is None else offsets.ctypes.data,
-            plane_width,
             workspace,
             room,
             zeros,
+            *(geometry or (0,) * 10),
+            gather_units,
         ],
         np.int64,
     )
     blas_threads(0)  # the units' GEMMs run on one BLAS thread each
-    if mode == loops.GATHERED:
-        pool.run(loops.gather_all.address, context, 1, 1)
+    if mode == loops.GATHERED:  # the columns first, shared out by channels
+        pool.run(loops.gather_all.address, context, gather_units, threads)
     pool.run(loops.conv_units.address, context, count, threads)
