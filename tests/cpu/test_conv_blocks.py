@@ -48,11 +48,11 @@ def units(request, monkeypatch):
     """Each test twice: the units as one compiled job without the GIL (``conv_units``),
     and as Python blocks on ``parallel_for``. Yields the path and the list of the
     compiled jobs' calls."""
-    calls: list[int] = []
+    calls: list = []  # the plan of each compiled call
     original = convolution.run_units
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append(args[1])
         return original(*args, **kwargs)
 
     monkeypatch.setattr(convolution, "run_units", counted)
@@ -195,3 +195,31 @@ def test_a_lone_product_on_two_threads_splits_its_output_channels(units, monkeyp
     _compare(case, relu=True)
     path, compiled = units
     assert len(compiled) == (1 if path == "numba" else 0)
+
+
+def test_a_weight_fed_at_run_time_is_read_afresh_each_call(units, monkeypatch):
+    """The compiled units keep a call's context on the plan; a weight fed at run time (a
+    new array each call) replaces it instead of adding one per call."""
+    monkeypatch.setattr(convolution, "split_threads", lambda work: 2)
+    x_shape, w_shape = (1, 16, 13, 15), (24, 16, 3, 3)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])],
+        "conv",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x_shape),
+            onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, w_shape),
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    session = plugrt.load(model.SerializeToString(), device="cpu")
+    reference = ReferenceEvaluator(model)
+    x = _random(*x_shape, seed=1)
+    for seed in range(5):
+        feeds = {"x": x, "w": _random(*w_shape, seed=10 + seed)}
+        np.testing.assert_allclose(session.run(feeds)["y"], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+    path, compiled = units
+    assert len(compiled) == (5 if path == "numba" else 0)
+    if path == "numba":
+        assert len({id(plan) for plan in compiled}) == 1
+        assert len(compiled[0].units) == 1  # one context, replaced for each new weight

@@ -22,7 +22,7 @@ from numba import types
 from ._numba_epilogue import bias_relu_rows, bias_residual_relu_rows
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm32, sgemm64
 
-__all__ = ["CONTEXT_WORDS", "conv_units", "gather_all"]
+__all__ = ["CONTEXT_WORDS", "addresses", "conv_units", "gather_all"]
 
 # context words
 SGEMM, ILP64, WEIGHT, SOURCE, OUTPUT, BIAS, RESIDUAL, RELU = range(8)
@@ -183,3 +183,15 @@ def gather_all(c, start, stop, slot):  # pragma: no cover  (compiled)
         c1 = (unit + 1) * channels // units
         if c1 > c0:
             _gather_unit(context, 0, 0, 0, context[ROWS], context[WORKSPACE], c0, c1, scratch)
+
+
+@numba.njit(nogil=True, cache=True)
+def addresses(context, source, output, residual, workspace):  # pragma: no cover  (compiled)
+    """A call's addresses into its prepared context: the source, the output, the residual
+    (where the context was prepared with one: its word is then non-zero) and the
+    workspace."""
+    context[SOURCE] = source.ctypes.data
+    context[OUTPUT] = output.ctypes.data
+    if context[RESIDUAL] != 0:
+        context[RESIDUAL] = residual.ctypes.data
+    context[WORKSPACE] = workspace.ctypes.data

@@ -117,6 +117,8 @@ class _ConvPlan:
     """Everything a Conv call needs that depends only on the input shape."""
 
     def __init__(self, conv: "_Convolution", x_shape: tuple[int, ...], w_shape: tuple[int, ...], itemsize: int):
+        self.units: dict[tuple[Any, ...], Any] = {}  # the compiled units' prepared contexts (conv_units)
+        self.gather: tuple[int, ...] | None = None
         n, c = x_shape[:2]
         spatial = list(x_shape[2:])
         rank = len(spatial)
