@@ -75,13 +75,13 @@ class CompiledPool:
         bodies get a ``slot`` below this."""
         return 1 if threads_ <= 1 or count <= 1 else min(threads_, count, _MAX_WORKERS + 1)
 
-    def run(self, body: int, context: np.ndarray, count: int, threads_: int) -> None:
+    def run(self, body: int, context: np.ndarray | int, count: int, threads_: int) -> None:
         """``body(context, u, u + 1, slot)`` for every unit ``u`` in ``[0, count)``, on
         this thread (slot 0) and up to ``threads_ - 1`` workers (slots from 1), every slot
-        below ``slots(count, threads_)``. ``context`` (int64) stays referenced until
-        every unit has run."""
+        below ``slots(count, threads_)``. ``context`` (int64, or its address, when the
+        caller keeps it alive) stays referenced until every unit has run."""
         loops = self.loops
-        address = int(context.ctypes.data)
+        address = context if isinstance(context, int) else int(context.ctypes.data)
         if threads_ <= 1 or count <= 1 or not self.lock.acquire(blocking=False):
             loops.run_alone(body, address, count)
             return

@@ -17,7 +17,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from plugrt.threads import blas_threads
 
 from ._compiled import compiled_module
 from ._compiled_parallel import CompiledPool, compiled_pool
@@ -58,11 +57,12 @@ class _Prepared:
     compiled call (~0.5 us) instead of building 34 words and reading six addresses
     through ``ndarray.ctypes`` (~9 us, on Convs that take 20-100 us)."""
 
-    __slots__ = ("wg", "bias", "context", "count", "mode", "size", "gather_units")
+    __slots__ = ("wg", "bias", "context", "address", "count", "mode", "size", "gather_units")
 
     def __init__(self, wg: np.ndarray, bias: np.ndarray | None, context: np.ndarray, count: int, mode: int, size: int, gather_units: int):
         self.wg, self.bias = wg, bias  # kept: the context holds their addresses
         self.context, self.count, self.mode, self.size, self.gather_units = context, count, mode, size, gather_units
+        self.address = int(context.ctypes.data)
 
 
 def run_units(
@@ -87,7 +87,9 @@ def run_units(
     (H, W, kh, kw, strides, dilations, pads top and left) to gather the columns from.
     ``image_stride`` and ``group_stride`` are floats between images and groups of the
     source. The arrays must stay alive and unchanged for the call; ``residual`` is shaped
-    like ``y`` and does not overlap it. ``threads`` is the Python path's (``split_threads``)."""
+    like ``y`` and does not overlap it. ``threads`` is the Python path's (``split_threads``).
+    The calling thread's BLAS count must be 1 (``blas_threads(0)``, as Conv sets it): its
+    units call the GEMM on it."""
     if y.size == 0:
         return
     loops, pool, _ = found
@@ -100,10 +102,9 @@ def run_units(
     context = prepared.context
     workspace = _workspace("conv-units", (prepared.size,), _F32)[0] if prepared.size else y
     loops.addresses(context, source, y, y if residual is None else residual, workspace)
-    blas_threads(0)  # the units' GEMMs run on one BLAS thread each
     if prepared.mode == loops.GATHERED:  # the columns first, shared out by channels
-        pool.run(loops.gather_all.address, context, prepared.gather_units, threads)
-    pool.run(loops.conv_units.address, context, prepared.count, threads)
+        pool.run(loops.gather_all.address, prepared.address, prepared.gather_units, threads)
+    pool.run(loops.conv_units.address, prepared.address, prepared.count, threads)
 
 
 def _prepare(
