@@ -68,6 +68,7 @@ def small_blocks(monkeypatch, units):
     monkeypatch.setattr(convolution, "_BLOCK_BYTES", 2048)
     monkeypatch.setattr(convolution, "_MIN_BLOCK_POSITIONS", 1)
     monkeypatch.setattr(convolution, "split_threads", lambda work: 2)
+    monkeypatch.setattr(convolution, "_COMPILED_SPLIT_WORK", 0)
 
 
 @pytest.fixture
@@ -192,6 +193,7 @@ def test_blocks_keep_their_least_positions():
 )
 def test_a_lone_product_on_two_threads_splits_its_output_channels(units, monkeypatch, case):
     monkeypatch.setattr(convolution, "split_threads", lambda work: 2)
+    monkeypatch.setattr(convolution, "_COMPILED_SPLIT_WORK", 0)
     _compare(case, relu=True)
     path, compiled = units
     assert len(compiled) == (1 if path == "numba" else 0)
@@ -201,6 +203,7 @@ def test_a_weight_fed_at_run_time_is_read_afresh_each_call(units, monkeypatch):
     """The compiled units keep a call's context on the plan; a weight fed at run time (a
     new array each call) replaces it instead of adding one per call."""
     monkeypatch.setattr(convolution, "split_threads", lambda work: 2)
+    monkeypatch.setattr(convolution, "_COMPILED_SPLIT_WORK", 0)
     x_shape, w_shape = (1, 16, 13, 15), (24, 16, 3, 3)
     graph = onnx.helper.make_graph(
         [onnx.helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])],
