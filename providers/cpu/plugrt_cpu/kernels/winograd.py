@@ -180,12 +180,12 @@ class WinogradPlan:
     ) -> bool:
         """Bands of tile rows, each from input to output on one thread: its transforms and
         products in that thread's workspaces, in cache, and no thread waits for another."""
-        n, c, m = x.shape[0], self.channels, self.m
-        rows, tiles, pitch = self.tile_rows, self.tiles, self.pitch
-        points = self.variant.points
         pool, gemm = compiled_pool(), sgemm_address()
         if pool is not None and gemm is not None and u.flags.c_contiguous and b.flags.c_contiguous:
             return self._compiled_bands(pool, gemm, x, u, b, relu, y, threads, bands)
+        n, c, m = x.shape[0], self.channels, self.m
+        rows, tiles, pitch = self.tile_rows, self.tiles, self.pitch
+        points = self.variant.points
         transform_input, transform_output = transforms
         finite = [True]
 
