@@ -4,6 +4,8 @@ blocks cut small and shared out between two threads, and a replay allocates noth
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import onnx
 import pytest
@@ -43,11 +45,12 @@ _POINTWISE = {
 }
 
 
-@pytest.fixture(params=PATHS)
+@pytest.fixture(params=[*PATHS, "numba-blas"])
 def units(request, monkeypatch):
-    """Each test twice: the units as one compiled job without the GIL (``conv_units``),
-    and as Python blocks on ``parallel_for``. Yields the path and the list of the
-    compiled jobs' calls."""
+    """Each test three times: the units as one compiled job without the GIL
+    (``conv_units``) with the packed-weight kernel where the host has AVX-512
+    (``_numba_gemm``), the same with the BLAS GEMM ("numba-blas"), and as Python blocks on
+    ``parallel_for``. Yields the path and the list of the compiled jobs' calls."""
     calls: list = []  # the plan of each compiled call
     original = convolution.run_units
 
@@ -56,6 +59,9 @@ def units(request, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(convolution, "run_units", counted)
+    if request.param == "numba-blas":
+        monkeypatch.setattr(conv_units, "_packing", lambda: None)
+        request = types.SimpleNamespace(param="numba")
     for path in numba_or_numpy(request, monkeypatch, conv_units._loops):
         yield path, calls
 

@@ -20,6 +20,7 @@ import numba
 from numba import types
 
 from ._numba_epilogue import bias_relu_rows, bias_residual_relu_rows
+from ._numba_gemm import MR, packed_product
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm32, sgemm64
 
 __all__ = ["CONTEXT_WORDS", "addresses", "conv_units", "gather_all"]
@@ -31,7 +32,8 @@ POSITIONS, MODE, GROUP_STRIDE, IMAGE_STRIDE, WORKSPACE, ROOM, ZEROS = range(16, 
 # the geometry of a 2-D gather
 HEIGHT, WIDTH, KERNEL_H, KERNEL_W, STRIDE_H, STRIDE_W, DILATION_H, DILATION_W, PAD_TOP, PAD_LEFT = range(23, 33)
 GATHER_UNITS = 33  # units of channels of the gather job before a GATHERED product
-CONTEXT_WORDS = 34
+PACKED = 34  # the weight packed for ``_numba_gemm`` (0: the BLAS GEMM)
+CONTEXT_WORDS = 35
 # MODE: where a unit's columns are
 POINTWISE = 0  # the source itself: (images, channels, positions)
 GATHER = 1  # gathered per unit from the input into the slot's workspace
@@ -122,6 +124,8 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
     mode = context[MODE]
     taps = context[KERNEL_H] * context[KERNEL_W]
     m = groups * mg
+    packed = context[PACKED]
+    tiles = (mg + MR - 1) // MR  # a packed weight's channel blocks start on its row tiles
     for unit in range(start, stop):
         image = unit // (groups * row_blocks * channel_blocks)
         within = unit % (groups * row_blocks * channel_blocks)
@@ -131,8 +135,12 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         h = block % channel_blocks
         r0 = k * rows // row_blocks
         r1 = (k + 1) * rows // row_blocks
-        c0 = group * mg + h * mg // channel_blocks
-        c1 = group * mg + (h + 1) * mg // channel_blocks
+        if packed != 0:
+            c0 = group * mg + (h * tiles // channel_blocks) * MR
+            c1 = group * mg + min(mg, ((h + 1) * tiles // channel_blocks) * MR)
+        else:
+            c0 = group * mg + h * mg // channel_blocks
+            c1 = group * mg + (h + 1) * mg // channel_blocks
         columns = (r1 - r0) * rest
         if columns == 0 or c1 == c0:
             continue
@@ -149,6 +157,13 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         a = context[WEIGHT] + c0 * depth * _FLOAT
         output = context[OUTPUT] + image * m * positions * _FLOAT
         target = output + (c0 * positions + r0 * rest) * _FLOAT
+        if packed != 0:
+            residual = context[RESIDUAL]
+            if residual != 0:
+                residual += image * m * positions * _FLOAT + (target - output)
+            bias = context[BIAS] + c0 * _FLOAT if context[BIAS] != 0 else 0
+            packed_product(packed + c0 * depth * _FLOAT, b, ldb, depth, target, positions, c1 - c0, columns, bias, residual, context[RELU])
+            continue
         if context[ILP64]:
             sgemm64(context[SGEMM], c1 - c0, columns, depth, a, depth, b, ldb, target, positions)
         else:

@@ -129,6 +129,7 @@ class _ConvPlan:
 
     def __init__(self, conv: "_Convolution", x_shape: tuple[int, ...], w_shape: tuple[int, ...], itemsize: int):
         self.units: dict[tuple[Any, ...], Any] = {}  # the compiled units' prepared contexts (conv_units)
+        self.packed: tuple[Any, Any] | None = None  # (weight, its packed copy) for conv_units' kernel
         self.gather: tuple[int, ...] | None = None
         n, c = x_shape[:2]
         spatial = list(x_shape[2:])

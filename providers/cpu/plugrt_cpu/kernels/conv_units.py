@@ -39,6 +39,27 @@ def _loops() -> ModuleType | None:
     return compiled_module("_numba_conv")
 
 
+@functools.cache
+def _packing() -> ModuleType | None:
+    """``_numba_gemm`` where the host has the vector unit it is written for, else None."""
+    module = compiled_module("_numba_gemm")
+    return module if module is not None and module.available() else None
+
+
+def _packed_weight(plan: Any, wg: np.ndarray, group: int) -> np.ndarray | None:
+    """``wg`` (group, M / group, depth) packed for ``_numba_gemm``, kept on the plan for
+    as long as the same weight array comes; None where the kernel is not there or a
+    group's channels do not start on its row tiles."""
+    packing = _packing()
+    m, depth = wg.shape[0] * wg.shape[1], wg.shape[2]
+    if packing is None or (group > 1 and wg.shape[1] % packing.MR) or not wg.flags.c_contiguous:
+        return None
+    kept = plan.packed
+    if kept is None or kept[0] is not wg:
+        kept = plan.packed = (wg, packing.pack_weight(wg.reshape(m, depth)))
+    return kept[1]
+
+
 def compiled_units() -> tuple[ModuleType, CompiledPool, tuple[int, bool]] | None:
     """The compiled Conv body, the pool and the GEMM, or None where any is missing."""
     loops = _loops()
@@ -57,10 +78,12 @@ class _Prepared:
     compiled call (~0.5 us) instead of building 34 words and reading six addresses
     through ``ndarray.ctypes`` (~9 us, on Convs that take 20-100 us)."""
 
-    __slots__ = ("wg", "bias", "context", "address", "count", "mode", "size", "gather_units")
+    __slots__ = ("wg", "bias", "packed", "context", "address", "count", "mode", "size", "gather_units")
 
-    def __init__(self, wg: np.ndarray, bias: np.ndarray | None, context: np.ndarray, count: int, mode: int, size: int, gather_units: int):
-        self.wg, self.bias = wg, bias  # kept: the context holds their addresses
+    def __init__(
+        self, wg: np.ndarray, bias: np.ndarray | None, packed: np.ndarray | None, context: np.ndarray, count: int, mode: int, size: int, gather_units: int
+    ):
+        self.wg, self.bias, self.packed = wg, bias, packed  # kept: the context holds their addresses
         self.context, self.count, self.mode, self.size, self.gather_units = context, count, mode, size, gather_units
         self.address = int(context.ctypes.data)
 
@@ -147,6 +170,7 @@ def _prepare(
         else:  # all the columns, then each slot's phases
             gather_units = min(depth // (geometry[2] * geometry[3]), threads * _GATHER_UNITS_PER_THREAD)
             size = depth * rows * rest + pool.slots(gather_units, threads) * phases
+    packed = _packed_weight(plan, wg, group)
     zeros = 0
     if bias is None and (relu or residual):
         values = _ZEROS.get(m)
@@ -180,7 +204,8 @@ def _prepare(
             zeros,
             *(geometry or (0,) * 10),
             gather_units,
+            0 if packed is None else packed.ctypes.data,
         ],
         np.int64,
     )
-    return _Prepared(wg, bias, context, count, mode, size, gather_units)
+    return _Prepared(wg, bias, packed, context, count, mode, size, gather_units)

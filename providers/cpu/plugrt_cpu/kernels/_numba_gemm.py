@@ -1,0 +1,266 @@
+"""A float32 GEMM with the weight packed once, for AVX-512 hosts: ``C = W @ X`` with the
+epilogue (residual, bias, Relu) applied as each tile of ``C`` is stored. The Conv units
+(``_numba_conv``) call it in place of the BLAS GEMM where the host has AVX-512.
+
+Why: OpenBLAS packs both operands on every call, and a Conv's operands come cold from the
+previous step (its weight from memory, its input just written by another thread): in the
+models its 1x1 and im2col products ran at 26-32 multiply-adds per ns and thread where
+onnxruntime's kernels, whose weights are laid out once when the session is built, ran at
+38-46. This kernel reads the weight in the order it was packed and the columns where they
+are, so nothing is copied per call.
+
+The micro-kernel is written in LLVM IR (an ``@intrinsic``): a tile of ``MR`` = 16 rows of
+``C`` by one 16-float vector of columns, its 16 accumulators in registers, each step ``k``
+one (masked) vector load of ``X[k, n:n + 16]`` and 16 fused multiply-adds by the
+broadcast ``W[r, k]``. Masked loads and stores take a ragged last tile of columns, so no
+read or write passes the end of a row. The packed weight is ``[ceil(M / MR)][K][MR]``,
+zero rows after ``M``; a tile stores only its rows below ``M``.
+
+Rounding: fused multiply-adds in ``k`` order, so the values differ from BLAS's within the
+usual float32 GEMM error; the epilogue adds in ``_numba_epilogue``'s order,
+``(c + residual) + bias``, then ``c < 0 -> 0`` (NaN stays NaN).
+
+Imported only through :func:`plugrt_cpu.kernels._compiled.compiled_module` (``None``
+without numba or with ``PLUGRT_NUMBA=0``); :func:`available` says whether the host has
+the vector unit it is written for. Compiled code is cached on disk (``cache=True``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["MR", "available", "pack_weight", "packed_product"]
+
+MR = 16  # rows of C (output channels) per tile
+_VW = 16  # floats per vector: the columns of a tile
+_UNROLL = 4  # steps of k per loop iteration
+# Floats of X one chunk of column tiles spans (K x columns): a chunk stays in the L2 cache
+# while every row tile of W passes over it.
+_CHUNK_FLOATS = 160 * 1024
+# Steps of k per slice: a slice of a deep product's columns then fits the chunk whole.
+_SLICE = 1024
+_FLOAT = 4
+
+_F32 = ir.FloatType()
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+_I1 = ir.IntType(1)
+_V = ir.VectorType(_F32, _VW)
+_VMASK = ir.VectorType(_I1, _VW)
+_VI64 = ir.VectorType(_I64, _VW)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the host has AVX-512 (the kernel's vectors are 512 bits; elsewhere LLVM
+    would split each into narrower ones, and BLAS is the better choice)."""
+    import llvmlite.binding as llvm
+
+    try:
+        features = llvm.get_host_cpu_features()
+    except RuntimeError:  # not known on this platform
+        return False
+    return bool(features.get("avx512f", False))
+
+
+def pack_weight(weight: np.ndarray) -> np.ndarray:
+    """``weight`` (M, K) float32 as the kernel reads it: ``[ceil(M / MR)][K][MR]``, rows
+    after M zero, on a 64-byte boundary."""
+    m, k = weight.shape
+    blocks = -(-m // MR)
+    raw = np.empty(blocks * k * MR + 16, np.float32)
+    offset = (-raw.ctypes.data % 64) // _FLOAT
+    packed = raw[offset : offset + blocks * k * MR].reshape(blocks, k, MR)
+    padded = np.zeros((blocks * MR, k), np.float32)
+    padded[:m] = weight
+    packed[...] = padded.reshape(blocks, MR, k).transpose(0, 2, 1)
+    return packed
+
+
+def _c(value: int) -> ir.Constant:
+    return ir.Constant(_I64, value)
+
+
+def _splat(builder, value, vector_type):  # type: ignore[no-untyped-def]
+    undefined = ir.Constant(vector_type, ir.Undefined)
+    one = builder.insert_element(undefined, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, undefined, ir.Constant(ir.VectorType(_I32, _VW), [0] * _VW))
+
+
+def _floats(builder, address):  # type: ignore[no-untyped-def]
+    return builder.inttoptr(address, _F32.as_pointer())
+
+
+def _vector_at(builder, base, index):  # type: ignore[no-untyped-def]
+    return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
+
+
+@intrinsic
+def _tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """One tile: ``C[r, :columns] = epilogue(sum_k W[k][r] * X[k, :columns])`` for rows
+    ``r < rows`` (at most MR), ``columns`` at most 16. Addresses: ``w`` the tile's packed
+    rows, ``x`` row 0 of its columns (row step ``ldx`` floats), ``c`` and ``residual``
+    (0: none) row 0 of the tile (row step ``ldc``), ``bias`` the tile's first row's (0:
+    none); ``relu`` non-zero clamps."""
+    signature = types.void(*([types.int64] * 11))
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu = args
+        module = builder.module
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
+        masked_load = cgutils.get_or_insert_function(
+            module, ir.FunctionType(_V, [_V.as_pointer(), _I32, _VMASK, _V]), "llvm.masked.load.v16f32.p0"
+        )
+        masked_store = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [_V, _V.as_pointer(), _I32, _VMASK]), "llvm.masked.store.v16f32.p0"
+        )
+        four = ir.Constant(_I32, 4)
+        zero = ir.Constant(_V, [0.0] * _VW)
+        lanes = ir.Constant(_VI64, list(range(_VW)))
+        mask = builder.icmp_signed("<", lanes, _splat(builder, columns, _VI64))
+        weights, xs = _floats(builder, w), _floats(builder, x)
+
+        def step(index, accumulators):  # type: ignore[no-untyped-def]
+            row = builder.call(masked_load, [_vector_at(builder, xs, builder.mul(index, ldx)), four, mask, zero])
+            first = builder.mul(index, _c(MR))
+            return [
+                builder.call(fma, [_splat(builder, builder.load(builder.gep(weights, [builder.add(first, _c(r))])), _V), row, a])
+                for r, a in enumerate(accumulators)
+            ]
+
+        function = builder.function
+        entry = builder.block
+        body = function.append_basic_block("tile.body")
+        middle = function.append_basic_block("tile.middle")
+        tail = function.append_basic_block("tile.tail")
+        done = function.append_basic_block("tile.done")
+        quads = builder.sdiv(k, _c(_UNROLL))
+        builder.cbranch(builder.icmp_signed(">", quads, _c(0)), body, middle)
+
+        builder.position_at_end(body)  # _UNROLL steps an iteration
+        i = builder.phi(_I64)
+        phis = [builder.phi(_V) for _ in range(MR)]
+        i.add_incoming(_c(0), entry)
+        for phi in phis:
+            phi.add_incoming(zero, entry)
+        current = list(phis)
+        for u in range(_UNROLL):
+            current = step(builder.add(builder.mul(i, _c(_UNROLL)), _c(u)), current)
+        i_next = builder.add(i, _c(1))
+        body_end = builder.block
+        i.add_incoming(i_next, body_end)
+        for phi, value in zip(phis, current):
+            phi.add_incoming(value, body_end)
+        builder.cbranch(builder.icmp_signed("<", i_next, quads), body, middle)
+
+        builder.position_at_end(middle)  # the last k % _UNROLL steps, one at a time
+        after_body = [builder.phi(_V) for _ in range(MR)]
+        for phi, value in zip(after_body, current):
+            phi.add_incoming(zero, entry)
+            phi.add_incoming(value, body_end)
+        first_left = builder.mul(quads, _c(_UNROLL))
+        builder.cbranch(builder.icmp_signed("<", first_left, k), tail, done)
+
+        builder.position_at_end(tail)
+        j = builder.phi(_I64)
+        tail_phis = [builder.phi(_V) for _ in range(MR)]
+        j.add_incoming(first_left, middle)
+        for phi, value in zip(tail_phis, after_body):
+            phi.add_incoming(value, middle)
+        tail_values = step(j, tail_phis)
+        j_next = builder.add(j, _c(1))
+        tail_end = builder.block
+        j.add_incoming(j_next, tail_end)
+        for phi, value in zip(tail_phis, tail_values):
+            phi.add_incoming(value, tail_end)
+        builder.cbranch(builder.icmp_signed("<", j_next, k), tail, done)
+
+        builder.position_at_end(done)  # the epilogue, row by row
+        sums = []
+        for r in range(MR):
+            phi = builder.phi(_V)
+            phi.add_incoming(after_body[r], middle)
+            phi.add_incoming(tail_values[r], tail_end)
+            sums.append(phi)
+        out, others, biases = _floats(builder, c), _floats(builder, residual), _floats(builder, bias)
+        has_residual = builder.icmp_signed("!=", residual, _c(0))
+        has_bias = builder.icmp_signed("!=", bias, _c(0))
+        clamp = _splat(builder, builder.icmp_signed("!=", relu, _c(0)), _VMASK)
+        for r in range(MR):
+            with builder.if_then(builder.icmp_signed("<", _c(r), rows)):
+                offset = builder.mul(_c(r), ldc)
+                value = sums[r]
+                before = builder.block
+                with builder.if_then(has_residual):
+                    added = builder.fadd(value, builder.call(masked_load, [_vector_at(builder, others, offset), four, mask, zero]))
+                    added_end = builder.block
+                summed = builder.phi(_V)
+                summed.add_incoming(added, added_end)
+                summed.add_incoming(value, before)
+                before = builder.block
+                with builder.if_then(has_bias):
+                    biased = builder.fadd(summed, _splat(builder, builder.load(builder.gep(biases, [_c(r)])), _V))
+                    biased_end = builder.block
+                result = builder.phi(_V)
+                result.add_incoming(biased, biased_end)
+                result.add_incoming(summed, before)
+                negative = builder.and_(builder.fcmp_ordered("<", result, zero), clamp)
+                builder.call(masked_store, [builder.select(negative, zero, result), _vector_at(builder, out, offset), four, mask])
+
+    return signature, codegen
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def packed_product(w, x, ldx, k, c, ldc, m, n, bias, residual, relu):  # pragma: no cover  (compiled)
+    """``C[:m, :n] = epilogue(W @ X)``: ``w`` the packed weight's first row tile (from
+    :func:`pack_weight`, ``k`` deep), ``x`` X's row 0 (row step ``ldx`` floats, ``n``
+    columns), ``c`` and ``residual`` (0: none) C's row 0 (row step ``ldc``), ``bias`` the
+    bias of row 0 (0: none), ``relu`` non-zero clamps. All addresses (int64).
+
+    Deep products run in slices of ``k`` of at most ``_SLICE`` steps: a slice after the
+    first adds C's partial sums (as a residual), and only the last adds the bias and
+    clamps."""
+    tiles = (n + _VW - 1) // _VW
+    slices = (k + _SLICE - 1) // _SLICE
+    for s in range(slices):
+        k0 = s * k // slices
+        depth = (s + 1) * k // slices - k0
+        last = s == slices - 1
+        added = residual if s == 0 else c
+        _slice(w + k0 * MR * _FLOAT, x + k0 * ldx * _FLOAT, ldx, k, depth, c, ldc, m, tiles, n, bias if last else 0, added, relu if last else 0)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _slice(w, x, ldx, k, depth, c, ldc, m, tiles, n, bias, residual, relu):  # pragma: no cover  (compiled)
+    per_chunk = max(1, _CHUNK_FLOATS // max(1, depth * _VW))
+    chunks = (tiles + per_chunk - 1) // per_chunk
+    per_chunk = (tiles + chunks - 1) // chunks  # as even as they go: every chunk reads all of W
+    for first in range(0, tiles, per_chunk):  # a chunk of column tiles stays in L2 ...
+        end = min(tiles, first + per_chunk)
+        for r0 in range(0, m, MR):  # ... while every row tile passes over it
+            rows = min(MR, m - r0)
+            weights = w + r0 * k * _FLOAT
+            row_bias = bias + r0 * _FLOAT if bias != 0 else 0
+            for t in range(first, end):
+                j0 = t * _VW
+                offset = (r0 * ldc + j0) * _FLOAT
+                _tile(
+                    weights,
+                    x + j0 * _FLOAT,
+                    ldx,
+                    depth,
+                    c + offset,
+                    ldc,
+                    min(_VW, n - j0),
+                    rows,
+                    row_bias,
+                    residual + offset if residual != 0 else 0,
+                    relu,
+                )
