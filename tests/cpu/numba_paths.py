@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -23,6 +25,18 @@ def numba_or_numpy(request: Any, monkeypatch: pytest.MonkeyPatch, loops: Callabl
         yield request.param
         return
     monkeypatch.setenv("PLUGRT_NUMBA", "0")
-    loops.cache_clear()  # type: ignore[attr-defined]
+    _forget_loaders()
     yield request.param
-    loops.cache_clear()  # type: ignore[attr-defined]
+    _forget_loaders()
+
+
+def _forget_loaders() -> None:
+    """Clear the cached loaders of the CPU kernels' compiled modules (``functools.cache``d
+    functions of ``plugrt_cpu.kernels`` modules), so that none keeps a None found under
+    PLUGRT_NUMBA=0 past the test, nor a module found before it into the test. Not the
+    compiled pool: its workers run on its state, which must outlive them."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("plugrt_cpu.kernels") and module is not None:
+            for value in list(vars(module).values()):
+                if isinstance(value, functools._lru_cache_wrapper) and value.__module__ == name and not name.endswith("._compiled_parallel"):
+                    value.cache_clear()

@@ -60,7 +60,7 @@ def units(request, monkeypatch):
 
     monkeypatch.setattr(convolution, "run_units", counted)
     if request.param == "numba-blas":
-        monkeypatch.setattr(conv_units, "_packing", lambda: None)
+        monkeypatch.setattr(conv_units, "packing", lambda: None)
         request = types.SimpleNamespace(param="numba")
     for path in numba_or_numpy(request, monkeypatch, conv_units._loops):
         yield path, calls

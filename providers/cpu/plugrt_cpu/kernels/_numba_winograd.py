@@ -29,6 +29,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ._numba_gemm import MR, packed_product
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm32, sgemm64, store
 
 __all__ = ["BAND_WORDS", "winograd_bands", "winograd_input", "winograd_output", "winograd2_input", "winograd2_output"]
@@ -302,9 +303,9 @@ def winograd2_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work): 
 (
     BAND_SGEMM, BAND_ILP64, BAND_X, BAND_IMAGES, BAND_CHANNELS, BAND_HEIGHT, BAND_WIDTH, BAND_PAD_TOP, BAND_PAD_LEFT,
     BAND_TILES, BAND_TILE_ROWS, BAND_BANDS, BAND_TILE, BAND_M, BAND_U, BAND_BIAS, BAND_RELU, BAND_Y, BAND_OUT_HEIGHT,
-    BAND_OUT_WIDTH, BAND_WORKSPACE, BAND_ROOM, BAND_WORK_FLOATS, BAND_FINITE,
-) = range(24)
-BAND_WORDS = 24
+    BAND_OUT_WIDTH, BAND_WORKSPACE, BAND_ROOM, BAND_WORK_FLOATS, BAND_FINITE, BAND_PACKED,
+) = range(25)
+BAND_WORDS = 25  # BAND_PACKED: the transformed weight packed for ``_numba_gemm`` (0: BLAS)
 
 
 @numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
@@ -342,11 +343,15 @@ def winograd_bands(c, start, stop, slot):  # pragma: no cover  (compiled)
             store(c + BAND_FINITE * 8, 0)
             continue
         u = context[BAND_U]
+        packed = context[BAND_PACKED]
+        packed_point = ((m + MR - 1) // MR) * MR * channels * 4
         for point in range(points):
             a = u + point * m * channels * 4
             b = base + point * channels * cells * 4
             target = products_at + point * m * cells * 4
-            if context[BAND_ILP64]:
+            if packed != 0:
+                packed_product(packed + point * packed_point, b, cells, channels, target, cells, m, cells, 0, 0, 0)
+            elif context[BAND_ILP64]:
                 sgemm64(context[BAND_SGEMM], m, cells, channels, a, channels, b, cells, target, cells)
             else:
                 sgemm32(context[BAND_SGEMM], m, cells, channels, a, channels, b, cells, target, cells)

@@ -23,7 +23,7 @@ from ._compiled_parallel import CompiledPool, compiled_pool
 from ._gemm import sgemm_address
 from ._window import _workspace
 
-__all__ = ["compiled_units", "run_units"]
+__all__ = ["compiled_units", "packing", "run_units"]
 
 _F32 = np.dtype(np.float32)
 _ZEROS: dict[int, np.ndarray] = {}  # float32 zeros by length: the bias of a Conv without one
@@ -40,8 +40,9 @@ def _loops() -> ModuleType | None:
 
 
 @functools.cache
-def _packing() -> ModuleType | None:
-    """``_numba_gemm`` where the host has the vector unit it is written for, else None."""
+def packing() -> ModuleType | None:
+    """``_numba_gemm`` (the packed-weight GEMM) where numba is there and the host has the
+    vector unit it is written for, else None (the BLAS GEMM runs)."""
     module = compiled_module("_numba_gemm")
     return module if module is not None and module.available() else None
 
@@ -50,13 +51,13 @@ def _packed_weight(plan: Any, wg: np.ndarray, group: int) -> np.ndarray | None:
     """``wg`` (group, M / group, depth) packed for ``_numba_gemm``, kept on the plan for
     as long as the same weight array comes; None where the kernel is not there or a
     group's channels do not start on its row tiles."""
-    packing = _packing()
+    kernel = packing()
     m, depth = wg.shape[0] * wg.shape[1], wg.shape[2]
-    if packing is None or (group > 1 and wg.shape[1] % packing.MR) or not wg.flags.c_contiguous:
+    if kernel is None or (group > 1 and wg.shape[1] % kernel.MR) or not wg.flags.c_contiguous:
         return None
     kept = plan.packed
     if kept is None or kept[0] is not wg:
-        kept = plan.packed = (wg, packing.pack_weight(wg.reshape(m, depth)))
+        kept = plan.packed = (wg, kernel.pack_weight(wg.reshape(m, depth)))
     return kept[1]
 
 

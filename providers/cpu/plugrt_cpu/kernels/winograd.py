@@ -57,6 +57,7 @@ from plugrt.threads import blas_threads, parallel_for, threads_for
 
 from ._compiled import compiled_module
 from ._compiled_parallel import CompiledPool, compiled_pool
+from .conv_units import packing
 from ._gemm import sgemm_address
 from ._window import _copy_to_workspace, _workspace
 
@@ -159,6 +160,7 @@ class WinogradPlan:
         if y is None:
             y = np.empty((n, m, *self.out), dtype=x.dtype)
         u = winograd_weights(weight, self.variant)
+        packed = packed_winograd_weights(weight, self.variant, u)
         b = self.no_bias if bias is None else bias.reshape(m)
         work = self.variant.points * m * self.channels * n * self.cells
         # Threads only while other processes leave the cores free: with one busy core, one
@@ -170,19 +172,29 @@ class WinogradPlan:
             bands = -(-2 * threads // n)
         transforms = getattr(loops, self.variant.loops + "_input"), getattr(loops, self.variant.loops + "_output")
         if threads == 1 or (self.banded and bands <= self.tile_rows):
-            finite = self._by_bands(transforms, x, u, b, relu, y, threads, work, min(bands, self.tile_rows))
+            finite = self._by_bands(transforms, x, u, packed, b, relu, y, threads, work, min(bands, self.tile_rows))
         else:
             finite = self._by_steps(transforms, x, u, b, relu, y, threads, work)
         return y if finite else None
 
     def _by_bands(
-        self, transforms: tuple[Any, Any], x: np.ndarray, u: np.ndarray, b: np.ndarray, relu: bool, y: np.ndarray, threads: int, work: int, bands: int
+        self,
+        transforms: tuple[Any, Any],
+        x: np.ndarray,
+        u: np.ndarray,
+        packed: np.ndarray | None,
+        b: np.ndarray,
+        relu: bool,
+        y: np.ndarray,
+        threads: int,
+        work: int,
+        bands: int,
     ) -> bool:
         """Bands of tile rows, each from input to output on one thread: its transforms and
         products in that thread's workspaces, in cache, and no thread waits for another."""
         pool, gemm = compiled_pool(), sgemm_address()
         if pool is not None and gemm is not None and u.flags.c_contiguous and b.flags.c_contiguous:
-            return self._compiled_bands(pool, gemm, x, u, b, relu, y, threads, bands)
+            return self._compiled_bands(pool, gemm, x, u, packed, b, relu, y, threads, bands)
         n, c, m = x.shape[0], self.channels, self.m
         rows, tiles, pitch = self.tile_rows, self.tiles, self.pitch
         points = self.variant.points
@@ -207,10 +219,21 @@ class WinogradPlan:
         return finite[0]
 
     def _compiled_bands(
-        self, pool: CompiledPool, gemm: tuple[int, bool], x: np.ndarray, u: np.ndarray, b: np.ndarray, relu: bool, y: np.ndarray, threads: int, bands: int
+        self,
+        pool: CompiledPool,
+        gemm: tuple[int, bool],
+        x: np.ndarray,
+        u: np.ndarray,
+        packed: np.ndarray | None,
+        b: np.ndarray,
+        relu: bool,
+        y: np.ndarray,
+        threads: int,
+        bands: int,
     ) -> bool:
         """``_by_bands`` as one compiled job (``_numba_winograd.winograd_bands``): the
-        same transforms and GEMMs, without the GIL, on the compiled pool."""
+        same transforms, and the same GEMMs or (``packed``, a constant weight's transform
+        packed for it) the packed-weight GEMM, without the GIL, on the compiled pool."""
         loops = winograd_loops()
         assert loops is not None
         n, c, m = x.shape[0], self.channels, self.m
@@ -226,6 +249,7 @@ class WinogradPlan:
                 gemm[0], int(gemm[1]), x.ctypes.data, n, c, x.shape[2], x.shape[3], self.pad_top, self.pad_left,
                 self.tiles, self.tile_rows, bands, self.variant.tile, m, u.ctypes.data, b.ctypes.data, int(relu),
                 y.ctypes.data, self.out[0], self.out[1], workspace.ctypes.data, room, work_floats, 1,
+                0 if packed is None else packed.ctypes.data,
             ],
             np.int64,
         )
@@ -311,6 +335,22 @@ def _transform(gemm_weight: np.ndarray, variant: _Variant, out: np.ndarray) -> n
     np.matmul(half, variant.g.T, out=full)
     np.copyto(out, full.reshape(m, ck // 9, side * side).transpose(2, 0, 1))
     return out
+
+
+def packed_winograd_weights(weight: Any, variant: _Variant, u: np.ndarray) -> np.ndarray | None:
+    """A constant weight's transform ``u`` (points, M, C) packed point by point for the
+    packed-weight GEMM (``_numba_gemm``), kept beside it; None for a weight fed at run
+    time (its transform is a workspace, rewritten each call) or where that GEMM is not
+    there."""
+    kernel = packing()
+    kept = getattr(weight, "winograd", None)
+    if kernel is None or kept is None or kept.get(variant.tile) is not u:
+        return None
+    packed = kept.get(("packed", variant.tile))
+    if packed is None:
+        packed = np.stack([kernel.pack_weight(point) for point in u])
+        kept[("packed", variant.tile)] = packed
+    return packed
 
 
 def winograd_weights(weight: Any, variant: _Variant) -> np.ndarray:
