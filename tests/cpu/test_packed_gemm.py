@@ -15,7 +15,7 @@ from plugrt_cpu.kernels._compiled import compiled_module  # noqa: E402
 gemm = compiled_module("_numba_gemm")
 pytestmark = pytest.mark.skipif(gemm is None or not gemm.available(), reason="needs numba and AVX-512")
 
-SHAPES = [(1, 1, 1), (16, 16, 16), (17, 3, 33), (30, 37, 20), (64, 256, 49), (5, 2100, 7), (48, 1030, 100)]
+SHAPES = [(1, 1, 1), (16, 16, 16), (17, 3, 33), (30, 37, 20), (64, 256, 49), (5, 2100, 7), (48, 1030, 100), (33, 70, 13), (20, 2050, 49)]
 
 
 def _run(weight, x, *, bias=None, residual=None, relu=False, ldc=None, ldx=None):
@@ -68,12 +68,14 @@ def test_packed_product_matches_numpy(m, k, n, epilogue):
         assert (got >= 0).all()
 
 
-def test_row_steps_wider_than_the_columns():
+@pytest.mark.parametrize("n", [19, 70])  # narrow (column tiles) and wide
+def test_row_steps_wider_than_the_columns(n):
     rng = np.random.default_rng(3)
     weight = rng.standard_normal((20, 40), dtype=np.float32)
-    x = rng.standard_normal((40, 19), dtype=np.float32)
-    got = _run(weight, x, ldx=37, ldc=50)
-    np.testing.assert_allclose(got, _expected(weight, x), rtol=0, atol=1e-4)
+    x = rng.standard_normal((40, n), dtype=np.float32)
+    residual = rng.standard_normal((20, n), dtype=np.float32)
+    got = _run(weight, x, ldx=n + 18, ldc=n + 31, residual=residual, relu=True)
+    np.testing.assert_allclose(got, _expected(weight, x, residual=residual, relu=True), rtol=0, atol=1e-4)
 
 
 def test_nan_stays_nan_through_the_relu():
