@@ -167,6 +167,31 @@ def _k_loop(builder, k, count, step):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
+    """Ask for the cache line at ``address`` in the L2 cache (``prefetcht1``), not waiting."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        bytes_ = ir.IntType(8).as_pointer()
+        hint = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [bytes_, _I32, _I32, _I32]), "llvm.prefetch.p0"
+        )
+        builder.call(hint, [builder.inttoptr(args[0], bytes_), ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+
+    return types.void(types.int64), codegen
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _ahead(address, size, part, parts):  # pragma: no cover  (compiled)
+    """Prefetch part ``part`` of ``parts`` of the ``size`` bytes at ``address``: the next
+    row tile's weight, a share before each of the current tile's column passes, so that
+    it comes from memory while they compute (the first pass over a tile otherwise waits on
+    it: on 2048 x 512 @ 512 x 49, one thread ran at 33 multiply-adds per ns instead of 39)."""
+    lines = (size + 63) // 64
+    for line in range(part * lines // parts, (part + 1) * lines // parts):
+        _prefetch(address + line * 64)
+
+
+@intrinsic
 def _tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
     """One tile: ``C[r, :columns] = epilogue(sum_k W[k][r] * X[k, :columns])`` for rows
     ``r < rows`` (at most MR), ``columns`` at most 16. Addresses: ``w`` the tile's packed
@@ -310,12 +335,16 @@ def packed_product(w, x, ldx, k, c, ldc, m, n, bias, residual, relu):  # pragma:
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _slice(w, x, ldx, k, depth, c, ldc, m, tiles, n, bias, residual, relu):  # pragma: no cover  (compiled)
+    size = MR * depth * _FLOAT  # one row tile's weight in this slice
     if _narrow(n):  # columns of NB: every row tile over all of X (in L2), its weight in L2
+        blocks = (n + NB - 1) // NB
         for r0 in range(0, m, MR):
             rows = min(MR, m - r0)
             weights = w + r0 * k * _FLOAT
             row_bias = bias + r0 * _FLOAT if bias != 0 else 0
             for j0 in range(0, n, NB):
+                if r0 + MR < m:
+                    _ahead(weights + MR * k * _FLOAT, size, j0 // NB, blocks)
                 offset = (r0 * ldc + j0) * _FLOAT
                 _column_tile(
                     weights,
@@ -341,6 +370,8 @@ def _slice(w, x, ldx, k, depth, c, ldc, m, tiles, n, bias, residual, relu):  # p
             weights = w + r0 * k * _FLOAT
             row_bias = bias + r0 * _FLOAT if bias != 0 else 0
             for t in range(first, end):
+                if r0 + MR < m:
+                    _ahead(weights + MR * k * _FLOAT, size, t - first, end - first)
                 j0 = t * _VW
                 offset = (r0 * ldc + j0) * _FLOAT
                 _tile(
