@@ -95,6 +95,12 @@ CASES = {
     "kernel_larger_than_input": ((1, 2, 3, 2), dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2])),
     "kernel_larger_than_input_stride_2": ((1, 2, 4, 3), dict(kernel_shape=[5, 4], strides=[2, 2], pads=[2, 1, 2, 3])),
     "same_lower": ((2, 2, 10, 9), dict(kernel_shape=[2, 4], strides=[1, 2], auto_pad="SAME_LOWER")),
+    # planes stacked by _flat_planes: the input exactly stride times the output
+    "flat_3x3_stride_2_pad_1": ((2, 5, 12, 16), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    "flat_3x3_stride_2_end_pads": ((1, 3, 8, 10), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[0, 0, 1, 1])),
+    "flat_3x3_stride_2_pad_1_rows_end_columns": ((1, 3, 6, 4), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 0, 0, 1])),
+    "flat_many_small_planes": ((2, 300, 7, 7), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    "flat_two_by_two_planes": ((1, 3, 2, 2), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
 }
 
 
@@ -108,7 +114,8 @@ def test_compiled_pool_matches_onnxruntime(compiled, op, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["3x3_stride_1_pad_1", "3x3_stride_2_pad_1", "5x5_stride_3_pad_2", "ceil_mode_3x3_pad_1"]
+    "name",
+    ["3x3_stride_1_pad_1", "3x3_stride_2_pad_1", "5x5_stride_3_pad_2", "ceil_mode_3x3_pad_1", "flat_3x3_stride_2_pad_1", "flat_many_small_planes"],
 )
 def test_compiled_average_with_count_include_pad_matches_onnxruntime(compiled, name):
     shape, attributes = CASES[name]
@@ -177,8 +184,12 @@ def _with_specials(shape: tuple[int, ...]) -> np.ndarray:
 
 @pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
 @pytest.mark.parametrize(
-    "name", ["3x3_stride_2_pad_1", "3x3_stride_1_pad_1", "3x3_stride_3", "long_rows_in_bands", "ceil_mode_2x2"]
-)
+    "name",
+    [
+        "3x3_stride_2_pad_1", "3x3_stride_1_pad_1", "3x3_stride_3", "long_rows_in_bands", "ceil_mode_2x2",
+        "flat_3x3_stride_2_pad_1", "flat_3x3_stride_2_end_pads", "flat_many_small_planes",
+    ],
+)  # fmt: skip
 def test_compiled_pool_propagates_nan_and_infinities_as_numpy_does(numba_on, monkeypatch, op, name):
     shape, attributes = CASES[name]
     x = _with_specials((shape[0], max(shape[1], 3), *shape[2:]))
@@ -230,6 +241,23 @@ def test_compiled_pool_split_over_two_threads_matches_onnxruntime(compiled, monk
     model = _model(op, x, dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]))
     np.testing.assert_allclose(_plugrt(model, x), _onnxruntime(model, x), rtol=1e-6, atol=1e-6)
     assert len(starts) > 1 and 0 in starts  # the planes went in several chunks
+
+
+@pytest.mark.parametrize(
+    "name,flat",
+    [("flat_3x3_stride_2_pad_1", True), ("flat_many_small_planes", True), ("3x3_stride_2_pad_1", False), ("ceil_mode_3x3_pad_1", False)],
+)
+def test_flat_planes_take_the_shapes_they_are_for(compiled, name, flat):
+    """``_flat_planes`` takes 3x3 windows whose input is exactly stride times the output
+    (the cases above compare its values); other shapes keep the row buffers."""
+    shape, attributes = CASES[name]
+    model = _model("MaxPool", _random(*shape), attributes)
+    node = (model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)).graph.node[0]
+    pool = pooling._Pooling("MaxPool", "max", {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute})
+    plan = pooling._PoolPlan(pool, shape)
+    kh, kw, sh, sw, dh, dw, ph, pw = plan.geometry
+    loops = pooling.compiled_pool()
+    assert bool(loops._flat(shape[2], shape[3], *plan.out, kh, kw, sh, sw, dh, dw, ph, pw)) is flat
 
 
 @pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])

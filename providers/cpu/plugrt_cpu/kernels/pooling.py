@@ -262,7 +262,7 @@ class _Pooling:
             return out
         kh, kw, sh, sw, dh, dw, ph, pw = plan.geometry
         if plan.work_length == 0:
-            plan.work_length = int(loops.work_length(out_h, width, out_w, kw, sh, sw, dw, pw))
+            plan.work_length = int(loops.work_length(height, width, out_h, out_w, kh, kw, sh, sw, dh, dw, ph, pw))
         length = plan.work_length
         xs, ys = x.reshape(planes, height, width), out.reshape(planes, out_h, out_w)
         scales = plan.scales
