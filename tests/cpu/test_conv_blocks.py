@@ -34,6 +34,13 @@ _IM2COL = {
     "batch-grouped-strided": ((2, 8, 16, 16), (12, 4, 5, 5), {"pads": [2, 2, 2, 2], "strides": [2, 2], "group": 2}),
     "pads-wider-than-the-kernel": ((1, 3, 6, 5), (4, 3, 3, 3), {"pads": [3, 4, 3, 4]}),  # whole windows in padding
     "stride-3-dilation-2-pads": ((2, 5, 19, 23), (6, 5, 3, 3), {"pads": [1, 3, 2, 0], "strides": [3, 3], "dilations": [2, 2]}),
+    # 64 taps or more: with numba on AVX-512, read from the zero-padded input (READ_DIRECT)
+    "direct-strided-dilated-batch": (
+        (2, 9, 21, 19), (20, 9, 3, 3), {"pads": [2, 0, 1, 3], "strides": [2, 3], "dilations": [2, 2]}
+    ),
+    "direct-grouped-strided": ((1, 32, 15, 15), (32, 16, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2], "group": 2}),
+    "direct-pads-wider-than-the-kernel": ((1, 4, 9, 8), (18, 4, 5, 5), {"pads": [6, 5, 6, 5]}),
+    "direct-deep-sliced": ((1, 130, 9, 9), (17, 130, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
     "1d": ((2, 4, 37), (9, 4, 5), {"pads": [2, 1], "strides": [2]}),
     "3d": ((1, 3, 7, 9, 8), (5, 3, 3, 3, 2), {"pads": [1, 1, 0, 1, 1, 1], "strides": [1, 2, 1]}),
 }
@@ -232,3 +239,24 @@ def test_a_weight_fed_at_run_time_is_read_afresh_each_call(units, monkeypatch):
     if path == "numba":
         assert len({id(plan) for plan in compiled}) == 1
         assert len(compiled[0].units) == 1  # one context, replaced for each new weight
+
+
+@pytest.mark.parametrize("case", ["direct-strided-dilated-batch", "direct-deep-sliced", "direct-grouped-strided", "stride-2"])
+def test_im2col_convs_of_64_taps_or_more_read_the_padded_input(monkeypatch, case):
+    """With the packed-weight GEMM, an im2col Conv of 64 taps or more reads its columns
+    from the zero-padded input (READ_DIRECT); fewer taps keep the gathered blocks."""
+    if conv_units.packing() is None:
+        pytest.skip("needs numba and AVX-512 (the packed-weight GEMM)")
+    modes = []
+    prepare = conv_units._prepare
+
+    def recording(*args):
+        prepared = prepare(*args)
+        modes.append(prepared.mode)
+        return prepared
+
+    monkeypatch.setattr(conv_units, "_prepare", recording)
+    _compare(_IM2COL[case], relu=True)
+    loops = conv_units._loops()
+    direct = case.startswith("direct")
+    assert modes and all((mode == loops.READ_DIRECT) == direct for mode in modes)

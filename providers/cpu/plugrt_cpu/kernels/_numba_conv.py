@@ -20,10 +20,10 @@ import numba
 from numba import types
 
 from ._numba_epilogue import bias_relu_rows, bias_residual_relu_rows
-from ._numba_gemm import MR, packed_product
+from ._numba_gemm import MR, gathered_product, packed_product
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm32, sgemm64
 
-__all__ = ["CONTEXT_WORDS", "addresses", "conv_units", "gather_all"]
+__all__ = ["CONTEXT_WORDS", "addresses", "conv_units", "gather_all", "pad_planes"]
 
 # context words
 SGEMM, ILP64, WEIGHT, SOURCE, OUTPUT, BIAS, RESIDUAL, RELU = range(8)
@@ -33,11 +33,15 @@ POSITIONS, MODE, GROUP_STRIDE, IMAGE_STRIDE, WORKSPACE, ROOM, ZEROS = range(16, 
 HEIGHT, WIDTH, KERNEL_H, KERNEL_W, STRIDE_H, STRIDE_W, DILATION_H, DILATION_W, PAD_TOP, PAD_LEFT = range(23, 33)
 GATHER_UNITS = 33  # units of channels of the gather job before a GATHERED product
 PACKED = 34  # the weight packed for ``_numba_gemm`` (0: the BLAS GEMM)
-CONTEXT_WORDS = 35
+# READ_DIRECT: the zero-padded input (in the workspace, written by ``pad_planes``): its
+# planes' height and width, and the int64 offsets of the (channel, kh, kw) taps
+PADDED_H, PADDED_W, TAPS = 35, 36, 37
+CONTEXT_WORDS = 38
 # MODE: where a unit's columns are
 POINTWISE = 0  # the source itself: (images, channels, positions)
 GATHER = 1  # gathered per unit from the input into the slot's workspace
 GATHERED = 2  # gathered once before the job, at the workspace (one image, one group)
+READ_DIRECT = 3  # read by the packed-weight GEMM from the padded input (``pad_planes``)
 
 _FLOAT = 4  # bytes
 
@@ -144,6 +148,33 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         columns = (r1 - r0) * rest
         if columns == 0 or c1 == c0:
             continue
+        if mode == READ_DIRECT:
+            plane = context[PADDED_H] * context[PADDED_W]
+            channels = depth // taps
+            first = context[WORKSPACE] + ((image * groups + group) * channels * plane + r0 * context[STRIDE_H] * context[PADDED_W]) * _FLOAT
+            output = context[OUTPUT] + image * m * positions * _FLOAT
+            target = output + (c0 * positions + r0 * rest) * _FLOAT
+            residual = context[RESIDUAL]
+            if residual != 0:
+                residual += image * m * positions * _FLOAT + (target - output)
+            bias = context[BIAS] + c0 * _FLOAT if context[BIAS] != 0 else 0
+            gathered_product(
+                packed + c0 * depth * _FLOAT,
+                first,
+                context[TAPS],
+                depth,
+                context[STRIDE_W],
+                context[STRIDE_H] * context[PADDED_W],
+                target,
+                positions,
+                c1 - c0,
+                r1 - r0,
+                rest,
+                bias,
+                residual,
+                context[RELU],
+            )
+            continue
         if mode == POINTWISE:
             b = context[SOURCE] + (image * context[IMAGE_STRIDE] + group * context[GROUP_STRIDE] + r0 * rest) * _FLOAT
             ldb = positions
@@ -198,6 +229,30 @@ def gather_all(c, start, stop, slot):  # pragma: no cover  (compiled)
         c1 = (unit + 1) * channels // units
         if c1 > c0:
             _gather_unit(context, 0, 0, 0, context[ROWS], context[WORKSPACE], c0, c1, scratch)
+
+
+@numba.cfunc(types.void(types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True)
+def pad_planes(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units of input planes (``READ_DIRECT``): unit ``u`` copies planes ``[u * P // units,
+    (u + 1) * P // units)`` of the input (P: images times channels; units: the context's
+    ``GATHER_UNITS``) into the workspace, each inside a border of ``PAD_TOP`` rows and
+    ``PAD_LEFT`` columns before, to ``PADDED_H`` x ``PADDED_W``. Only the input's rows are
+    written: the caller zeroes the border once per buffer (``conv_units.run_units``)."""
+    context = numba.carray(int64_pointer(c), CONTEXT_WORDS)
+    height, width = context[HEIGHT], context[WIDTH]
+    padded_h, padded_w = context[PADDED_H], context[PADDED_W]
+    top, left = context[PAD_TOP], context[PAD_LEFT]
+    planes = context[IMAGES] * (context[DEPTH] // (context[KERNEL_H] * context[KERNEL_W])) * context[GROUPS]
+    units = context[GATHER_UNITS]
+    for unit in range(start, stop):
+        for p in range(unit * planes // units, (unit + 1) * planes // units):
+            source = numba.carray(float32_pointer(context[SOURCE] + p * height * width * _FLOAT), height * width)
+            target = numba.carray(float32_pointer(context[WORKSPACE] + p * padded_h * padded_w * _FLOAT), padded_h * padded_w)
+            for ih in range(height):
+                row = target[(top + ih) * padded_w + left :]  # indexed from 0: the loop vectorises
+                line = source[ih * width :]
+                for j in range(width):
+                    row[j] = line[j]
 
 
 @numba.njit(nogil=True, cache=True)

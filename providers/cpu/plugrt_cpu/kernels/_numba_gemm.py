@@ -36,7 +36,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["MR", "available", "pack_weight", "packed_product"]
+__all__ = ["MR", "available", "gathered_product", "pack_weight", "packed_product"]
 
 MR = 16  # rows of C (output channels) per tile
 NB = 7  # columns of a narrow product's tiles (``_column_tile``): 7x7, 14x14, 28x28 outputs
@@ -254,26 +254,26 @@ def _tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):
 
 
 
-@intrinsic
-def _column_tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
-    """``_tile`` turned around, for narrow products: a vector of the tile's MR rows by
-    ``NB`` columns, each step one vector load of the packed ``W[k]`` and ``NB`` fused
-    multiply-adds by the broadcast ``X[k, j]``; ``columns`` at most ``NB`` (a column past
-    them reads the last one and is not stored). Same arguments as ``_tile``. On a 7x7
-    output (49 columns) the 16-column tiles compute 64; these compute 49."""
-    signature = types.void(*([types.int64] * 11))
+def _column_codegen(indirect):  # type: ignore[no-untyped-def]
+    """The code of ``_column_tile`` (``indirect``: of ``_gathered_tile``)."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu = args
+        if indirect:
+            w, x, table, stride, k, c, ldc, columns, rows, bias, residual, relu = args
+            offsets = builder.inttoptr(table, _I64.as_pointer())
+        else:
+            w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu = args
         module = builder.module
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
         weights, xs = _floats(builder, w), _floats(builder, x)
         last = builder.sub(columns, _c(1))
         at = [builder.select(builder.icmp_signed("<", _c(j), columns), _c(j), last) for j in range(NB)]
+        if indirect:
+            at = [builder.mul(a, stride) for a in at]
 
         def step(index, accumulators):  # type: ignore[no-untyped-def]
             vector = builder.load(_vector_at(builder, weights, builder.mul(index, _c(MR))), align=4)
-            row = builder.mul(index, ldx)
+            row = builder.load(builder.gep(offsets, [index])) if indirect else builder.mul(index, ldx)
             return [
                 builder.call(fma, [_splat(builder, builder.load(builder.gep(xs, [builder.add(row, at[j])])), _V), vector, a])
                 for j, a in enumerate(accumulators)
@@ -310,7 +310,29 @@ def _column_tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual,
                         negative = builder.and_(builder.fcmp_ordered("<", result, zero), clamp)
                         builder.store(builder.select(negative, zero, result), builder.gep(out, [offset]))
 
-    return signature, codegen
+    return codegen
+
+
+@intrinsic
+def _column_tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """``_tile`` turned around, for narrow products: a vector of the tile's MR rows by
+    ``NB`` columns, each step one vector load of the packed ``W[k]`` and ``NB`` fused
+    multiply-adds by the broadcast ``X[k, j]``; ``columns`` at most ``NB`` (a column past
+    them reads the last one and is not stored). Same arguments as ``_tile``. On a 7x7
+    output (49 columns) the 16-column tiles compute 64; these compute 49."""
+    signature = types.void(*([types.int64] * 11))
+
+    return signature, _column_codegen(False)
+
+
+@intrinsic
+def _gathered_tile(typingctx, w, x, table, stride, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """``_column_tile`` reading its columns straight from a Conv's zero-padded input: step
+    ``k``'s column ``j`` is the float at ``x + table[k] + j * stride`` (``table``: int64
+    offsets of each (channel, kernel row, kernel column) tap from the tile's first
+    window), so no im2col block is gathered first."""
+    signature = types.void(*([types.int64] * 12))
+    return signature, _column_codegen(True)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -394,3 +416,49 @@ def _narrow(n):  # pragma: no cover  (compiled)
     """Whether ``n`` columns go by ``_column_tile``: few, and the 16-column tiles would
     compute at least 1/8 more than them (49: 64 against 49)."""
     return n <= _NARROW and 8 * ((n + _VW - 1) // _VW) * _VW >= 9 * ((n + NB - 1) // NB) * NB
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def gathered_product(w, x, table, k, stride, row_step, c, ldc, m, out_rows, out_w, bias, residual, relu):  # pragma: no cover  (compiled)
+    """A Conv's product with its columns read straight from its zero-padded input (no
+    im2col block): ``C[:m, i * out_w + j] = epilogue(sum_k W[:, k] * x[i * row_step + j *
+    stride + table[k]])`` for output rows ``i < out_rows`` and columns ``j < out_w``.
+    ``w`` the packed weight's first row tile (``k`` deep); ``x`` the first window of
+    output row 0 in the padded input (floats); ``table`` int64 offsets of the ``k`` taps;
+    ``c``, ``residual`` (0: none) and ``bias`` (0: none) as in :func:`packed_product`.
+    Tiles of 16 channels by up to 7 columns of one output row (``_gathered_tile``); deep
+    products in slices of ``_SLICE`` taps, as there."""
+    parts = out_rows * ((out_w + NB - 1) // NB)
+    slices = (k + _SLICE - 1) // _SLICE
+    for s in range(slices):
+        k0 = s * k // slices
+        depth = (s + 1) * k // slices - k0
+        final = s == slices - 1
+        added = residual if s == 0 else c
+        taps = table + k0 * 8
+        size = MR * depth * _FLOAT
+        for r0 in range(0, m, MR):
+            rows = min(MR, m - r0)
+            weights = w + (r0 * k + k0 * MR) * _FLOAT
+            row_bias = bias + r0 * _FLOAT if bias != 0 and final else 0
+            part = 0
+            for i in range(out_rows):
+                for j0 in range(0, out_w, NB):
+                    if r0 + MR < m:
+                        _ahead(weights + MR * k * _FLOAT, size, part, parts)
+                    part += 1
+                    offset = (r0 * ldc + i * out_w + j0) * _FLOAT
+                    _gathered_tile(
+                        weights,
+                        x + (i * row_step + j0 * stride) * _FLOAT,
+                        taps,
+                        stride,
+                        depth,
+                        c + offset,
+                        ldc,
+                        min(NB, out_w - j0),
+                        rows,
+                        row_bias,
+                        added + offset if added != 0 else 0,
+                        relu if final else 0,
+                    )

@@ -34,7 +34,7 @@ from ._window import (
 )
 from ._gemm import available, epilogue, gemm, split_gemm, splits_columns
 from .conv_gemm import grid_plan
-from .conv_units import compiled_units, run_units
+from .conv_units import compiled_units, packed_weight, run_units
 from .winograd import winograd_loops, winograd_plan
 from ._relu import relu_into
 from .elementwise import scratch, with_small_buffers
@@ -129,7 +129,6 @@ class _ConvPlan:
 
     def __init__(self, conv: "_Convolution", x_shape: tuple[int, ...], w_shape: tuple[int, ...], itemsize: int):
         self.units: dict[tuple[Any, ...], Any] = {}  # the compiled units' prepared contexts (conv_units)
-        self.packed: tuple[Any, Any] | None = None  # (weight, its packed copy) for conv_units' kernel
         self.gather: tuple[int, ...] | None = None
         n, c = x_shape[:2]
         spatial = list(x_shape[2:])
@@ -370,6 +369,19 @@ class _ConvWeight:
         m = w.shape[0]
         self.gemm = np.ascontiguousarray(w.reshape(group, m // group, -1), dtype=dtype)
         self._reordered: dict[tuple[int, ...], np.ndarray] = {}
+        self.constant = False  # set by ConvConstants for a weight prepared once
+        self._packed: tuple[np.ndarray | None] | None = None
+
+    def packed(self) -> np.ndarray | None:
+        """A constant float32 weight packed for the compiled units' GEMM
+        (``conv_units.packed_weight``), made once; None for a weight fed at run time (packing
+        it each call would allocate, and a replay must not) or where that GEMM is not
+        there."""
+        if not self.constant:
+            return None
+        if self._packed is None:
+            self._packed = (packed_weight(self.gemm),)
+        return self._packed[0]
 
     def taps_in(self, order: tuple[int, ...]) -> np.ndarray:
         """``gemm`` with its taps (last axis) in ``order``, made once per order."""
@@ -418,7 +430,7 @@ class _Convolution:
         m = plan.m
         wg = weight.gemm
         if plan.kind == "pointwise":
-            y = self._pointwise(x, wg, plan, bias, y)
+            y = self._pointwise(x, wg, plan, bias, y, packed=weight.packed())
         elif plan.kind == "depthwise" and plan.compiled is not None and x.dtype == np.float32 and depthwise_loops():
             y = self._depthwise_compiled(x, weight, plan, bias, y)
         elif plan.kind == "depthwise" and plan.depthwise_product:
@@ -430,7 +442,7 @@ class _Convolution:
         elif plan.grid is not None and available(x.dtype) and not self._gathers(x, plan):
             y = plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
         else:
-            y = self._im2col(x, wg, plan, bias, y)
+            y = self._im2col(x, wg, plan, bias, y, packed=weight.packed())
         return y.reshape(n, m, *plan.out)
 
     def _winograd(
@@ -711,6 +723,7 @@ class _Convolution:
         y: np.ndarray | None = None,
         residual: np.ndarray | None = None,
         relu: bool | None = None,
+        packed: np.ndarray | None = None,
     ) -> np.ndarray:
         """A 1x1 Conv: the input's channels are the columns (strided inputs copied once).
         With ``residual`` (shaped like the output, not overlapping ``y``) each output
@@ -728,7 +741,7 @@ class _Convolution:
         if found is not None:
             size = plan.out_size
             threads = _compiled_threads(n * plan.m * size * wg.shape[2])
-            run_units(found, plan, n, self.group, wg, bias, y, residual, relu, columns, c * size, cg * size, threads)
+            run_units(found, plan, n, self.group, wg, packed, bias, y, residual, relu, columns, c * size, cg * size, threads)
             return y
 
         def block(image: int, group: int, r0: int, r1: int) -> np.ndarray:
@@ -738,7 +751,13 @@ class _Convolution:
         return y
 
     def _im2col(
-        self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
+        self,
+        x: np.ndarray,
+        wg: np.ndarray,
+        plan: _ConvPlan,
+        bias: np.ndarray | None,
+        y: np.ndarray | None = None,
+        packed: np.ndarray | None = None,
     ) -> np.ndarray:
         """im2col block by block: the input copied into zero-padded stride-phase planes once
         (in this thread's workspace, its zeros written once per layout), then each block's
@@ -756,7 +775,7 @@ class _Convolution:
                 x = _copy_to_workspace("im2col-input", x)
             size = math.prod(x.shape[2:])
             threads = _compiled_threads(n * plan.m * plan.out_size * wg.shape[2])
-            run_units(found, plan, n, self.group, wg, bias, y, None, self.relu, x, c * size, cg * size, threads, plan.gather)
+            run_units(found, plan, n, self.group, wg, packed, bias, y, None, self.relu, x, c * size, cg * size, threads, plan.gather)
             return y
         phases = len(plan.phase_windows)
         planes, stale = _workspace("im2col-planes", (n, phases, c, plan.plane_size), x.dtype, plan.planes_layout)
@@ -903,6 +922,7 @@ class ConvConstants:
             dtype = _compute_dtype(w_const.dtype)
             how = ("Conv.W", repr(sorted(ctx.attributes.items())), dtype.str)
             self.weight = shared_transform(w_const, how, lambda: op.prepare_weight(w_const, dtype))
+            self.weight.constant = True
             self.bias = op.prepare_bias(b_const, dtype) if b_const is not None else None
 
     def __call__(

@@ -43,7 +43,7 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
             return None
         if plan.kind == "pointwise" and (y is None or not np.may_share_memory(y, z)):
             blas_threads(0)  # the products split themselves over threads, as in Conv
-            return op._pointwise(x, weight.gemm, plan, bias, y, z, relu).reshape(z.shape)
+            return op._pointwise(x, weight.gemm, plan, bias, y, z, relu, packed=weight.packed()).reshape(z.shape)
         if plan.kind == "pointwise" and op.group == 1:
             return _pointwise(x, weight.gemm[0], bias, z, plan, relu, y)
         if plan.kind == "im2col" and plan.grid is not None:  # BLAS is there: checked above

@@ -23,7 +23,7 @@ from ._compiled_parallel import CompiledPool, compiled_pool
 from ._gemm import sgemm_address
 from ._window import _workspace
 
-__all__ = ["compiled_units", "packing", "run_units"]
+__all__ = ["compiled_units", "packed_weight", "packing", "run_units"]
 
 _F32 = np.dtype(np.float32)
 _ZEROS: dict[int, np.ndarray] = {}  # float32 zeros by length: the bias of a Conv without one
@@ -31,7 +31,13 @@ _ZEROS: dict[int, np.ndarray] = {}  # float32 zeros by length: the bias of a Con
 # per thread (each block packs all of the wide operand: two a thread measured 5-15% slower).
 _CHANNEL_GRAIN = 16
 _CHANNEL_BLOCKS_PER_THREAD = 1
-_GATHER_UNITS_PER_THREAD = 2  # units of input channels per thread of the gather before a lone product
+_GATHER_UNITS_PER_THREAD = 2
+# With the packed-weight GEMM, a 2-D im2col Conv reads its columns from the zero-padded
+# input (READ_DIRECT) instead of gathering blocks of them.
+_READ_DIRECT = True
+# Taps below which the gathered blocks stay: a tile's scalar stores then cost too much
+# against its few steps (SqueezeNet's first Conv, 27 taps, ran 5% slower read directly).
+_READ_DIRECT_MIN_DEPTH = 64  # units of input channels per thread of the gather before a lone product
 
 
 @functools.cache
@@ -47,18 +53,13 @@ def packing() -> ModuleType | None:
     return module if module is not None and module.available() else None
 
 
-def _packed_weight(plan: Any, wg: np.ndarray, group: int) -> np.ndarray | None:
-    """``wg`` (group, M / group, depth) packed for ``_numba_gemm``, kept on the plan for
-    as long as the same weight array comes; None where the kernel is not there or a
-    group's channels do not start on its row tiles."""
+def packed_weight(wg: np.ndarray) -> np.ndarray | None:
+    """A float32 ``wg`` (group, M / group, depth) packed for ``_numba_gemm``; None where
+    that GEMM is not there or a group's channels do not start on its row tiles."""
     kernel = packing()
-    m, depth = wg.shape[0] * wg.shape[1], wg.shape[2]
-    if kernel is None or (group > 1 and wg.shape[1] % kernel.MR) or not wg.flags.c_contiguous:
+    if kernel is None or wg.dtype != _F32 or (wg.shape[0] > 1 and wg.shape[1] % kernel.MR):
         return None
-    kept = plan.packed
-    if kept is None or kept[0] is not wg:
-        kept = plan.packed = (wg, kernel.pack_weight(wg.reshape(m, depth)))
-    return kept[1]
+    return kernel.pack_weight(wg.reshape(wg.shape[0] * wg.shape[1], wg.shape[2]))
 
 
 def compiled_units() -> tuple[ModuleType, CompiledPool, tuple[int, bool]] | None:
@@ -79,12 +80,23 @@ class _Prepared:
     compiled call (~0.5 us) instead of building 34 words and reading six addresses
     through ``ndarray.ctypes`` (~9 us, on Convs that take 20-100 us)."""
 
-    __slots__ = ("wg", "bias", "packed", "context", "address", "count", "mode", "size", "gather_units")
+    __slots__ = ("wg", "bias", "packed", "taps", "padding", "context", "address", "count", "mode", "size", "gather_units")
 
     def __init__(
-        self, wg: np.ndarray, bias: np.ndarray | None, packed: np.ndarray | None, context: np.ndarray, count: int, mode: int, size: int, gather_units: int
+        self,
+        wg: np.ndarray,
+        bias: np.ndarray | None,
+        packed: np.ndarray | None,
+        taps: np.ndarray | None,
+        context: np.ndarray,
+        count: int,
+        mode: int,
+        size: int,
+        gather_units: int,
+        padding: tuple[int, ...] = (),
     ):
-        self.wg, self.bias, self.packed = wg, bias, packed  # kept: the context holds their addresses
+        self.wg, self.bias, self.packed, self.taps = wg, bias, packed, taps  # kept: the context holds their addresses
+        self.padding = padding  # READ_DIRECT: the padded input's layout (a buffer whose border stays zero)
         self.context, self.count, self.mode, self.size, self.gather_units = context, count, mode, size, gather_units
         self.address = int(context.ctypes.data)
 
@@ -95,6 +107,7 @@ def run_units(
     n: int,
     group: int,
     wg: np.ndarray,
+    packed: np.ndarray | None,
     bias: np.ndarray | None,
     y: np.ndarray,
     residual: np.ndarray | None,
@@ -121,13 +134,22 @@ def run_units(
     key = (threading.get_ident(), residual is None, relu, threads, image_stride, group_stride)
     cache = plan.units
     prepared = cache.get(key)
-    if prepared is None or prepared.wg is not wg or prepared.bias is not bias:
-        prepared = cache[key] = _prepare(found, plan, n, group, wg, bias, residual is not None, relu, image_stride, group_stride, threads, geometry)
+    if prepared is None or prepared.wg is not wg or prepared.bias is not bias or prepared.packed is not packed:
+        prepared = cache[key] = _prepare(
+            found, plan, n, group, wg, packed, bias, residual is not None, relu, image_stride, group_stride, threads, geometry
+        )
     context = prepared.context
-    workspace = _workspace("conv-units", (prepared.size,), _F32)[0] if prepared.size else y
+    if prepared.mode == loops.READ_DIRECT:  # a buffer per padded shape: its border is zeroed once
+        workspace, fresh = _workspace(f"conv-padded-{prepared.size}", (prepared.size,), _F32, prepared.padding)
+        if fresh:
+            workspace.fill(0.0)
+    else:
+        workspace = _workspace("conv-units", (prepared.size,), _F32)[0] if prepared.size else y
     loops.addresses(context, source, y, y if residual is None else residual, workspace)
     if prepared.mode == loops.GATHERED:  # the columns first, shared out by channels
         pool.run(loops.gather_all.address, prepared.address, prepared.gather_units, threads)
+    elif prepared.mode == loops.READ_DIRECT:  # the padded input first, shared out by planes
+        pool.run(loops.pad_planes.address, prepared.address, prepared.gather_units, threads)
     pool.run(loops.conv_units.address, prepared.address, prepared.count, threads)
 
 
@@ -137,6 +159,7 @@ def _prepare(
     n: int,
     group: int,
     wg: np.ndarray,
+    packed: np.ndarray | None,
     bias: np.ndarray | None,
     residual: bool,
     relu: bool,
@@ -160,7 +183,20 @@ def _prepare(
     room = 0
     size = 0
     gather_units = 0
-    if geometry is not None:
+    taps = None
+    padded_h = padded_w = 0
+    if geometry is not None and packed is not None and _READ_DIRECT and depth >= _READ_DIRECT_MIN_DEPTH:
+        # the packed-weight GEMM reads the columns from the zero-padded input itself
+        mode = loops.READ_DIRECT
+        height, width, kh, kw, sh, sw, dh, dw, top, left = geometry
+        padded_h = max(height + top, (rows - 1) * sh + (kh - 1) * dh + 1)
+        padded_w = max(width + left, (rest - 1) * sw + (kw - 1) * dw + 1)
+        channels = depth // (kh * kw)
+        c_, r_, s_ = np.meshgrid(np.arange(channels), np.arange(kh), np.arange(kw), indexing="ij")
+        taps = np.ascontiguousarray((c_ * padded_h * padded_w + r_ * dh * padded_w + s_ * dw).reshape(-1), np.int64)
+        size = n * group * channels * padded_h * padded_w
+        gather_units = min(n * group * channels, threads * _GATHER_UNITS_PER_THREAD)
+    elif geometry is not None:
         mode = loops.GATHER if channel_blocks == 1 else loops.GATHERED
         rows_per_block = -(-rows // blocks)
         width, stride = geometry[1], geometry[5]
@@ -171,7 +207,6 @@ def _prepare(
         else:  # all the columns, then each slot's phases
             gather_units = min(depth // (geometry[2] * geometry[3]), threads * _GATHER_UNITS_PER_THREAD)
             size = depth * rows * rest + pool.slots(gather_units, threads) * phases
-    packed = _packed_weight(plan, wg, group)
     zeros = 0
     if bias is None and (relu or residual):
         values = _ZEROS.get(m)
@@ -206,7 +241,11 @@ def _prepare(
             *(geometry or (0,) * 10),
             gather_units,
             0 if packed is None else packed.ctypes.data,
+            padded_h,
+            padded_w,
+            0 if taps is None else taps.ctypes.data,
         ],
         np.int64,
     )
-    return _Prepared(wg, bias, packed, context, count, mode, size, gather_units)
+    padding = (*geometry, padded_h, padded_w) if taps is not None and geometry is not None else ()
+    return _Prepared(wg, bias, packed, taps, context, count, mode, size, gather_units, padding)
