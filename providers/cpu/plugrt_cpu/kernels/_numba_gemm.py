@@ -61,10 +61,13 @@ _VI64 = ir.VectorType(_I64, _VW)
 
 @functools.cache
 def available() -> bool:
-    """Whether the host has AVX-512 (the kernel's vectors are 512 bits; elsewhere LLVM
-    would split each into narrower ones, and BLAS is the better choice)."""
+    """Whether the host has AVX-512 and numba compiles for it (the kernel's vectors are
+    512 bits; elsewhere LLVM would split each into narrower ones, and BLAS is the better
+    choice). ``NUMBA_CPU_NAME`` set to another CPU (a portable cache) turns it off."""
     import llvmlite.binding as llvm
 
+    if numba.config.CPU_NAME not in (None, "host"):  # compiled for another CPU (NUMBA_CPU_NAME)
+        return False
     try:
         features = llvm.get_host_cpu_features()
     except RuntimeError:  # not known on this platform
