@@ -101,6 +101,7 @@ CASES = {
     "flat_3x3_stride_2_pad_1_rows_end_columns": ((1, 3, 6, 4), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 0, 0, 1])),
     "flat_many_small_planes": ((2, 300, 7, 7), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
     "flat_two_by_two_planes": ((1, 3, 2, 2), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    "flat_3x3_stride_2_odd_sides": ((2, 40, 13, 11), dict(kernel_shape=[3, 3], strides=[2, 2])),
 }
 
 
@@ -188,6 +189,7 @@ def _with_specials(shape: tuple[int, ...]) -> np.ndarray:
     [
         "3x3_stride_2_pad_1", "3x3_stride_1_pad_1", "3x3_stride_3", "long_rows_in_bands", "ceil_mode_2x2",
         "flat_3x3_stride_2_pad_1", "flat_3x3_stride_2_end_pads", "flat_many_small_planes",
+        "flat_3x3_stride_2_odd_sides", "3x3_stride_2_odd",
     ],
 )  # fmt: skip
 def test_compiled_pool_propagates_nan_and_infinities_as_numpy_does(numba_on, monkeypatch, op, name):
@@ -245,7 +247,10 @@ def test_compiled_pool_split_over_two_threads_matches_onnxruntime(compiled, monk
 
 @pytest.mark.parametrize(
     "name,flat",
-    [("flat_3x3_stride_2_pad_1", True), ("flat_many_small_planes", True), ("3x3_stride_2_pad_1", False), ("ceil_mode_3x3_pad_1", False)],
+    [
+        ("flat_3x3_stride_2_pad_1", True), ("flat_many_small_planes", True), ("flat_3x3_stride_2_odd_sides", True),
+        ("3x3_stride_2_odd", True), ("3x3_stride_2_pad_1", False), ("ceil_mode_3x3_pad_1", False), ("one_row", False),
+    ],
 )
 def test_flat_planes_take_the_shapes_they_are_for(compiled, name, flat):
     """``_flat_planes`` takes 3x3 windows whose input is exactly stride times the output

@@ -87,8 +87,13 @@ def _flat(height, width, out_h, out_w, kh, kw, sh, sw, dh, dw, ph, pw):  # pragm
     """Whether planes are pooled by ``_flat_planes``: a 3x3 window with stride 1 (one row
     and column of padding each side) or 2 (at most one before), the input exactly
     ``stride`` times the output, so that planes stacked one on another keep every window
-    row and column a fixed step from its output's."""
-    if kh != 3 or kw != 3 or dh != 1 or dw != 1 or sh != sw or height != sh * out_h or width != sw * out_w:
+    row and column a fixed step from its output's; or stride 2 without padding on odd
+    sides (one more than twice the output: each row's last column is kept aside)."""
+    if kh != 3 or kw != 3 or dh != 1 or dw != 1 or sh != sw:
+        return False
+    if sh == 2 and ph == 0 and pw == 0 and height == 2 * out_h + 1 and width == 2 * out_w + 1:
+        return True  # no padding, odd sides (SqueezeNet's 111, 55, 27): the last column aside
+    if height != sh * out_h or width != sw * out_w:
         return False
     if sh == 1:  # larger planes: _same_size_plane's passes are long enough (28x28 ran 1.2x slower here)
         return ph == 1 and pw == 1 and height >= 2 and width >= 2 and height * width <= _FLAT_STRIDE_1_PLANE
@@ -99,7 +104,7 @@ def _flat(height, width, out_h, out_w, kh, kw, sh, sw, dh, dw, ph, pw):  # pragm
 def work_length(height, width, out_h, out_w, kh, kw, sh, sw, dh, dw, ph, pw):  # pragma: no cover  (compiled)
     """Float32 elements of the ``work`` buffer the pooling loops need (per thread)."""
     if _flat(height, width, out_h, out_w, kh, kw, sh, sw, dh, dw, ph, pw):
-        return max(_FLAT_FLOATS, out_h * width)
+        return max(_FLAT_FLOATS, out_h * (width + 1))
     if _whole_planes(out_h, width, out_w, sh, sw):
         return out_h * width
     length = _row_length(width, out_w, kw, sw, dw, pw)
@@ -353,27 +358,36 @@ def _flat_planes(x, y, start, stop, stride, ph, pw, is_max, scale, work):  # pra
     a dozen short loops a plane (Inception v2's 1024 planes of 7x7: ~0.1 us each)."""
     height, width = x.shape[1], x.shape[2]
     out_h, out_w = y.shape[1], y.shape[2]
-    group = max(1, len(work) // (out_h * width))
+    # odd sides (stride 2, no padding): rows of the vertical pass keep 2 * out_w columns,
+    # so that output q reads 2q, 2q + 1 and 2q + 2 across the group; the last column of
+    # each goes to ``tail`` for the last output column of its row
+    odd = stride == 2 and width == 2 * out_w + 1
+    pitch = 2 * out_w if odd else width
+    group = max(1, len(work) // (out_h * (pitch + 1)))
     last_row = height - 1
     for g0 in range(start, stop, group):
         g1 = min(stop, g0 + group)
         count = g1 - g0
         # rows: output row i reads input rows stride * i - ph + (0, 1, 2)
+        tail = work[count * out_h * pitch :]
         for p in range(g0, g1):
             xp = x[p]
-            base = (p - g0) * out_h * width
+            base = (p - g0) * out_h * pitch
             for i in range(out_h):
                 r = stride * i - ph
-                v = work[base + i * width : base + (i + 1) * width]
+                v = work[base + i * pitch : base + (i + 1) * pitch]
                 if r >= 0 and r + 2 <= last_row:
-                    _three(xp[r], xp[r + 1], xp[r + 2], v, width, is_max)
+                    _three(xp[r], xp[r + 1], xp[r + 2], v, pitch, is_max)
+                    if odd:
+                        a, b, e = xp[r, width - 1], xp[r + 1, width - 1], xp[r + 2, width - 1]
+                        tail[(p - g0) * out_h + i] = _max(_max(a, b), e) if is_max else a + b + e
                 elif r < 0:  # the top padding: rows 0 and 1
                     _two(xp[0], xp[1], v, width, is_max)
                 else:  # the bottom: rows r and r + 1 (r + 2 is past the end)
                     _two(xp[r], xp[r + 1], v, width, is_max)
         # columns: output (R, j) reads work[R * W + stride * j - pw + (0, 1, 2)], R over the group
         total = count * out_h * out_w
-        flat = work[: count * out_h * width]
+        flat = work[: count * out_h * pitch]
         yf = y[g0:g1].reshape(total)
         if stride == 1:  # pw == 1: j reads j - 1, j, j + 1
             if total > 2:
@@ -388,7 +402,7 @@ def _flat_planes(x, y, start, stop, stride, ph, pw, is_max, scale, work):  # pra
         # the columns whose windows reach into the padding, in every row of the group
         rows = count * out_h
         for r in range(rows):
-            v = flat[r * width : (r + 1) * width]
+            v = flat[r * pitch : (r + 1) * pitch]
             out = yf[r * out_w : (r + 1) * out_w]
             if stride == 1:
                 out[0] = _max(v[0], v[1]) if is_max else v[0] + v[1]
@@ -396,6 +410,10 @@ def _flat_planes(x, y, start, stop, stride, ph, pw, is_max, scale, work):  # pra
             else:
                 if pw == 1:
                     out[0] = _max(v[0], v[1]) if is_max else v[0] + v[1]
+                elif odd:  # 2j + 2 is the column kept aside
+                    j = out_w - 1
+                    pair = _max(v[2 * j], v[2 * j + 1]) if is_max else v[2 * j] + v[2 * j + 1]
+                    out[j] = _max(pair, tail[r]) if is_max else pair + tail[r]
                 else:
                     j = out_w - 1  # 2j, 2j + 1 = width - 1; 2j + 2 is past the end
                     out[j] = _max(v[2 * j], v[2 * j + 1]) if is_max else v[2 * j] + v[2 * j + 1]
