@@ -66,7 +66,7 @@ def available() -> bool:
     choice). ``NUMBA_CPU_NAME`` set to another CPU (a portable cache) turns it off."""
     import llvmlite.binding as llvm
 
-    if numba.config.CPU_NAME not in (None, "host"):  # compiled for another CPU (NUMBA_CPU_NAME)
+    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):  # compiled for another CPU (NUMBA_CPU_NAME)
         return False
     try:
         features = llvm.get_host_cpu_features()
