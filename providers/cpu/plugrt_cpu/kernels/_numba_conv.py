@@ -148,33 +148,37 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         columns = (r1 - r0) * rest
         if columns == 0 or c1 == c0:
             continue
-        if mode == READ_DIRECT:
-            plane = context[PADDED_H] * context[PADDED_W]
-            channels = depth // taps
-            first = context[WORKSPACE] + ((image * groups + group) * channels * plane + r0 * context[STRIDE_H] * context[PADDED_W]) * _FLOAT
-            output = context[OUTPUT] + image * m * positions * _FLOAT
-            target = output + (c0 * positions + r0 * rest) * _FLOAT
-            residual = context[RESIDUAL]
-            if residual != 0:
-                residual += image * m * positions * _FLOAT + (target - output)
-            bias = context[BIAS] + c0 * _FLOAT if context[BIAS] != 0 else 0
-            gathered_product(
-                packed + c0 * depth * _FLOAT,
-                first,
-                context[TAPS],
-                depth,
-                context[STRIDE_W],
-                context[STRIDE_H] * context[PADDED_W],
-                target,
-                positions,
-                c1 - c0,
-                r1 - r0,
-                rest,
-                bias,
-                residual,
-                context[RELU],
-            )
-            continue
+        output = context[OUTPUT] + image * m * positions * _FLOAT
+        target = output + (c0 * positions + r0 * rest) * _FLOAT
+        # the packed-weight GEMM applies the epilogue as it stores: its residual and bias here
+        added = context[RESIDUAL]
+        if added != 0:
+            added += image * m * positions * _FLOAT + (target - output)
+        row_bias = context[BIAS] + c0 * _FLOAT if context[BIAS] != 0 else 0
+        weight = packed + c0 * depth * _FLOAT
+        if packed != 0:
+            if mode == READ_DIRECT:
+                plane = context[PADDED_H] * context[PADDED_W]
+                first = context[WORKSPACE] + (
+                    (image * groups + group) * (depth // taps) * plane + r0 * context[STRIDE_H] * context[PADDED_W]
+                ) * _FLOAT
+                gathered_product(
+                    weight,
+                    first,
+                    context[TAPS],
+                    depth,
+                    context[STRIDE_W],
+                    context[STRIDE_H] * context[PADDED_W],
+                    target,
+                    positions,
+                    c1 - c0,
+                    r1 - r0,
+                    rest,
+                    row_bias,
+                    added,
+                    context[RELU],
+                )
+                continue
         if mode == POINTWISE:
             b = context[SOURCE] + (image * context[IMAGE_STRIDE] + group * context[GROUP_STRIDE] + r0 * rest) * _FLOAT
             ldb = positions
@@ -185,16 +189,10 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         else:
             b = context[WORKSPACE]
             ldb = columns
-        a = context[WEIGHT] + c0 * depth * _FLOAT
-        output = context[OUTPUT] + image * m * positions * _FLOAT
-        target = output + (c0 * positions + r0 * rest) * _FLOAT
         if packed != 0:
-            residual = context[RESIDUAL]
-            if residual != 0:
-                residual += image * m * positions * _FLOAT + (target - output)
-            bias = context[BIAS] + c0 * _FLOAT if context[BIAS] != 0 else 0
-            packed_product(packed + c0 * depth * _FLOAT, b, ldb, depth, target, positions, c1 - c0, columns, bias, residual, context[RELU])
+            packed_product(weight, b, ldb, depth, target, positions, c1 - c0, columns, row_bias, added, context[RELU])
             continue
+        a = context[WEIGHT] + c0 * depth * _FLOAT
         if context[ILP64]:
             sgemm64(context[SGEMM], c1 - c0, columns, depth, a, depth, b, ldb, target, positions)
         else:

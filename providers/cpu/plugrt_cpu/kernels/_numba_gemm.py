@@ -348,18 +348,17 @@ def packed_product(w, x, ldx, k, c, ldc, m, n, bias, residual, relu):  # pragma:
     Deep products run in slices of ``k`` of at most ``_SLICE`` steps: a slice after the
     first adds C's partial sums (as a residual), and only the last adds the bias and
     clamps."""
-    tiles = (n + _VW - 1) // _VW
     slices = (k + _SLICE - 1) // _SLICE
     for s in range(slices):
         k0 = s * k // slices
         depth = (s + 1) * k // slices - k0
         last = s == slices - 1
         added = residual if s == 0 else c
-        _slice(w + k0 * MR * _FLOAT, x + k0 * ldx * _FLOAT, ldx, k, depth, c, ldc, m, tiles, n, bias if last else 0, added, relu if last else 0)
+        _slice(w + k0 * MR * _FLOAT, x + k0 * ldx * _FLOAT, ldx, k, depth, c, ldc, m, n, bias if last else 0, added, relu if last else 0)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _slice(w, x, ldx, k, depth, c, ldc, m, tiles, n, bias, residual, relu):  # pragma: no cover  (compiled)
+def _slice(w, x, ldx, k, depth, c, ldc, m, n, bias, residual, relu):  # pragma: no cover  (compiled)
     size = MR * depth * _FLOAT  # one row tile's weight in this slice
     if _narrow(n):  # columns of NB: every row tile over all of X (in L2), its weight in L2
         blocks = (n + NB - 1) // NB
@@ -385,6 +384,7 @@ def _slice(w, x, ldx, k, depth, c, ldc, m, tiles, n, bias, residual, relu):  # p
                     relu,
                 )
         return
+    tiles = (n + _VW - 1) // _VW
     per_chunk = max(1, _CHUNK_FLOATS // max(1, depth * _VW))
     chunks = (tiles + per_chunk - 1) // per_chunk
     per_chunk = (tiles + chunks - 1) // chunks  # as even as they go: every chunk reads all of W

@@ -167,6 +167,12 @@ def _into(out, a, n, is_max):  # pragma: no cover  (compiled; inlined)
 
 
 @_inlined
+def _pair(a, b, is_max):  # pragma: no cover  (compiled; inlined)
+    """The combination of two values: their maximum (NaN if either is) or their sum."""
+    return _max(a, b) if is_max else a + b
+
+
+@_inlined
 def _three_by_two(a, out, n, is_max):  # pragma: no cover  (compiled; inlined)
     """out[i] = the combination of a[2i], a[2i + 1] and a[2i + 2], i in [0, n)."""
     if is_max:
@@ -351,7 +357,7 @@ def _same_size_plane(xp, yp, kh, kw, stride, dh, dw, ph, pw, is_max, scale, rows
 def _flat_planes(x, y, start, stop, stride, ph, pw, is_max, scale, work):  # pragma: no cover  (compiled)
     """3x3 pooling of planes [start, stop) whose input is ``stride`` (1 or 2) times the
     output (see ``_flat``), a group of planes at a time as if one tall plane: the window's
-    rows combined into ``work`` (one output row of W per output row), then one flat pass
+    rows combined into ``work`` (a row per output row), then one flat pass
     over all of the group's output for the columns; the rows and columns whose windows
     reach into the padding (or would read the next plane) redone after. Small planes cost
     per plane here what a pass costs, where ``_same_size_plane`` and the row buffers made
@@ -379,8 +385,8 @@ def _flat_planes(x, y, start, stop, stride, ph, pw, is_max, scale, work):  # pra
                 if r >= 0 and r + 2 <= last_row:
                     _three(xp[r], xp[r + 1], xp[r + 2], v, pitch, is_max)
                     if odd:
-                        a, b, e = xp[r, width - 1], xp[r + 1, width - 1], xp[r + 2, width - 1]
-                        tail[(p - g0) * out_h + i] = _max(_max(a, b), e) if is_max else a + b + e
+                        pair = _pair(xp[r, width - 1], xp[r + 1, width - 1], is_max)
+                        tail[(p - g0) * out_h + i] = _pair(pair, xp[r + 2, width - 1], is_max)
                 elif r < 0:  # the top padding: rows 0 and 1
                     _two(xp[0], xp[1], v, width, is_max)
                 else:  # the bottom: rows r and r + 1 (r + 2 is past the end)
@@ -404,19 +410,16 @@ def _flat_planes(x, y, start, stop, stride, ph, pw, is_max, scale, work):  # pra
         for r in range(rows):
             v = flat[r * pitch : (r + 1) * pitch]
             out = yf[r * out_w : (r + 1) * out_w]
+            j = out_w - 1
             if stride == 1:
-                out[0] = _max(v[0], v[1]) if is_max else v[0] + v[1]
-                out[out_w - 1] = _max(v[width - 2], v[width - 1]) if is_max else v[width - 2] + v[width - 1]
-            else:
-                if pw == 1:
-                    out[0] = _max(v[0], v[1]) if is_max else v[0] + v[1]
-                elif odd:  # 2j + 2 is the column kept aside
-                    j = out_w - 1
-                    pair = _max(v[2 * j], v[2 * j + 1]) if is_max else v[2 * j] + v[2 * j + 1]
-                    out[j] = _max(pair, tail[r]) if is_max else pair + tail[r]
-                else:
-                    j = out_w - 1  # 2j, 2j + 1 = width - 1; 2j + 2 is past the end
-                    out[j] = _max(v[2 * j], v[2 * j + 1]) if is_max else v[2 * j] + v[2 * j + 1]
+                out[0] = _pair(v[0], v[1], is_max)
+                out[j] = _pair(v[width - 2], v[width - 1], is_max)
+            elif pw == 1:
+                out[0] = _pair(v[0], v[1], is_max)
+            elif odd:  # 2j + 2 is the column kept aside
+                out[j] = _pair(_pair(v[2 * j], v[2 * j + 1], is_max), tail[r], is_max)
+            else:  # 2j, 2j + 1 = width - 1; 2j + 2 is past the end
+                out[j] = _pair(v[2 * j], v[2 * j + 1], is_max)
         if not is_max:
             plane = out_h * out_w
             factors = scale.reshape(plane)

@@ -31,13 +31,12 @@ _ZEROS: dict[int, np.ndarray] = {}  # float32 zeros by length: the bias of a Con
 # per thread (each block packs all of the wide operand: two a thread measured 5-15% slower).
 _CHANNEL_GRAIN = 16
 _CHANNEL_BLOCKS_PER_THREAD = 1
-_GATHER_UNITS_PER_THREAD = 2
-# With the packed-weight GEMM, a 2-D im2col Conv reads its columns from the zero-padded
-# input (READ_DIRECT) instead of gathering blocks of them.
-_READ_DIRECT = True
-# Taps below which the gathered blocks stay: a tile's scalar stores then cost too much
-# against its few steps (SqueezeNet's first Conv, 27 taps, ran 5% slower read directly).
-_READ_DIRECT_MIN_DEPTH = 64  # units of input channels per thread of the gather before a lone product
+_GATHER_UNITS_PER_THREAD = 2  # units of input channels (planes) per thread of a gather (a pad) job
+# With the packed-weight GEMM, a 2-D im2col Conv of this many taps or more reads its
+# columns from the zero-padded input (READ_DIRECT) instead of gathering blocks of them;
+# below, a tile's scalar stores cost too much against its few steps (SqueezeNet's first
+# Conv, 27 taps, ran 5% slower read directly).
+_READ_DIRECT_MIN_DEPTH = 64
 
 
 @functools.cache
@@ -185,7 +184,7 @@ def _prepare(
     gather_units = 0
     taps = None
     padded_h = padded_w = 0
-    if geometry is not None and packed is not None and _READ_DIRECT and depth >= _READ_DIRECT_MIN_DEPTH:
+    if geometry is not None and packed is not None and depth >= _READ_DIRECT_MIN_DEPTH:
         # the packed-weight GEMM reads the columns from the zero-padded input itself
         mode = loops.READ_DIRECT
         height, width, kh, kw, sh, sw, dh, dw, top, left = geometry
