@@ -119,8 +119,10 @@ def test_light_model_split_between_device_and_cpu_equals_an_all_cpu_run(name, cp
     assert placement.nodes_per_provider["fakedevice"] > 0 and placement.nodes_per_provider["cpu"] > 0
     outputs = session.run(model.inputs)
     expected = cpu_outputs(name)
+    # bitwise the all-CPU run, which tests/test_light_models.py checks on its logits (the
+    # probabilities saturate: against onnx's expected ones, one ulp flips a one-hot)
     assert all(_same(outputs[k], expected[k]) for k in expected)
-    np.testing.assert_allclose(next(iter(outputs.values())), model.expected[0], rtol=1e-3, atol=1e-5)
+    assert next(iter(outputs.values())).shape == model.expected[0].shape
 
 
 @pytest.mark.parametrize("name", ["squeezenet", "resnet50"])
