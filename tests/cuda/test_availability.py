@@ -28,7 +28,38 @@ def test_without_cupy_there_is_no_device_and_the_reason_says_cupy_is_missing():
     provider = CUDAProvider(importer=missing_cupy)
     assert provider.devices() == []
     assert "cupy is not installed" in provider.unavailable_reason
-    assert "plugrt[cuda]" in provider.unavailable_reason
+    assert "./providers/cuda[cuda1" in provider.unavailable_reason
+
+
+@pytest.mark.parametrize("driver,extra,package", [(12040, "[cuda12]", "cupy-cuda12x"), (13000, "[cuda13]", "cupy-cuda13x")])
+def test_without_cupy_the_hint_names_the_extra_for_the_drivers_cuda(driver, extra, package):
+    reason = probe(missing_cupy, read_driver=lambda: driver).reason
+    assert f"./providers/cuda{extra}" in reason and package in reason
+    assert "cuda12]" not in reason or "cuda13]" not in reason  # one extra, not both
+
+
+def test_without_cupy_or_a_driver_the_hint_names_both_extras():
+    reason = probe(missing_cupy, read_driver=lambda: 0).reason
+    assert "./providers/cuda[cuda12]" in reason and "./providers/cuda[cuda13]" in reason
+
+
+def test_two_cupy_packages_installed_together_are_named(monkeypatch):
+    from plugrt_cuda import _probe
+
+    monkeypatch.setattr(_probe, "_installed_cupy_packages", lambda: ["cupy-cuda12x", "cupy-cuda13x"])
+
+    def clash():
+        raise AttributeError("module 'cupy' has no attribute 'cuda'")
+
+    reason = probe(clash, read_driver=lambda: 13000).reason
+    assert "cupy-cuda12x and cupy-cuda13x are installed together" in reason and "[cuda13]" in reason
+
+
+def test_the_driver_version_is_read_without_cupy_and_is_zero_without_a_driver():
+    from plugrt_cuda._probe import driver_version_without_cupy
+
+    version = driver_version_without_cupy()  # this machine may or may not have libcuda
+    assert isinstance(version, int) and (version == 0 or version >= 10000)
 
 
 def test_without_a_driver_the_reason_says_no_driver():
@@ -39,9 +70,10 @@ def test_without_a_driver_the_reason_says_no_driver():
 
 def test_a_driver_older_than_the_runtime_is_named():
     error = FakeRuntimeError(35, "cudaErrorInsufficientDriver")
-    found = probe(lambda: fake_cupy(driver=11040, runtime=12090, count=error))
+    found = probe(lambda: fake_cupy(driver=12040, runtime=13020, count=error))
     assert found.devices == ()
-    assert "older than cupy's CUDA runtime" in found.reason and "CUDA 11.4" in found.reason
+    assert "older than cupy's CUDA runtime" in found.reason and "CUDA 12.4" in found.reason
+    assert "pip uninstall cupy-cuda13x" in found.reason and "[cuda12]" in found.reason
 
 
 def test_a_driver_without_a_gpu_says_no_device():

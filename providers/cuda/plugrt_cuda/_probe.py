@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 from typing import Any, Callable
 
 from plugrt.provider import Device, DeviceKind
 
-__all__ = ["Probe", "probe", "import_cupy", "INSTALL_HINT"]
+__all__ = ["Probe", "probe", "import_cupy", "install_hint", "driver_version_without_cupy", "CUPY_PACKAGES"]
 
-INSTALL_HINT = "pip install 'plugrt[cuda]' ./providers/cuda (cupy-cuda12x)"
+#: the cupy wheels, by the CUDA major version they are built for (each installs ``cupy``)
+CUPY_PACKAGES = {12: "cupy-cuda12x", 13: "cupy-cuda13x"}
 
 # cudaError_t values that mean "no usable driver" and "no device"
 _INSUFFICIENT_DRIVER = 35
@@ -34,14 +36,67 @@ def import_cupy() -> Any:
     return importlib.import_module("cupy")
 
 
-def probe(importer: Callable[[], Any] = import_cupy) -> Probe:
-    """Look for cupy, a CUDA driver and devices, in that order; say which is missing."""
+def driver_version_without_cupy() -> int:
+    """cuDriverGetVersion straight from libcuda (e.g. 13000), 0 when no driver loads.
+    Touches no device: it only asks the driver library which CUDA it supports."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return 0
+        return int(version.value)
+    except (OSError, AttributeError):
+        return 0
+
+
+def install_hint(driver_version: int = 0) -> str:
+    """The pip command that brings cupy and NVRTC for this driver's CUDA (both when unknown)."""
+    major = driver_version // 1000
+    if major in CUPY_PACKAGES:
+        return (
+            f"pip install './providers/cuda[cuda{major}]' (installs {CUPY_PACKAGES[major]} and NVRTC for the "
+            f"CUDA {major} driver found here)"
+        )
+    return (
+        "pip install './providers/cuda[cuda12]' for a CUDA 12 driver, or './providers/cuda[cuda13]' for "
+        "CUDA 13 (nvidia-smi shows the driver's CUDA version)"
+    )
+
+
+def _installed_cupy_packages() -> list[str]:
+    from importlib import metadata
+
+    found = []
+    for name in (*CUPY_PACKAGES.values(), "cupy"):
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return found
+
+
+def probe(
+    importer: Callable[[], Any] = import_cupy, read_driver: Callable[[], int] = driver_version_without_cupy
+) -> Probe:
+    """Look for cupy, a CUDA driver and devices, in that order; say which is missing.
+
+    ``read_driver`` reads the driver's CUDA version without cupy, to name the right cupy
+    package when cupy is missing or broken (tests replace it)."""
     try:
         cupy = importer()
     except ImportError as exc:
-        return Probe((), f"cupy is not installed ({exc}); install it with {INSTALL_HINT}")
+        return Probe((), f"cupy is not installed ({exc}); install it with {install_hint(read_driver())}")
     except Exception as exc:  # a broken cupy install must not break the runtime
-        return Probe((), f"cupy failed to import ({type(exc).__name__}: {exc}); reinstall cupy-cuda12x")
+        installed = _installed_cupy_packages()
+        if len(installed) > 1:
+            fix = (
+                f"{' and '.join(installed)} are installed together and overwrite each other's files: "
+                f"uninstall them all, then {install_hint(read_driver())}"
+            )
+        else:
+            fix = f"reinstall it: pip uninstall {installed[0] if installed else 'cupy'}, then {install_hint(read_driver())}"
+        return Probe((), f"cupy failed to import ({type(exc).__name__}: {exc}); {fix}")
     version = str(getattr(cupy, "__version__", "?"))
     runtime = cupy.cuda.runtime
     try:
@@ -67,7 +122,9 @@ def probe(importer: Callable[[], Any] = import_cupy) -> Probe:
         if status == _INSUFFICIENT_DRIVER:
             why = (
                 f"the CUDA driver ({_version_text(driver)}) is older than cupy's CUDA runtime "
-                f"({_version_text(runtime_version)}); update the NVIDIA driver"
+                f"({_version_text(runtime_version)}); update the NVIDIA driver, or use the cupy built for "
+                f"this driver: pip uninstall {CUPY_PACKAGES.get(runtime_version // 1000, 'cupy')}, then "
+                f"{install_hint(driver)}"
             )
         elif status == _NO_DEVICE:
             why = "no CUDA device: the driver is installed but reports no GPU"
