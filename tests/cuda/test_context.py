@@ -14,7 +14,8 @@ from plugrt_cuda._provider import CUDAProvider
 
 def _saved(**changes) -> _context.SavedContext:
     fields = dict(arch="sm_90", driver_version=12040, runtime_version=12040, cupy_version="14.2.0",
-                  cubins={("gemm", "float32"): b"\x7fELF-gemm", ("pool", "float16"): b"\x7fELF-pool"})
+                  cubins={("gemm", "float32"): b"\x7fELF-gemm", ("pool", "float16"): b"\x7fELF-pool"},
+                  nvrtc_version=12090)
     fields.update(changes)
     return _context.SavedContext(**fields)
 
@@ -45,21 +46,38 @@ def test_a_header_length_past_the_blob_is_refused():
         _context.loads(bytes(blob))
 
 
-def test_the_same_gpu_driver_and_cupy_restore():
-    assert _context.verdict(_saved(), arch="sm_90", driver_version=12080, cupy_version="14.2.0") is None
+def test_the_same_architecture_and_cuda_major_restore():
+    assert _context.verdict(_saved(), arch="sm_90", driver_version=12080) is None
+
+
+def test_a_newer_cupy_runtime_than_the_driver_does_not_force_a_recompile():
+    # the lent H200: cupy's CUDA runtime is 13.2 (13020), the driver runs CUDA 13.0 (13000);
+    # cubins from NVRTC 13.2 load there (minor-version compatibility)
+    saved = _saved(runtime_version=13020, driver_version=13000, nvrtc_version=13020, cupy_version="14.2.0")
+    assert _context.verdict(saved, arch="sm_90", driver_version=13000) is None
 
 
 @pytest.mark.parametrize(
-    "here,expected",
+    "saved,here,expected",
     [
-        (dict(arch="sm_80", driver_version=12080, cupy_version="14.2.0"), "compiled for sm_90, this GPU is sm_80"),
-        (dict(arch="sm_90", driver_version=12020, cupy_version="14.2.0"), "this driver supports up to 12020"),
-        (dict(arch="sm_90", driver_version=12080, cupy_version="13.6.0"), "saved with cupy 14.2.0, this is cupy 13.6.0"),
+        ({}, dict(arch="sm_80", driver_version=12080), "compiled for sm_90, this GPU is sm_80"),
+        (dict(nvrtc_version=13000), dict(arch="sm_90", driver_version=12080),
+         "compiled by NVRTC 13.0, and this driver runs CUDA 12.8 at most"),
+        (dict(nvrtc_version=0), dict(arch="sm_90", driver_version=12080), "does not say which NVRTC"),
     ],
-    ids=["architecture", "driver", "cupy"],
+    ids=["architecture", "driver's CUDA major", "unknown NVRTC"],
 )
-def test_a_difference_that_stops_a_restore_is_named(here, expected):
-    assert expected in _context.verdict(_saved(), **here)
+def test_a_difference_that_stops_a_restore_is_named(saved, here, expected):
+    assert expected in _context.verdict(_saved(**saved), **here)
+
+
+def test_a_blob_without_an_nvrtc_version_reads_as_unknown():
+    blob = _context.dumps(_saved())
+    header_start = len(b"PLUGRTCUDA\x00\x01") + 4
+    length = int.from_bytes(blob[header_start - 4 : header_start], "little")
+    header = blob[header_start : header_start + length].replace(b'"nvrtc_version": 12090, ', b"")
+    old = blob[:header_start - 4] + len(header).to_bytes(4, "little") + header + blob[header_start + length :]
+    assert _context.loads(old).nvrtc_version == 0
 
 
 def _provider() -> CUDAProvider:

@@ -37,3 +37,80 @@ def test_a_source_that_does_not_compile_raises_with_nvrtcs_log(monkeypatch):
 def test_an_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="float64"):
         _sources.module_source("gemm", "float64")
+
+
+class _CountingNvrtc:
+    """Stands in for NVRTC: counts compiles, returns a cubin naming what it compiled."""
+
+    def __init__(self):
+        self.compiles = []
+
+    def getVersion(self):
+        return (13, 2)
+
+    def createProgram(self, source, name, headers, includes):
+        return [name]
+
+    def compileProgram(self, program, options):
+        self.compiles.append((program[0], tuple(options)))
+
+    def getCUBIN(self, program):
+        return b"\x7fELF" + program[0].encode()
+
+    def getProgramLog(self, program):
+        return ""
+
+    def destroyProgram(self, program):
+        pass
+
+
+def test_a_module_is_compiled_once_per_dtype_and_architecture(monkeypatch):
+    nvrtc = _CountingNvrtc()
+    monkeypatch.setattr(_sources, "_nvrtc", lambda: nvrtc)
+    monkeypatch.setattr(_sources, "_CUBINS", {})
+    first = _sources.compile_cubin("gemm", "float32", "sm_90")
+    assert _sources.compile_cubin("gemm", "float32", "sm_90") is first
+    _sources.compile_cubin("gemm", "float32", "sm_80")
+    _sources.compile_cubin("gemm", "float16", "sm_90")
+    assert len(nvrtc.compiles) == 3
+
+
+def test_a_changed_source_is_compiled_again(monkeypatch):
+    nvrtc = _CountingNvrtc()
+    monkeypatch.setattr(_sources, "_nvrtc", lambda: nvrtc)
+    monkeypatch.setattr(_sources, "_CUBINS", {})
+    _sources.compile_cubin("pool", "float32", "sm_90")
+    changed = _sources.KernelSource("pool", _sources.SOURCES["pool"].code + "\n// changed\n", ("pool2d",), 256)
+    monkeypatch.setitem(_sources.SOURCES, "pool", changed)
+    _sources.compile_cubin("pool", "float32", "sm_90")
+    assert len(nvrtc.compiles) == 2
+
+
+def test_saving_contexts_again_compiles_nothing_again(monkeypatch):
+    import types
+
+    import numpy as np
+
+    from plugrt_cuda._backend import CupyBackend
+
+    nvrtc = _CountingNvrtc()
+    monkeypatch.setattr(_sources, "_nvrtc", lambda: nvrtc)
+    monkeypatch.setattr(_sources, "_CUBINS", {})
+    loaded = []
+
+    class Module:
+        def load(self, cubin):
+            loaded.append(cubin)
+
+        def get_function(self, name):
+            return name
+
+    cupy = types.SimpleNamespace(dtype=np.dtype, cuda=types.SimpleNamespace(function=types.SimpleNamespace(Module=Module)))
+    backend = CupyBackend(cupy, arch="sm_90")
+    backend.kernel("gemm", np.float32, "gemm")
+    backend.kernel("softmax", np.float16, "softmax_rows")
+    for _ in range(3):  # three EPContext exports of the same session
+        cubins = backend.compiled_cubins("sm_90")
+    assert sorted(cubins) == [("gemm", "float32"), ("softmax", "float16")]
+    assert len(nvrtc.compiles) == 2 and loaded == [cubins[("gemm", "float32")], cubins[("softmax", "float16")]]
+    assert backend.cubins_nvrtc_version() == 13020

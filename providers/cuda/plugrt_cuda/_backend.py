@@ -3,9 +3,10 @@ or numpy (the same kernel math on the host, which is how the provider is tested 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from . import _sources, _xp
 
@@ -57,9 +58,14 @@ class CupyBackend(Backend):
 
     name = "cupy"
 
-    def __init__(self, cupy: Any, cubins: dict[tuple[str, str], bytes] | None = None) -> None:
+    def __init__(
+        self, cupy: Any, cubins: dict[tuple[str, str], bytes] | None = None, arch: str = "", cubins_nvrtc: int = 0
+    ) -> None:
         self.xp = cupy
+        self.arch = arch  # "sm_90": modules are compiled for it with NVRTC (cached), else by cupy
         self._cubins = dict(cubins or {})  # (module, dtype) -> cubin for this device (EPContext)
+        self._cubins_nvrtc = cubins_nvrtc  # the NVRTC version that built ``cubins``
+        self._warming = 0  # > 0 while a capture's warm-up runs the steps as they will be recorded
         self._modules: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
         engine = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
@@ -86,20 +92,45 @@ class CupyBackend(Backend):
     def _load(self, key: tuple[str, str]) -> Any:
         cubin = self._cubins.get(key)
         if cubin is not None:
+            self.loaded_from_cubin.add(key)
+        elif self.arch:
+            # one NVRTC compile per (source, dtype, architecture), shared with save_context
+            cubin = _sources.compile_cubin(key[0], key[1], self.arch)
+        if cubin is not None:
             module = self.xp.cuda.function.Module()
             module.load(cubin)
-            self.loaded_from_cubin.add(key)
             return module
         return self.xp.RawModule(code=_sources.module_source(*key), options=("-std=c++14",))
 
     def compiled_cubins(self, arch: str) -> dict[tuple[str, str], bytes]:
-        """Cubins of every module used so far, for ``arch`` (what an EPContext stores)."""
+        """Cubins of every module used so far, for ``arch`` (what an EPContext stores);
+        each is compiled at most once per process (``_sources.compile_cubin`` caches)."""
         return {key: self._cubins.get(key) or _sources.compile_cubin(key[0], key[1], arch) for key in self._modules}
+
+    def cubins_nvrtc_version(self) -> int:
+        """The NVRTC version (13020 for 13.2) an EPContext of ``compiled_cubins`` records:
+        the newer of the restored cubins' and this process's NVRTC, which compiles the rest."""
+        if self._modules.keys() <= self._cubins.keys():
+            return self._cubins_nvrtc
+        major, minor = _sources.nvrtc_version()
+        return max(self._cubins_nvrtc, major * 1000 + minor * 10)
+
+    # -- capture -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def warming_for_capture(self) -> Iterator[None]:
+        """Run steps outside a capture as they will run inside one (the own GEMM instead
+        of cuBLAS), so every kernel the recording launches is compiled and loaded first."""
+        self._warming += 1
+        try:
+            yield
+        finally:
+            self._warming -= 1
 
     # -- operations --------------------------------------------------------------------
 
     def _capturing(self) -> bool:
-        return bool(self.xp.cuda.get_current_stream().is_capturing())
+        return self._warming > 0 or bool(self.xp.cuda.get_current_stream().is_capturing())
 
     def matmul(self, a: Any, b: Any) -> Any:
         if self.gemm_engine == "cublas" or (self.gemm_engine == "auto" and not self._capturing()):

@@ -1,8 +1,9 @@
 """Segmented CUDA-graph capture of a compiled partition, with cupy's stream capture.
 
 Consecutive capturable steps form a segment recorded into one ``cupy.cuda.Graph``; a step
-that cannot be captured (cuBLAS under ``PLUGRT_CUDA_GEMM=cublas``) is a seam run eagerly
-between graphs, copying its result into a persistent buffer. Every segment allocates from
+that cannot be captured (cuBLAS under ``PLUGRT_CUDA_GEMM=cublas``, or one whose recording
+fails) is a seam run eagerly between graphs, copying its result into a persistent buffer,
+and the steps around it are still recorded. Every segment allocates from
 its own memory pool, kept alive with its graph, so no address baked into a graph is ever
 handed to anything else.
 """
@@ -59,19 +60,42 @@ def _capture(compiled: CompiledPartition, ctx: CaptureContext, backend: CupyBack
 
     runs: list[Callable[[], None]] = []
     nodes: list[tuple[str, bool, str]] = []
+
+    def seam(step: Step, reason: str) -> None:
+        runs.append(_seam(step, array, made, cp))
+        nodes.append((step.name, False, reason))
+
+    def record(part: list[Step]) -> None:
+        """``part`` as one graph; a step whose recording fails becomes a seam and the
+        steps around it are recorded without it."""
+        try:
+            runs.append(_segment(part, array, made, cp, backend))
+        except _RecordingFailed as failure:
+            if failure.position is None and len(part) > 1:  # the failing step is unknown: halve
+                middle = len(part) // 2
+                record(part[:middle])
+                record(part[middle:])
+                return
+            at = failure.position or 0
+            if at > 0:
+                record(part[:at])
+            seam(part[at], f"cannot be recorded in a CUDA graph ({failure.why}); runs eagerly between graphs")
+            if at + 1 < len(part):
+                record(part[at + 1 :])
+            return
+        nodes.extend((s.name, True, "") for s in part)
+
     index = 0
     while index < len(steps):
         reason = seam_reason(steps[index], backend)
         if reason is not None:
-            runs.append(_seam(steps[index], array, made, cp))
-            nodes.append((steps[index].name, False, reason))
+            seam(steps[index], reason)
             index += 1
             continue
         end = index
         while end < len(steps) and seam_reason(steps[end], backend) is None:
             end += 1
-        runs.append(_segment(steps[index:end], array, made, cp))
-        nodes.extend((s.name, True, "") for s in steps[index:end])
+        record(list(steps[index:end]))
         index = end
     for step in steps:
         for value in step.outputs:
@@ -81,29 +105,58 @@ def _capture(compiled: CompiledPartition, ctx: CaptureContext, backend: CupyBack
     return CapturedPartition(runs, nodes)
 
 
-def _segment(steps: list[Step], array: Callable[[Any], Any], made: dict, cp: Any) -> Callable[[], None]:
-    # Warm up outside capture: every kernel compiles (NVRTC) and every module loads now.
+class _RecordingFailed(Exception):
+    """Recording a segment failed: at step ``position`` of it (None: not known which)."""
+
+    def __init__(self, position: int | None, error: BaseException):
+        super().__init__(position, error)
+        self.position = position
+        self.why = f"{type(error).__name__}: {error}"
+
+
+def _segment(
+    steps: list[Step], array: Callable[[Any], Any], made: dict, cp: Any, backend: CupyBackend
+) -> Callable[[], None]:
+    # Warm up outside capture, running each step as it will be recorded (the own GEMM, not
+    # cuBLAS): every kernel compiles (NVRTC) and every module loads before the recording.
     warm: dict[Any, Any] = {}
-    for step in steps:
-        results = step.fn(*[warm[v] if v in warm else array(v) for v in step.inputs])
-        warm.update(zip(step.outputs, _results(step, results)))
+    with backend.warming_for_capture():
+        for step in steps:
+            results = step.fn(*[warm[v] if v in warm else array(v) for v in step.inputs])
+            warm.update(zip(step.outputs, _results(step, results)))
     del warm
     cp.cuda.get_current_stream().synchronize()
 
     pool = cp.cuda.MemoryPool()
     stream = cp.cuda.Stream(non_blocking=True)
     keep: list[Any] = []  # every array the graph reads or writes stays referenced with it
+    recorded: dict[Any, Any] = {}  # joins ``made`` only once the whole segment is recorded
+
+    def value_of(value: Any) -> Any:
+        return recorded[value] if value in recorded else array(value)
+
+    failure: _RecordingFailed | None = None
     with cp.cuda.using_allocator(pool.malloc), stream:
         stream.begin_capture()
+        position = 0  # the step being recorded
         try:
             for step in steps:
-                inputs = [array(v) for v in step.inputs]
+                inputs = [value_of(v) for v in step.inputs]
                 outputs = _results(step, step.fn(*inputs))
                 keep.extend(inputs)
                 keep.extend(outputs)
-                made.update((v, a) for v, a in zip(step.outputs, outputs) if v is not None)
-        finally:
+                recorded.update((v, a) for v, a in zip(step.outputs, outputs) if v is not None)
+                position += 1
+        except Exception as exc:  # e.g. a cupy routine that calls cuBLAS or copies from the host
+            failure = _RecordingFailed(position, exc)
+        try:
             graph = stream.end_capture()
+        except Exception as exc:  # the capture was invalidated by something no step raised
+            if failure is None:
+                failure = _RecordingFailed(None, exc)
+    if failure is not None:
+        raise failure
+    made.update(recorded)
     graph.launch(stream)  # the outputs hold real values for the eager steps that follow
     stream.synchronize()
 

@@ -1,5 +1,6 @@
 """The CUDA provider's EPContext blob: compiled kernels (cubins) for one GPU architecture
-plus what decides whether they still fit (architecture, driver, cupy version)."""
+plus what decides whether they still load here (the architecture, and the NVRTC that built
+them against the driver's CUDA version)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import json
 import struct
 
-__all__ = ["FORMAT", "SavedContext", "dumps", "loads", "verdict"]
+__all__ = ["FORMAT", "SavedContext", "dumps", "loads", "verdict", "version_text"]
 
 FORMAT = "plugrt-cuda-context-1"
 _MAGIC = b"PLUGRTCUDA\x00\x01"
@@ -23,6 +24,9 @@ class SavedContext:
     runtime_version: int
     cupy_version: str
     cubins: dict[tuple[str, str], bytes]
+    #: the NVRTC that compiled the cubins, as CUDA writes versions (13020 is 13.2); 0 when
+    #: the blob does not say (written by an earlier plugrt-cuda)
+    nvrtc_version: int = 0
 
 
 def dumps(saved: SavedContext) -> bytes:
@@ -38,6 +42,7 @@ def dumps(saved: SavedContext) -> bytes:
             "driver_version": saved.driver_version,
             "runtime_version": saved.runtime_version,
             "cupy_version": saved.cupy_version,
+            "nvrtc_version": saved.nvrtc_version,
             "cubins": entries,
         },
         sort_keys=True,
@@ -74,18 +79,31 @@ def loads(blob: bytes) -> SavedContext:
             cubins[(str(entry["module"]), str(entry["dtype"]))] = payload[begin : begin + size]
         return SavedContext(
             str(header["arch"]), int(header["driver_version"]), int(header["runtime_version"]),
-            str(header["cupy_version"]), cubins,
+            str(header["cupy_version"]), cubins, int(header.get("nvrtc_version", 0)),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"the context header lacks a field: {exc}") from exc
 
 
-def verdict(saved: SavedContext, *, arch: str, driver_version: int, cupy_version: str) -> str | None:
-    """None when the saved cubins can be loaded here, else why they must be recompiled."""
+def verdict(saved: SavedContext, *, arch: str, driver_version: int) -> str | None:
+    """None when the saved cubins load here, else why they must be recompiled.
+
+    A cubin is machine code for one architecture; the driver loads it when the CUDA that
+    built it is of a major version the driver runs (CUDA's minor-version compatibility:
+    NVRTC 13.2's cubins load on a CUDA 13.0 driver). cupy's own runtime version says nothing
+    about the cubins, so it is not compared."""
     if saved.arch != arch:
         return f"compiled for {saved.arch}, this GPU is {arch}"
-    if driver_version and saved.runtime_version and driver_version < saved.runtime_version:
-        return f"compiled with CUDA runtime {saved.runtime_version}, this driver supports up to {driver_version}"
-    if saved.cupy_version != cupy_version:
-        return f"saved with cupy {saved.cupy_version}, this is cupy {cupy_version}"
+    if not saved.nvrtc_version:
+        return "the context does not say which NVRTC compiled it (written by an earlier plugrt-cuda)"
+    if driver_version and saved.nvrtc_version // 1000 > driver_version // 1000:
+        return (
+            f"compiled by NVRTC {version_text(saved.nvrtc_version)}, and this driver runs CUDA "
+            f"{version_text(driver_version)} at most"
+        )
     return None
+
+
+def version_text(version: int) -> str:
+    """13020 -> "13.2" (CUDA's encoding of versions)."""
+    return f"{version // 1000}.{version % 1000 // 10}"

@@ -27,12 +27,17 @@ from plugrt.provider import (
 
 from . import __version__, _context, _probe
 from ._backend import Backend, CupyBackend
-from ._ops import FLOAT_DTYPES, OPS, PRIVATE_DOMAIN, OpInfo, OpSpec, inputs_not_constant
+from ._ops import FLOAT_DTYPES, OPS, PRIVATE_DOMAIN, OpInfo, inputs_not_constant
 
 __all__ = ["CUDAProvider", "CompiledState"]
 
 _ONNX_DOMAINS = ("", "ai.onnx")
-_UNSUPPORTED_TYPES = ("string", "complex64", "complex128", "bfloat16")
+#: the element types the provider keeps in device memory: those cupy arrays hold and its
+#: kernels compute with. Everything else (strings, bfloat16, float8/float4, int4/int2 and
+#: their unsigned forms, complex, any type added later) is declined in supports_op.
+_DEVICE_DTYPES = frozenset(
+    {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"}
+)
 
 
 @dataclasses.dataclass
@@ -88,9 +93,15 @@ class CUDAProvider:
         devices = self.probe().devices
         return devices[0] if devices else Device(DeviceKind.GPU, 0)
 
+    @property
+    def architecture(self) -> str:
+        """The first device's "sm_XY", "" when unknown (kernels then compile through cupy)."""
+        found = self.probe()
+        return found.architectures[0] if found.architectures else ""
+
     def backend(self) -> Backend:
         if self._backend is None:
-            self._backend = CupyBackend(self._importer())
+            self._backend = CupyBackend(self._importer(), arch=self.architecture)
         return self._backend
 
     # -- placement ---------------------------------------------------------------------
@@ -110,10 +121,10 @@ class CUDAProvider:
                 f"opset {opset}: convert it with onnx.version_converter.convert_version"
             )
         inputs = list(node.inputs)
-        for value in inputs:
+        for role, value in [("input", v) for v in inputs] + [("output", v) for v in node.outputs]:
             if value is None:
                 continue
-            why = _dtype_problem(value, spec)
+            why = _dtype_problem(value, role)
             if why:
                 return Support.no(f"{shown}: {why}")
         if spec.math:
@@ -144,8 +155,7 @@ class CUDAProvider:
         return self._compile(partition, self.backend())
 
     def _compile(self, partition: Partition, backend: Backend, verdict: str = "", restored: bool = False) -> CompiledPartition:
-        uploaded: dict[ir.Value, Any] = {}
-        steps = [self._bind(node, partition.opset_imports, backend, uploaded) for node in partition.nodes]
+        steps = [self._bind(node, partition.opset_imports, backend) for node in partition.nodes]
         return CompiledPartition(partition, steps, self.name, restored=restored, state=CompiledState(backend, verdict))
 
     def _info(self, node: ir.Node, opset: int, constants: list, backend: Backend | None) -> OpInfo:
@@ -155,7 +165,7 @@ class CUDAProvider:
             outputs.pop()
         return OpInfo(attributes, constants, opset, len(node.inputs), len(outputs), backend)  # type: ignore[arg-type]
 
-    def _bind(self, node: ir.Node, opset_imports: dict[str, int], backend: Backend, uploaded: dict) -> Step:
+    def _bind(self, node: ir.Node, opset_imports: dict[str, int], backend: Backend) -> Step:
         domain = "" if node.domain in _ONNX_DOMAINS else node.domain
         spec = OPS.get((domain, node.op_type))
         opset = opset_imports.get(domain, 1 if domain else 0)
@@ -172,16 +182,8 @@ class CUDAProvider:
         info = self._info(node, opset, constants, backend)
         fn = spec.builder(info)
         multi = spec.multi_output or bool(getattr(fn, "multi_output", False))
-        # Constant inputs arrive as host arrays: upload each once, at compile time.
-        device_constants: list[Any] = [None] * len(inputs)
-        for position, (value, array) in enumerate(zip(inputs, constants)):
-            if array is None or position in spec.constant_inputs:
-                continue
-            if value not in uploaded:
-                uploaded[value] = _upload(backend, array)
-            device_constants[position] = uploaded[value]
-        if any(c is not None for c in device_constants):
-            fn = _with_constants(fn, tuple(device_constants))
+        # Constant inputs (weights) are not uploaded here: the plan moves each to the device
+        # once (shared by every session of a WeightStore) and passes it at run time.
         outputs: list[ir.Value | None] = [v for v in list(node.outputs)[: info.num_outputs]]
         return Step(fn, inputs, outputs, multi_output=multi, name=label, op_type=node.op_type, domain=domain, nodes=(label,))
 
@@ -251,9 +253,11 @@ class CUDAProvider:
         if not isinstance(state, CompiledState) or not isinstance(state.backend, CupyBackend):
             raise EpContextError(f"partition {compiled.partition.name!r} was not compiled by the CUDA provider on a GPU")
         found = self.probe()
-        arch = found.architectures[0] if found.architectures else ""
+        arch = self.architecture
+        cubins = state.backend.compiled_cubins(arch)
         saved = _context.SavedContext(
-            arch, found.driver_version, found.runtime_version, found.cupy_version, state.backend.compiled_cubins(arch)
+            arch, found.driver_version, found.runtime_version, found.cupy_version, cubins,
+            state.backend.cubins_nvrtc_version(),
         )
         return _context.dumps(saved)
 
@@ -264,8 +268,8 @@ class CUDAProvider:
         return Support.yes()
 
     def load_context(self, blob: bytes, meta: Mapping[str, Any]) -> CompiledPartition:
-        """Restore a partition: load the saved cubins when they fit this GPU, driver and
-        cupy, else compile from source and say why in ``state.verdict``."""
+        """Restore a partition: load the saved cubins when they fit this GPU and driver,
+        else compile from source and say why in ``state.verdict``."""
         label = meta.get("partition_name", "?")
         partition = meta.get("partition")
         if not isinstance(partition, Partition):
@@ -275,22 +279,11 @@ class CUDAProvider:
         except ValueError as exc:
             raise EpContextError(f"CUDA context of partition {label!r} cannot be restored: {exc}") from exc
         found = self.probe()
-        arch = found.architectures[0] if found.architectures else ""
-        why = _context.verdict(saved, arch=arch, driver_version=found.driver_version, cupy_version=found.cupy_version)
+        why = _context.verdict(saved, arch=self.architecture, driver_version=found.driver_version)
         if why is not None:
             return self._compile(partition, self.backend(), verdict=f"recompiled: {why}")
-        return self._compile(partition, CupyBackend(self._importer(), saved.cubins), verdict="restored", restored=True)
-
-
-def _with_constants(fn: Callable[..., Any], device_constants: tuple) -> Callable[..., Any]:
-    def run(*args: Any) -> Any:
-        return fn(*[d if d is not None else a for a, d in zip(args, device_constants)], *args[len(device_constants) :])
-
-    return run
-
-
-def _upload(backend: Backend, array: np.ndarray) -> Any:
-    return backend.xp.asarray(np.ascontiguousarray(array))
+        backend = CupyBackend(self._importer(), saved.cubins, arch=self.architecture, cubins_nvrtc=saved.nvrtc_version)
+        return self._compile(partition, backend, verdict="restored", restored=True)
 
 
 def _dtype_name(value: ir.Value | None) -> str | None:
@@ -302,12 +295,16 @@ def _dtype_name(value: ir.Value | None) -> str | None:
         return value.dtype.name.lower()
 
 
-def _dtype_problem(value: ir.Value, spec: OpSpec) -> str | None:
+def _dtype_problem(value: ir.Value, role: str) -> str | None:
     if value.type is not None and not isinstance(value.type, ir.TensorType):
-        return f"input {value.name!r} is a {type(value.type).__name__}, the CUDA provider takes tensors only"
-    kind = value.dtype.name.lower() if value.dtype is not None else ""
-    if kind in _UNSUPPORTED_TYPES or kind.startswith("float8") or kind.startswith("float4") or kind in ("int4", "uint4"):
-        return f"input {value.name!r} is {kind}, which the CUDA provider does not hold on the device"
+        return f"{role} {value.name!r} is a {type(value.type).__name__}, the CUDA provider takes tensors only"
+    if value.dtype is None:
+        return None  # unknown until run time: the kernels check what arrives
+    if _dtype_name(value) not in _DEVICE_DTYPES:
+        return (
+            f"{role} {value.name!r} is {value.dtype.name.lower()}, which the CUDA provider does not hold on the device "
+            f"(it holds {', '.join(sorted(_DEVICE_DTYPES))})"
+        )
     return None
 
 

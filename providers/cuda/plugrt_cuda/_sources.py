@@ -9,9 +9,12 @@ the sources compile with NVRTC alone.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import threading
 from typing import Any
 
-__all__ = ["KernelSource", "SOURCES", "DTYPES", "module_source", "kernel_names", "compile_cubin", "NvrtcUnavailable"]
+__all__ = ["KernelSource", "SOURCES", "DTYPES", "module_source", "kernel_names", "compile_cubin", "nvrtc_version",
+           "NvrtcUnavailable"]
 
 #: storage types by numpy dtype name
 DTYPES = {"float32": "float", "float16": "unsigned short"}
@@ -285,7 +288,7 @@ def kernel_names(name: str) -> tuple[str, ...]:
 
 
 class NvrtcUnavailable(RuntimeError):
-    """NVRTC cannot be loaded (cupy or the nvidia-cuda-nvrtc-cu12 wheel is missing)."""
+    """NVRTC cannot be loaded (cupy or its NVRTC wheel is missing)."""
 
 
 def _nvrtc() -> Any:
@@ -295,18 +298,41 @@ def _nvrtc() -> Any:
         nvrtc.getVersion()
     except Exception as exc:
         raise NvrtcUnavailable(
-            f"NVRTC cannot be loaded ({type(exc).__name__}: {exc}); pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12"
+            f"NVRTC cannot be loaded ({type(exc).__name__}: {exc}); pip install './providers/cuda[cuda12]' "
+            "(cupy-cuda12x, nvidia-cuda-nvrtc-cu12) or './providers/cuda[cuda13]' (cupy-cuda13x, nvidia-cuda-nvrtc)"
         ) from exc
     return nvrtc
 
 
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC that compiles here; NvrtcUnavailable when there is none."""
+    major, minor = _nvrtc().getVersion()
+    return int(major), int(minor)
+
+
+#: cubins compiled in this process, by (source digest, dtype, architecture): a module is
+#: compiled once whatever asks for it (loading it, an EPContext export, another session)
+_CUBINS: dict[tuple[str, str, str], bytes] = {}
+_CUBINS_LOCK = threading.Lock()
+
+
 def compile_cubin(name: str, dtype: str, arch: str) -> bytes:
-    """Compile module ``name`` for ``dtype`` to a cubin for ``arch`` ("sm_90") with NVRTC.
+    """Compile module ``name`` for ``dtype`` to a cubin for ``arch`` ("sm_90") with NVRTC,
+    once per (source, dtype, architecture) in a process.
 
     Needs no GPU. Raises RuntimeError carrying NVRTC's log when the source does not compile.
     """
-    nvrtc = _nvrtc()
     source = module_source(name, dtype)
+    key = (hashlib.sha256(source.encode("utf-8")).hexdigest(), dtype, arch)
+    with _CUBINS_LOCK:
+        found = _CUBINS.get(key)
+        if found is None:
+            found = _CUBINS[key] = _compile(name, dtype, arch, source)
+    return found
+
+
+def _compile(name: str, dtype: str, arch: str, source: str) -> bytes:
+    nvrtc = _nvrtc()
     program = nvrtc.createProgram(source, f"plugrt_{name}_{dtype}.cu", [], [])
     try:
         try:
