@@ -1,0 +1,794 @@
+"""The GPU check's stages, run by ``.gpucheck/run.sh`` with the image's python3.
+
+Without arguments it runs every stage in order of value, each as its own process with its
+own time limit inside the total budget (``GPU_CHECK_BUDGET`` seconds, default 480), so a
+hung kernel costs one stage, not the run. Each stage appends records to
+``$OUT/results.jsonl`` as it measures and the summary (``$OUT/summary.md``) is rewritten
+after every record. ``--stage NAME`` runs one stage; ``--summary`` rewrites the summary.
+
+Stages: environment (versions, driver, runtime, NVRTC, providers, onnxruntime's providers);
+light (onnx's light models and their random-weight variants on the CUDA provider against the
+CPU provider's references, on logits); exports (torchvision networks built here with a fixed
+seed and exported here, against PyTorch's own output); latency (plugrt eager and graph
+replay per model, beside PyTorch eager and ``torch.cuda.CUDAGraph`` replays on the same GPU,
+TF32 off and on); gpu_tests (``pytest -m gpu tests/cuda``); conformance (the ops the CUDA
+provider claims, in batches, within what is left of the budget).
+
+``GPU_CHECK_DEVICE=cpu`` rehearses the GPU stages on another device (plugrt's CPU provider,
+no PyTorch peer) to try the check's own code on a machine without a GPU; its figures mean
+nothing. ``GPU_CHECK_DRY=1`` runs what needs no GPU: the environment, discovery (cuda unavailable,
+with its reason), NVRTC on every kernel source, and the references (inputs and random
+weights regenerated and checked against their digests, the CPU provider on one model
+against its reference); it exits 0 when all of that holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OUT = os.environ.get("OUT") or os.path.join(HERE, "out")
+WORK = os.environ.get("GPU_CHECK_WORK", "/tmp/plugrt-gpucheck-work")
+RESULTS = os.path.join(OUT, "results.jsonl")
+SUMMARY = os.path.join(OUT, "summary.md")
+DRY = os.environ.get("GPU_CHECK_DRY", "") not in ("", "0")
+BUDGET = float(os.environ.get("GPU_CHECK_BUDGET", "480"))
+RUNS = int(os.environ.get("GPU_CHECK_RUNS", "30"))
+#: torchvision networks built, exported and timed beside PyTorch (in this order, budget allowing)
+EXPORTS = [n for n in os.environ.get("GPU_CHECK_EXPORTS", "resnet50,mobilenet_v2,densenet121,vit_b_16").split(",") if n]
+#: relative tolerance on logits (and outputs): max |got - want| <= TOLERANCE * max(1, max |want|)
+TOLERANCE = 1e-3
+ARCH = "sm_90"
+#: the plugrt device the GPU stages use; another one only rehearses them (no figure counts)
+DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+
+#: (stage, time limit in seconds, needs a GPU)
+STAGES = [
+    ("environment", 90, False),
+    ("references", 120, False),
+    ("light", 120, True),
+    ("exports", 150, True),
+    ("latency", 180, True),
+    ("gpu_tests", 120, True),
+    ("conformance", 600, True),
+]
+
+
+# -- records and the summary ---------------------------------------------------------------
+
+
+def record(stage: str, **fields: Any) -> None:
+    """Append one record to results.jsonl and rewrite the summary."""
+    os.makedirs(OUT, exist_ok=True)
+    with open(RESULTS, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"stage": stage, "time": round(time.time(), 3), **fields}, default=str) + "\n")
+    try:
+        write_summary()
+    except Exception:  # a summary bug must not lose the measurement just recorded
+        traceback.print_exc()
+
+
+def read_records() -> list[dict]:
+    if not os.path.exists(RESULTS):
+        return []
+    records = []
+    with open(RESULTS, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    records.append({"stage": "?", "status": "fail", "detail": f"unreadable record: {line[:200]}"})
+    return records
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.2e}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def write_summary() -> None:
+    records = read_records()
+    by_stage: dict[str, list[dict]] = {}
+    for r in records:
+        by_stage.setdefault(r.get("stage", "?"), []).append(r)
+    lines = ["# plugrt CUDA provider: GPU check", ""]
+    env = next((r for r in by_stage.get("environment", []) if r.get("kind") == "versions"), {})
+    manifest = _manifest()
+    lines += [
+        f"- date: {time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime(env.get('time', time.time())))}",
+        f"- commit: {manifest.get('commit', '?')} (prepared {manifest.get('prepared', '?')})",
+        f"- mode: {'dry run (no GPU used)' if DRY else 'GPU' if DEVICE == 'cuda' else f'REHEARSAL on {DEVICE}: no figure counts'}",
+        f"- GPU: {env.get('gpu', '?')}; driver {env.get('driver', '?')}; CUDA runtime {env.get('cuda_runtime', '?')}; "
+        f"NVRTC {env.get('nvrtc', '?')}",
+        f"- python {env.get('python', '?')}; " + ", ".join(f"{k} {v}" for k, v in (env.get("packages") or {}).items()),
+        f"- providers: {env.get('providers', '?')}",
+        f"- onnxruntime's providers here: {env.get('onnxruntime_providers', '?')} "
+        "(a CPU-only onnxruntime is never compared with plugrt on the GPU; the peer is PyTorch on the same GPU)",
+        "",
+    ]
+    for stage, *_ in STAGES:
+        rows = by_stage.get(stage, [])
+        lines += _section(stage, rows)
+    failures = [r for r in records if r.get("status") in ("fail", "timeout", "error")]
+    lines += ["## Not measured or failed"]
+    ran = {r.get("stage") for r in records}
+    for stage, _, gpu in STAGES:
+        if stage not in ran:
+            lines.append(f"- {stage}: not run" + (" (dry run: needs a GPU)" if DRY and gpu else ""))
+    for r in failures:
+        lines.append(f"- {r.get('stage')}: {r.get('status')}: {r.get('model') or r.get('kind') or ''} "
+                     f"{str(r.get('detail', ''))[:300]}")
+    if lines[-1] == "## Not measured or failed":
+        lines.append("- nothing")
+    lines.append("")
+    tmp = SUMMARY + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    os.replace(tmp, SUMMARY)
+
+
+def _section(stage: str, rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    out = [f"## {stage}", ""]
+    if stage == "environment":
+        for r in rows:
+            if r.get("kind") == "nvrtc":
+                out.append(f"- NVRTC {r.get('nvrtc')} compiles every kernel source for {ARCH}: "
+                           f"{r.get('status')} ({len(r.get('compiled', []))} modules) {r.get('detail', '')}")
+            elif r.get("kind") == "discovery":
+                out.append(f"- discovery: cuda {r.get('cuda')}; {r.get('detail', '')}")
+    elif stage == "references":
+        for r in rows:
+            out.append(f"- {r.get('kind')}: {r.get('status')} {r.get('detail', '')}")
+    elif stage in ("light", "exports"):
+        out += ["| model | variant | on cuda / nodes | partitions | max abs diff (logits) | relative | "
+                "max abs diff (outputs) | ok |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "model" not in r:  # a stage record: said below the table
+                continue
+            out.append(
+                f"| {r['model']} | {r.get('variant', '')} | {r.get('cuda_nodes', '-')} / {r.get('nodes', '-')} | "
+                f"{r.get('partitions', '-')} | {_fmt(r.get('logits_abs'))} | {_fmt(r.get('logits_rel'))} | "
+                f"{_fmt(r.get('outputs_abs'))} | {'yes' if r.get('status') == 'ok' else '**' + str(r.get('status')) + '**'} |"
+            )
+        passed = sum(1 for r in rows if r.get("status") == "ok")
+        out += ["", f"- {stage}: {passed} of {sum(1 for r in rows if 'model' in r)} within {TOLERANCE:g} "
+                f"(relative to each tensor's largest value) of the {'CPU provider' if stage == 'light' else 'PyTorch'}"]
+    elif stage == "latency":
+        out += ["Median ms over up to %d runs, batch 1. plugrt eager: session.run with inputs and outputs bound "
+                "on the device; host: session.run with numpy in and out; replay: try_capture then replay (CUDA "
+                "graphs). PyTorch: the same network (exports only), input on the device, TF32 off (the same "
+                "precision as plugrt's FP32 kernels) and on." % RUNS, "",
+                "| model | plugrt host | plugrt eager | plugrt replay | seams | replay speed-up | torch eager | "
+                "torch graph | torch eager tf32 | torch graph tf32 | eager / torch eager | replay / torch graph |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        eager_ratios, graph_ratios = [], []
+        for r in rows:
+            if "model" not in r:  # a stage record: said below the table
+                continue
+            er = _ratio(r.get("plugrt_eager"), r.get("torch_eager"))
+            gr = _ratio(r.get("plugrt_replay"), r.get("torch_graph"))
+            eager_ratios += [er] if er else []
+            graph_ratios += [gr] if gr else []
+            out.append(
+                f"| {r['model']} | {_fmt(r.get('plugrt_host'))} | {_fmt(r.get('plugrt_eager'))} | "
+                f"{_fmt(r.get('plugrt_replay'))} | {_fmt(r.get('seams'))} | "
+                f"{_fmt(_ratio(r.get('plugrt_eager'), r.get('plugrt_replay')), 2)} | {_fmt(r.get('torch_eager'))} | "
+                f"{_fmt(r.get('torch_graph'))} | {_fmt(r.get('torch_eager_tf32'))} | {_fmt(r.get('torch_graph_tf32'))} | "
+                f"{_fmt(er, 2)} | {_fmt(gr, 2)} |"
+            )
+        out += ["",
+                f"graphs vs torch graphs: geomean {_fmt(geomean(graph_ratios), 2)} (over {len(graph_ratios)} models)",
+                f"eager vs torch eager: geomean {_fmt(geomean(eager_ratios), 2)} (over {len(eager_ratios)} models)",
+                "", "Light models have no PyTorch module: their rows have no peer."]
+    elif stage == "gpu_tests":
+        for r in rows:
+            out.append(f"- GPU tests: {r.get('status')}: {r.get('tests', 0)} tests, {r.get('failed', 0)} failed, "
+                       f"{r.get('skipped', 0)} skipped ({_fmt(r.get('seconds'), 1)} s) {str(r.get('detail', ''))[:300]}")
+    elif stage == "conformance":
+        totals: dict[str, int] = {}
+        for r in rows:
+            for key, value in (r.get("totals") or {}).items():
+                totals[key] = totals.get(key, 0) + int(value)
+        ops = sum(len(r.get("ops", [])) for r in rows if r.get("status") in ("ok", "fail"))
+        claimed = rows[0].get("claimed_ops") if rows else None
+        out.append(f"- conformance on {ops} of {claimed or '?'} claimed ops: "
+                   + ", ".join(f"{v} {k}" for k, v in sorted(totals.items())))
+        for r in rows:
+            if r.get("status") not in ("ok",):
+                out.append(f"  - batch {r.get('batch')}: {r.get('status')} {str(r.get('detail', ''))[:300]}")
+        failing = [c for r in rows for c in r.get("failing", [])]
+        if failing:
+            out.append("- failing cases: " + ", ".join(failing[:60]) + (" ..." if len(failing) > 60 else ""))
+    for r in rows:
+        if r.get("kind") == "stage" and r.get("status") != "ok":
+            out.append(f"- stage {r.get('status')}: {str(r.get('detail', ''))[:300]}")
+    out.append("")
+    return out
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
+
+
+def _manifest() -> dict:
+    try:
+        with open(os.path.join(HERE, "manifest.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+# -- shared pieces -------------------------------------------------------------------------
+
+
+def _version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def light_inputs(name: str) -> dict:
+    from plugrt.conformance.light_models import light_models
+
+    return next(m for m in light_models() if m.name == name).inputs
+
+
+def _digest(arrays: dict) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        digest.update(name.encode())
+        digest.update(arrays[name].tobytes())
+    return digest.hexdigest()
+
+
+def compare(got: Any, want: Any) -> tuple[float, float]:
+    """(max abs difference, that over max(1, max |want|))."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return math.inf, math.inf
+    diff = float(np.max(np.abs(got - want))) if got.size else 0.0
+    if not math.isfinite(diff):
+        return math.inf, math.inf
+    return diff, diff / max(1.0, float(np.max(np.abs(want))) if want.size else 1.0)
+
+
+def placement_fields(session: Any) -> dict:
+    report = session.placement
+    counts = dict(report.nodes_per_provider)
+    fields = {"nodes": sum(counts.values()), "cuda_nodes": counts.get(DEVICE, 0), "partitions": len(report.partitions)}
+    reasons = sorted({f"{f.op_type}: {f.reason}" for f in report.fallbacks})
+    if reasons:
+        fields["fallbacks"] = reasons[:12]
+    return fields
+
+
+def light_variant(entry: dict, variant: str) -> tuple[bytes, str]:
+    """A light model's bytes for ``variant`` ("constant" or "random"), and the digest of the
+    random weights made here (to be equal to the one prep recorded)."""
+    import onnx
+
+    from plugrt.conformance.light_models import with_random_weights
+
+    model = onnx.load(os.path.join(HERE, entry["file"]))
+    if variant == "constant":
+        return model.SerializeToString(), ""
+    expected = entry["variants"]["random"]["weights_sha256"]
+    cached = os.path.join(WORK, f"light_{entry['name']}_random.onnx")
+    if os.path.exists(cached):  # written below only once its digest matched prep's
+        with open(cached, "rb") as f:
+            return f.read(), expected
+    random_model, digest = with_random_weights(model, seed=entry["variants"]["random"]["seed"])
+    data = random_model.SerializeToString()
+    if digest == expected:
+        with open(cached + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(cached + ".tmp", cached)
+    return data, digest
+
+
+def sync() -> None:
+    if DEVICE != "cuda":
+        return
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def median_ms(fn: Callable[[], Any], runs: int = RUNS, warmup: int = 3, cap_s: float = 8.0) -> float:
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < runs and (time.perf_counter() - started < cap_s or len(times) < 5):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+# -- stages --------------------------------------------------------------------------------
+
+
+def stage_environment() -> bool:
+    packages = {name: _version(name) for name in (
+        "plugrt", "plugrt-cuda", "plugrt-provider-template", "numpy", "onnx", "onnx-ir", "cupy-cuda13x", "cupy-cuda12x",
+        "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12", "torch", "torchvision", "onnxruntime", "onnxruntime-gpu",
+        "pluggy", "ml-dtypes", "importlib-metadata", "google-re2",
+    )}
+    fields: dict[str, Any] = {"python": platform.python_version(), "packages": {k: v for k, v in packages.items() if v}}
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        )
+        fields["gpu"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else "none"
+    except (OSError, subprocess.TimeoutExpired):
+        fields["gpu"] = "none (no nvidia-smi)"
+    try:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        fields["cuda_runtime"] = _cuda_text(runtime.runtimeGetVersion())
+        try:
+            driver = int(runtime.driverGetVersion())
+            fields["driver"] = _cuda_text(driver) if driver else "none (no libcuda)"
+        except Exception as exc:
+            fields["driver"] = f"none ({type(exc).__name__})"
+    except Exception as exc:
+        fields["cuda_runtime"] = f"cupy does not import: {type(exc).__name__}: {exc}"
+    try:
+        from plugrt_cuda import _sources
+
+        fields["nvrtc"] = "%d.%d" % _sources.nvrtc_version()
+    except Exception as exc:
+        fields["nvrtc"] = f"unavailable ({type(exc).__name__}: {exc})"
+    try:
+        import onnxruntime
+
+        fields["onnxruntime_providers"] = onnxruntime.get_available_providers()
+    except Exception as exc:
+        fields["onnxruntime_providers"] = f"onnxruntime does not import ({type(exc).__name__})"
+    from plugrt.registry import default_registry
+
+    registry = default_registry()
+    shown = []
+    for name in registry.providers():
+        reason = registry.unavailable_reason(name)
+        shown.append(f"{name} ({'available' if reason is None else 'unavailable'})")
+    fields["providers"] = ", ".join(shown)
+    record("environment", kind="versions", status="ok", **fields)
+
+    ok = True
+    cuda_reason = registry.unavailable_reason("cuda") if "cuda" in registry.providers() else "plugrt-cuda not found"
+    if DRY:
+        # no GPU here: cuda must be listed, unavailable, with its reason
+        listed = "cuda" in registry.providers()
+        status = "ok" if listed and cuda_reason else "fail"
+        record("environment", kind="discovery", status=status, cuda="unavailable" if cuda_reason else "available",
+               detail=f"reason: {cuda_reason}")
+        ok &= status == "ok"
+    else:
+        status = "ok" if cuda_reason is None else "fail"
+        record("environment", kind="discovery", status=status, cuda="available" if cuda_reason is None else "unavailable",
+               detail=f"reason: {cuda_reason}" if cuda_reason else f"devices: {registry.devices('cuda')}")
+        ok &= status == "ok"
+    ok &= _nvrtc_check()
+    return ok
+
+
+def _cuda_text(version: int) -> str:
+    return f"{version} ({version // 1000}.{version % 1000 // 10})"
+
+
+def _nvrtc_check() -> bool:
+    try:
+        from plugrt_cuda import _sources
+
+        compiled = []
+        for module in sorted(_sources.SOURCES):
+            for dtype in sorted(_sources.DTYPES):
+                _sources.compile_cubin(module, dtype, ARCH)
+                compiled.append(f"{module}/{dtype}")
+        record("environment", kind="nvrtc", status="ok", nvrtc="%d.%d" % _sources.nvrtc_version(), compiled=compiled)
+        return True
+    except Exception as exc:
+        record("environment", kind="nvrtc", status="fail", detail=f"{type(exc).__name__}: {exc}"[:2000])
+        return False
+
+
+def stage_references() -> bool:
+    """The carried references load, and this machine regenerates the same inputs and random
+    weights (digests); the CPU provider reproduces one model's reference here."""
+    import numpy as np
+
+    import plugrt
+
+    manifest = _manifest()
+    references = np.load(os.path.join(HERE, "references.npz"))
+    ok = True
+    mismatched = []
+    for entry in manifest["models"]:
+        if _digest(light_inputs(entry["name"])) != entry["inputs_sha256"]:
+            mismatched.append(f"{entry['name']} inputs")
+        for variant, info in entry["variants"].items():
+            for output in entry["outputs"]:
+                if f"{entry['name']}/{variant}/{output}" not in references:
+                    mismatched.append(f"{entry['name']}/{variant}/{output} missing")
+            if variant == "random":
+                _, digest = light_variant(entry, variant)
+                if digest != info["weights_sha256"]:
+                    mismatched.append(f"{entry['name']} random weights")
+    record("references", kind="load", status="fail" if mismatched else "ok",
+           detail=("differ from prep: " + ", ".join(mismatched)) if mismatched
+           else f"{len(references.files)} reference tensors; inputs and random weights regenerated identically")
+    ok &= not mismatched
+    # the CPU provider (numpy path) on this machine's numpy/onnx reproduces a reference
+    entry = next(e for e in manifest["models"] if e["name"] == "squeezenet")
+    worst = 0.0
+    for variant in ("constant", "random"):
+        data, _ = light_variant(entry, variant)
+        outputs = plugrt.load(data, device="cpu").run(light_inputs("squeezenet"))
+        for name in entry["logits"] + ([entry["outputs"][0]] if variant == "random" else []):
+            worst = max(worst, compare(outputs[name], references[f"squeezenet/{variant}/{name}"])[1])
+    status = "ok" if worst <= TOLERANCE else "fail"
+    record("references", kind="cpu provider here", status=status,
+           detail=f"squeezenet on the CPU provider here against the carried reference: relative {worst:.2e}")
+    return ok and status == "ok"
+
+
+def stage_light() -> bool:
+    import numpy as np
+
+    import plugrt
+
+    manifest = _manifest()
+    references = np.load(os.path.join(HERE, "references.npz"))
+    ok = True
+    for entry in manifest["models"]:
+        for variant in ("constant", "random"):
+            name = entry["name"]
+            fields: dict[str, Any] = {"model": name, "variant": variant}
+            try:
+                data, _ = light_variant(entry, variant)
+                started = time.perf_counter()
+                session = plugrt.load(data, device=DEVICE)
+                fields["build_s"] = round(time.perf_counter() - started, 2)
+                fields.update(placement_fields(session))
+                outputs = session.run(light_inputs(name))
+                worst_abs = worst_rel = 0.0
+                for logits in entry["logits"]:
+                    a, r = compare(outputs[logits], references[f"{name}/{variant}/{logits}"])
+                    worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
+                final = entry["outputs"][0]
+                out_abs, out_rel = compare(outputs[final], references[f"{name}/{variant}/{final}"])
+                if not entry["logits"]:  # no final Softmax: the output is what is compared
+                    worst_abs, worst_rel = out_abs, out_rel
+                fields.update(logits_abs=worst_abs, logits_rel=worst_rel, outputs_abs=out_abs)
+                # constant weights saturate the Softmax (one ulp flips a one-hot): logits decide;
+                # random weights do not: their probabilities must agree too
+                good = worst_rel <= TOLERANCE and (variant == "constant" or out_rel <= TOLERANCE)
+                fields["status"] = "ok" if good else "fail"
+            except Exception as exc:
+                fields.update(status="error", detail=f"{type(exc).__name__}: {exc}"[:1500])
+            ok &= fields["status"] == "ok"
+            record("light", **fields)
+    return ok
+
+
+def _torch_model(name: str) -> Any:
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None)
+    return model.eval()
+
+
+def _torch_input() -> Any:
+    import numpy as np
+
+    return np.random.RandomState(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+
+
+def _export(model: Any, x: Any, path: str) -> str:
+    """Export with the TorchScript exporter, or the dynamo one where that is all there is."""
+    import torch
+
+    try:
+        torch.onnx.export(model, (x,), path, input_names=["input"], output_names=["logits"], opset_version=17,
+                          dynamo=False)
+        return "torchscript"
+    except TypeError:  # a torch without the dynamo keyword
+        torch.onnx.export(model, (x,), path, input_names=["input"], output_names=["logits"], opset_version=17)
+        return "torchscript"
+    except Exception:
+        torch.onnx.export(model, (x,), path, input_names=["input"], output_names=["logits"], dynamo=True)
+        return "dynamo"
+
+
+def stage_exports() -> bool:
+    import numpy as np
+    import torch
+
+    import plugrt
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    os.makedirs(WORK, exist_ok=True)
+    x = _torch_input()
+    ok = True
+    for name in EXPORTS:
+        fields: dict[str, Any] = {"model": name, "variant": "torchvision, seed 0"}
+        try:
+            path = os.path.join(WORK, f"{name}.onnx")
+            model = _torch_model(name)
+            started = time.perf_counter()
+            fields["exporter"] = _export(model, torch.from_numpy(x), path)
+            fields["export_s"] = round(time.perf_counter() - started, 2)
+            with torch.no_grad():
+                want = model.cuda()(torch.from_numpy(x).cuda()).float().cpu().numpy()  # FP32, TF32 off
+            np.save(os.path.join(WORK, f"{name}.torch.npy"), want)
+            session = plugrt.load(path, device=DEVICE)
+            fields.update(placement_fields(session))
+            got = session.run({session.inputs[0].name: x})[session.outputs[0].name]
+            a, r = compare(got, want)
+            fields.update(logits_abs=a, logits_rel=r, status="ok" if r <= TOLERANCE else "fail")
+        except Exception as exc:
+            fields.update(status="error", detail=f"{type(exc).__name__}: {exc}"[:1500])
+        ok &= fields["status"] == "ok"
+        record("exports", **fields)
+    return ok
+
+
+def _plugrt_latency(data: Any, feeds: dict) -> dict:
+    import plugrt
+
+    session = plugrt.load(data, device=DEVICE)
+    fields: dict[str, Any] = {"plugrt_host": median_ms(lambda: session.run(feeds))}
+    outputs = session.run(feeds)
+    bindings = []
+    for name, value in feeds.items():
+        binding = session.allocate_binding(input=name, shape=value.shape, dtype=value.dtype)
+        binding.write(value)
+        bindings.append(binding)
+    for info in session.outputs:
+        bindings.append(session.allocate_binding(output=info.name, shape=outputs[info.name].shape,
+                                                 dtype=outputs[info.name].dtype))
+    fields["plugrt_eager"] = median_ms(lambda: (session.run(bindings=bindings), sync()))
+    captured = session.try_capture(bindings=bindings)
+    if captured.captured:
+        fields["seams"] = len(captured.report.seams)
+        if captured.report.seams:
+            fields["seam_reasons"] = sorted({f"{n}: {w}" for n, w in captured.report.seams})[:8]
+        fields["plugrt_replay"] = median_ms(lambda: (session.replay(bindings=bindings), sync()))
+    else:
+        fields["capture"] = "not capturable: " + "; ".join(f"{n}: {w}" for n, w in captured.report[:5])[:500]
+    return fields
+
+
+def _torch_latency(name: str) -> dict:
+    import torch
+
+    fields: dict[str, Any] = {}
+    model = _torch_model(name).cuda()
+    x = torch.from_numpy(_torch_input()).cuda()
+
+    def timed(tf32: bool) -> tuple[float, float]:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        with torch.no_grad():
+            eager = median_ms(lambda: (model(x), torch.cuda.synchronize()))
+            static = x.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    model(static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model(static)
+            replay = median_ms(lambda: (graph.replay(), torch.cuda.synchronize()))
+        return eager, replay
+
+    fields["torch_eager"], fields["torch_graph"] = timed(False)
+    fields["torch_eager_tf32"], fields["torch_graph_tf32"] = timed(True)
+    return fields
+
+
+def stage_latency() -> bool:
+    manifest = _manifest()
+    ok = True
+    cases: list[tuple[str, Callable[[], tuple[Any, dict]], bool]] = []
+    for entry in manifest["models"]:
+        cases.append((f"light {entry['name']}",
+                      lambda entry=entry: (light_variant(entry, "constant")[0], light_inputs(entry["name"])), False))
+    for name in EXPORTS:
+        path = os.path.join(WORK, f"{name}.onnx")
+        if os.path.exists(path):
+            cases.append((name, lambda path=path: (path, {"input": _torch_input()}), True))
+    for label, make, peer in cases:
+        fields: dict[str, Any] = {"model": label}
+        try:
+            data, feeds = make()
+            fields.update(_plugrt_latency(data, feeds))
+            if peer:
+                fields.update(_torch_latency(label))
+            fields["status"] = "ok"
+        except Exception as exc:
+            fields.update(status="error", detail=f"{type(exc).__name__}: {exc}"[:1500])
+            ok = False
+        record("latency", **fields)
+    return ok
+
+
+def stage_gpu_tests(limit: float) -> bool:
+    import xml.etree.ElementTree as ET
+
+    junit = os.path.join(WORK, "gpu_tests.xml")
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/cuda", "-rs",
+             f"--junitxml={junit}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=max(10.0, limit - 5),
+        )
+    except subprocess.TimeoutExpired:
+        record("gpu_tests", status="timeout", detail=f"pytest ran past {limit:.0f} s")
+        return False
+    with open(os.path.join(OUT, "gpu_tests.txt"), "w", encoding="utf-8") as f:
+        f.write(done.stdout[-200_000:] + done.stderr[-50_000:])
+    try:
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        tests, skipped = int(suite.get("tests")), int(suite.get("skipped"))
+        failed = int(suite.get("failures")) + int(suite.get("errors"))
+    except Exception as exc:
+        record("gpu_tests", status="error", detail=f"no junit report ({exc}): {done.stdout[-800:]}")
+        return False
+    good = failed == 0 and skipped == 0 and tests > 0  # every GPU test skipped is a failure here
+    record("gpu_tests", status="ok" if good else "fail", tests=tests, failed=failed, skipped=skipped,
+           seconds=time.perf_counter() - started, detail="" if good else done.stdout[-1500:])
+    return good
+
+
+def stage_conformance(limit: float) -> bool:
+    from plugrt_cuda._ops import OPS
+
+    ops = sorted({op for domain, op in OPS if domain == ""})
+    deadline = time.monotonic() + limit - 5
+    ok = True
+    size = 8
+    for batch, start in enumerate(range(0, len(ops), size)):
+        chosen = ops[start : start + size]
+        left = deadline - time.monotonic()
+        if left < 15:
+            record("conformance", batch=batch, ops=chosen, claimed_ops=len(ops), status="skipped",
+                   detail="out of budget")
+            continue
+        report = os.path.join(WORK, f"conformance_{batch}.json")
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "plugrt", "conformance", "--provider", DEVICE, "--ops", ",".join(chosen),
+                 "--report", report, "--no-progress"],
+                cwd=ROOT, capture_output=True, text=True, timeout=left,
+            )
+        except subprocess.TimeoutExpired:
+            record("conformance", batch=batch, ops=chosen, claimed_ops=len(ops), status="timeout",
+                   detail=f"batch ran past the {left:.0f} s left")
+            ok = False
+            continue
+        try:
+            with open(report, encoding="utf-8") as f:
+                result = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            record("conformance", batch=batch, ops=chosen, claimed_ops=len(ops), status="error",
+                   detail=(done.stdout + done.stderr)[-1500:])
+            ok = False
+            continue
+        failing = [c["name"] for c in result.get("cases", []) if c.get("status") in ("failed", "error")]
+        status = "ok" if result.get("ok") else "fail"
+        ok &= status == "ok"
+        record("conformance", batch=batch, ops=chosen, claimed_ops=len(ops), status=status,
+               totals=result.get("totals", {}), failing=failing, seconds=result.get("seconds"))
+    return ok
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def run_stage(name: str, limit: float) -> bool:
+    functions: dict[str, Callable[[], bool]] = {
+        "environment": stage_environment,
+        "references": stage_references,
+        "light": stage_light,
+        "exports": stage_exports,
+        "latency": stage_latency,
+        "gpu_tests": lambda: stage_gpu_tests(limit),
+        "conformance": lambda: stage_conformance(limit),
+    }
+    try:
+        return functions[name]()
+    except Exception as exc:
+        record(name, kind="stage", status="error", detail=traceback.format_exc()[-2000:])
+        print(f"stage {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the GPU check's stages")
+    parser.add_argument("--stage", help="run one stage (in this process)")
+    parser.add_argument("--limit", type=float, default=120.0, help="the stage's time limit in seconds")
+    parser.add_argument("--summary", action="store_true", help="rewrite summary.md from results.jsonl")
+    args = parser.parse_args(argv)
+    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(WORK, exist_ok=True)
+    if args.summary:
+        write_summary()
+        return 0
+    if args.stage:
+        return 0 if run_stage(args.stage, args.limit) else 1
+    started = time.monotonic()
+    ok = True
+    for name, limit, needs_gpu in STAGES:
+        if DRY and needs_gpu:
+            continue
+        left = BUDGET - (time.monotonic() - started)
+        if left < 20:
+            record(name, kind="stage", status="skipped", detail=f"{left:.0f} s of the {BUDGET:.0f} s budget left")
+            continue
+        timeout = min(limit, left)
+        print(f"gpu check: {name} (up to {timeout:.0f} s)", flush=True)
+        t = time.monotonic()
+        try:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--stage", name, "--limit", str(timeout)],
+                                  timeout=timeout, cwd=ROOT)
+            passed = done.returncode == 0
+        except subprocess.TimeoutExpired:
+            record(name, kind="stage", status="timeout", detail=f"stopped at its {timeout:.0f} s limit")
+            passed = False
+        print(f"gpu check: {name} {'ok' if passed else 'FAILED'} in {time.monotonic() - t:.0f} s", flush=True)
+        ok &= passed
+        if name == "environment" and not DRY and not passed:
+            # without a working device every later stage fails the same way: say it once
+            record("environment", kind="stage", status="fail", detail="the CUDA provider is not usable here; "
+                   "later stages still run and say how they fail")
+    write_summary()
+    with open(SUMMARY, encoding="utf-8") as f:
+        print(f.read())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

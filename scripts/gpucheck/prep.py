@@ -1,0 +1,178 @@
+"""Prepare the GPU check on a machine with the package index: write ``.gpucheck/``, which the
+``device`` call carries to the lent GPU machine (no network there, 64 MiB per call).
+
+What it writes (at most 8 MB in all):
+
+- ``wheels/``: plugrt, plugrt-cuda and the template provider, built from this checkout, and
+  the wheels the GPU machine's image lacks (for CPython 3.12 on manylinux x86-64);
+- ``models/``: onnx's nine light models, each with its final Softmax's input (the logits)
+  as an extra output;
+- ``references.npz`` and ``manifest.json``: the CPU provider's outputs for those models and
+  for their random-weight variants (computed here with ``PLUGRT_NUMBA=0``), the digests that
+  let the GPU machine check it regenerated the same inputs and weights, and the commit;
+- ``run.sh``, ``driver.py``: the device command and its stages;
+
+then compiles every CUDA C source for sm_90 with NVRTC. Run through ``bash
+scripts/gpu_check.sh prep`` (which sets ``PLUGRT_NUMBA=0`` before plugrt is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+#: what the image lacks for plugrt (DESIGN.md §9; the device tool's KINDS.md lists the rest)
+MISSING_WHEELS = ("importlib-metadata", "zipp", "lazy-importer", "google-re2")
+#: CPython 3.12 on manylinux x86-64, as pip matches platform tags exactly
+PLATFORMS = (
+    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
+SIZE_LIMIT = 8 * 1024 * 1024
+NVRTC_ARCH = "sm_90"
+
+
+def _pins() -> dict[str, str]:
+    """name -> version from constraints.txt, so the carried wheels are those CI tested."""
+    pins: dict[str, str] = {}
+    with open(os.path.join(ROOT, "constraints.txt"), encoding="utf-8") as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if "==" in line:
+                name, version = line.split("==", 1)
+                pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def _pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True, cwd=ROOT)
+
+
+def build_wheels(wheels: str) -> list[str]:
+    _pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", wheels, ".", "./providers/cuda",
+         "./providers/template")
+    pins = _pins()
+    wanted = [f"{name}=={pins[name]}" if name in pins else name for name in MISSING_WHEELS]
+    platforms = [a for p in PLATFORMS for a in ("--platform", p)]
+    _pip("download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation",
+         "cp", *platforms, "-d", wheels, *wanted)
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(wheels, "*.whl")))
+
+
+def _digest(arrays: dict) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        digest.update(name.encode())
+        digest.update(arrays[name].tobytes())
+    return digest.hexdigest()
+
+
+def write_models_and_references(out: str) -> dict:
+    """Light models with logits outputs, and the CPU provider's references for them and for
+    their random-weight variants. Returns the manifest's ``models`` entries."""
+    import numpy as np
+    import onnx
+
+    import plugrt
+    from plugrt.conformance.light_models import light_models, with_logits, with_random_weights
+
+    os.makedirs(os.path.join(out, "models"), exist_ok=True)
+    references: dict[str, np.ndarray] = {}
+    entries = []
+    for light in light_models():
+        started = time.perf_counter()
+        model, logits = with_logits(onnx.load(light.path))
+        file = f"models/light_{light.name}.onnx"
+        onnx.save(model, os.path.join(out, file))
+        entry = {
+            "name": light.name, "file": file, "logits": logits, "outputs": [o.name for o in model.graph.output],
+            "inputs_sha256": _digest(light.inputs), "variants": {},
+        }
+        variants = {"constant": (model, "")}
+        random_model, weights_digest = with_random_weights(model, seed=0)
+        variants["random"] = (random_model, weights_digest)
+        for variant, (proto, digest) in variants.items():
+            session = plugrt.load(proto.SerializeToString(), device="cpu")
+            outputs = session.run(light.inputs)
+            for name, value in outputs.items():
+                references[f"{light.name}/{variant}/{name}"] = value
+            entry["variants"][variant] = {"weights_sha256": digest, "seed": 0 if variant == "random" else None}
+        entries.append(entry)
+        print(f"  references: {light.name} ({time.perf_counter() - started:.1f} s)", flush=True)
+    np.savez_compressed(os.path.join(out, "references.npz"), **references)
+    return {"models": entries}
+
+
+def check_nvrtc() -> dict:
+    """Every CUDA C source compiles for sm_90 (float32 and float16) with this machine's NVRTC."""
+    from plugrt_cuda import _sources
+
+    major, minor = _sources.nvrtc_version()
+    compiled = []
+    for module in sorted(_sources.SOURCES):
+        for dtype in sorted(_sources.DTYPES):
+            cubin = _sources.compile_cubin(module, dtype, NVRTC_ARCH)
+            if cubin[:4] != b"\x7fELF":
+                raise RuntimeError(f"NVRTC gave {module} ({dtype}) something that is not a cubin")
+            compiled.append(f"{module}/{dtype}")
+    return {"nvrtc": f"{major}.{minor}", "arch": NVRTC_ARCH, "compiled": compiled}
+
+
+def _commit() -> str:
+    try:
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return found.stdout.strip() + ("+changes" if dirty else "") if found.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _size(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, ".gpucheck"))
+    args = parser.parse_args(argv)
+    if os.environ.get("PLUGRT_NUMBA") != "0":
+        print("prep: set PLUGRT_NUMBA=0 (bash scripts/gpu_check.sh prep does)", file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(os.path.join(out, "wheels"))
+    print(f"prep: wheels -> {out}/wheels", flush=True)
+    wheels = build_wheels(os.path.join(out, "wheels"))
+    print("prep: models and the CPU provider's references (PLUGRT_NUMBA=0)", flush=True)
+    manifest = {"commit": _commit(), "prepared": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "wheels": wheels}
+    manifest.update(write_models_and_references(out))
+    print(f"prep: NVRTC compiles every kernel source for {NVRTC_ARCH}", flush=True)
+    manifest["nvrtc_check"] = check_nvrtc()
+    for name in ("run.sh", "driver.py"):
+        shutil.copy(os.path.join(HERE, name), os.path.join(out, name))
+    with open(os.path.join(out, "manifest.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+    size = _size(out)
+    print(f"prep: {out} holds {size / 2**20:.2f} MiB ({len(wheels)} wheels, {len(manifest['models'])} models); "
+          f"NVRTC {manifest['nvrtc_check']['nvrtc']} compiled {len(manifest['nvrtc_check']['compiled'])} modules "
+          f"for {NVRTC_ARCH}")
+    if size > SIZE_LIMIT:
+        print(f"prep: {out} is over its {SIZE_LIMIT >> 20} MiB limit", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

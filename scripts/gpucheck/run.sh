@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole device command of the GPU check (prepared by `bash scripts/gpu_check.sh prep`).
+# On the lent GPU machine, from the repository root, carrying .gpucheck:
+#
+#   bash .gpucheck/run.sh
+#
+# It installs the carried wheels into a folder on PYTHONPATH of the image's python3 (no
+# index, no dependencies: nothing is fetched), then runs the check's stages within
+# GPU_CHECK_BUDGET seconds (default 480). Every stage appends to $OUT/results.jsonl and
+# rewrites $OUT/summary.md as it finishes, so a run cut short still returns what it measured.
+#
+#   GPU_CHECK_DRY=1 bash .gpucheck/run.sh    # no GPU: install, imports, discovery, references
+#   GPU_CHECK_PYTHON=/path/to/python3 ...     # another interpreter than the image's python3
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+cd "$HERE/.."
+PYTHON=${GPU_CHECK_PYTHON:-python3}
+export OUT=${OUT:-$HERE/out}
+export GPU_CHECK_SITE=${GPU_CHECK_SITE:-/tmp/plugrt-gpucheck-site}
+export GPU_CHECK_WORK=${GPU_CHECK_WORK:-/tmp/plugrt-gpucheck-work}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT" "$GPU_CHECK_WORK"
+rm -rf "$GPU_CHECK_SITE"
+if ! "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+    --target "$GPU_CHECK_SITE" "$HERE"/wheels/*.whl >"$OUT/install.log" 2>&1; then
+    echo "gpu check: installing the carried wheels failed:" >&2
+    cat "$OUT/install.log" >&2
+    printf '{"stage": "install", "status": "fail", "detail": %s}\n' \
+        "$("$PYTHON" -c 'import json,sys; print(json.dumps(open(sys.argv[1]).read()[-2000:]))' "$OUT/install.log")" \
+        >>"$OUT/results.jsonl"
+    exit 1
+fi
+export PYTHONPATH="$GPU_CHECK_SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$GPU_CHECK_SITE/bin:$PATH"
+exec "$PYTHON" "$HERE/driver.py"

@@ -1,0 +1,93 @@
+"""The GPU check's two halves without a GPU: `gpu_check.sh prep` writes a carried folder
+under its size limit, and `.gpucheck/run.sh` in dry mode, under a Python like the lent GPU
+machine's image (CI makes one: PLUGRT_GPU_CHECK_IMAGE_PYTHON), installs from the carried
+wheels only, finds cuda unavailable with its reason, compiles every kernel with that
+image's NVRTC and checks the references; and the summary's comparison lines."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DRIVER = os.path.join(ROOT, "scripts", "gpucheck", "driver.py")
+IMAGE_PYTHON = os.environ.get("PLUGRT_GPU_CHECK_IMAGE_PYTHON")
+
+
+def _driver(monkeypatch, out):
+    """The driver module, writing its records under ``out``."""
+    spec = importlib.util.spec_from_file_location("gpucheck_driver", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "OUT", str(out))
+    monkeypatch.setattr(module, "RESULTS", str(out / "results.jsonl"))
+    monkeypatch.setattr(module, "SUMMARY", str(out / "summary.md"))
+    return module
+
+
+def test_the_summary_prints_the_geomean_of_plugrt_over_torch(monkeypatch, tmp_path):
+    driver = _driver(monkeypatch, tmp_path)
+    driver.record("latency", model="a", status="ok", plugrt_eager=2.0, plugrt_replay=1.0, torch_eager=1.0, torch_graph=0.5)
+    driver.record("latency", model="b", status="ok", plugrt_eager=8.0, plugrt_replay=1.0, torch_eager=1.0, torch_graph=2.0)
+    driver.record("latency", model="light x", status="ok", plugrt_eager=3.0, plugrt_replay=1.0)  # no peer
+    summary = (tmp_path / "summary.md").read_text()
+    # replay/graph ratios 2.0 and 0.5 -> geomean 1.00; eager ratios 2.0 and 8.0 -> 4.00
+    assert "graphs vs torch graphs: geomean 1.00 (over 2 models)" in summary
+    assert "eager vs torch eager: geomean 4.00 (over 2 models)" in summary
+
+
+def test_a_stage_that_failed_is_listed_as_not_measured(monkeypatch, tmp_path):
+    driver = _driver(monkeypatch, tmp_path)
+    driver.record("light", model="resnet50", variant="random", status="fail", logits_rel=0.2)
+    driver.record("exports", kind="stage", status="timeout", detail="stopped at its 150 s limit")
+    summary = (tmp_path / "summary.md").read_text()
+    tail = summary.split("## Not measured or failed", 1)[1]
+    assert "light: fail: resnet50" in tail and "exports: timeout" in tail and "latency: not run" in tail
+    assert "**fail**" in summary  # the failing row is marked in its table
+
+
+def test_records_are_appended_one_json_object_a_line(monkeypatch, tmp_path):
+    driver = _driver(monkeypatch, tmp_path)
+    driver.record("environment", kind="versions", status="ok", python="3.12.3")
+    driver.record("gpu_tests", status="ok", tests=42, failed=0, skipped=0, seconds=3.0)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert [json.loads(line)["stage"] for line in lines] == ["environment", "gpu_tests"]
+    assert "GPU tests: ok: 42 tests, 0 failed, 0 skipped" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not IMAGE_PYTHON, reason="PLUGRT_GPU_CHECK_IMAGE_PYTHON is not set (.ci/run makes that venv)")
+def test_prep_then_the_dry_run_under_the_image_python_exit_zero(tmp_path):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    carried = str(tmp_path / ".gpucheck")  # not the checkout's own .gpucheck
+    prep = subprocess.run(["bash", "scripts/gpu_check.sh", "prep", "--out", carried], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-3000:]
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(carried) for f in files)
+    assert size <= 8 * 1024 * 1024
+    out = tmp_path / "out"
+    dry_env = dict(
+        env, OUT=str(out), GPU_CHECK_DRY="1", GPU_CHECK_PYTHON=IMAGE_PYTHON,
+        GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_WORK=str(tmp_path / "work"),
+    )
+    dry_env.pop("PYTHONPATH", None)
+    dry = subprocess.run(["bash", os.path.join(carried, "run.sh")], cwd=tmp_path, env=dry_env, capture_output=True,
+                         text=True)
+    assert dry.returncode == 0, dry.stdout[-3000:] + dry.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    by_kind = {(r["stage"], r.get("kind")): r for r in records}
+    versions = by_kind[("environment", "versions")]
+    # plugrt came from the carried wheels; the rest is the image's own
+    assert versions["packages"]["plugrt"] == "0.1.0" and "cupy-cuda13x" in versions["packages"]
+    assert versions["python"].startswith("3.12")
+    discovery = by_kind[("environment", "discovery")]
+    assert discovery["status"] == "ok" and discovery["cuda"] == "unavailable" and "reason: " in discovery["detail"]
+    assert by_kind[("environment", "nvrtc")]["status"] == "ok" and by_kind[("environment", "nvrtc")]["nvrtc"].startswith("13.")
+    assert by_kind[("references", "load")]["status"] == "ok"
+    assert by_kind[("references", "cpu provider here")]["status"] == "ok"
+    assert (out / "summary.md").read_text().startswith("# plugrt CUDA provider: GPU check")
