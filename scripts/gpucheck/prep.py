@@ -12,7 +12,10 @@ What it writes (at most 8 MB in all):
   let the GPU machine check it regenerated the same inputs and weights, and the commit;
 - ``run.sh``, ``driver.py``: the device command and its stages;
 
-then compiles every CUDA C source for sm_90 with NVRTC. Run through ``bash
+then compiles every CUDA C source for sm_90 with NVRTC, and makes (or reuses)
+``.venv-gpu-image``: a CPython 3.12 venv holding the GPU machine image's versions of the
+packages the check uses and nothing of plugrt, which the dry run (``GPU_CHECK_DRY=1 bash
+.gpucheck/run.sh``) uses to stand in for that image. Run through ``bash
 scripts/gpu_check.sh prep`` (which sets ``PLUGRT_NUMBA=0`` before plugrt is imported).
 """
 
@@ -40,6 +43,55 @@ PLATFORMS = (
 )
 SIZE_LIMIT = 8 * 1024 * 1024
 NVRTC_ARCH = "sm_90"
+#: the lent GPU machine's image, as far as the check uses it (the device tool's KINDS.md)
+IMAGE_PACKAGES = (
+    "cupy-cuda13x==14.2.0", "numpy==2.5.2", "onnx==1.23.1", "onnx-ir==1.0.0", "onnxruntime==1.30.0",
+    "nvidia-cuda-nvrtc==13.0.*", "pluggy", "ml-dtypes", "threadpoolctl", "pytest",
+)
+IMAGE_VENV = os.path.join(ROOT, ".venv-gpu-image")
+
+
+def find_python312() -> str | None:
+    """A CPython 3.12 (the image's Python): GPU_CHECK_IMAGE_BASE_PYTHON, pyenv's, or python3.12."""
+    candidates = [os.environ.get("GPU_CHECK_IMAGE_BASE_PYTHON", "")]
+    try:
+        pyenv_root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pyenv_root = os.path.expanduser("~/.pyenv")
+    candidates += sorted(glob.glob(os.path.join(pyenv_root or os.path.expanduser("~/.pyenv"), "versions", "3.12*",
+                                                "bin", "python3.12")))
+    candidates.append(shutil.which("python3.12") or "")
+    for candidate in filter(None, candidates):
+        try:
+            found = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2] == (3, 12))"],
+                                   capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if found.stdout.strip() == "True":
+            return candidate
+    return None
+
+
+def make_image_venv() -> str | None:
+    """``.venv-gpu-image`` with IMAGE_PACKAGES (reused while its package list is the same);
+    its python, or None without a Python 3.12 here."""
+    python = os.path.join(IMAGE_VENV, "bin", "python")
+    marker = os.path.join(IMAGE_VENV, "plugrt-gpu-image.txt")
+    wanted = "\n".join(IMAGE_PACKAGES)
+    if os.path.exists(marker) and os.path.exists(python):
+        with open(marker, encoding="utf-8") as f:
+            if f.read() == wanted:
+                return python
+    base = find_python312()
+    if base is None:
+        return None
+    shutil.rmtree(IMAGE_VENV, ignore_errors=True)
+    subprocess.run([base, "-m", "venv", IMAGE_VENV], check=True)
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *IMAGE_PACKAGES],
+                   check=True)
+    with open(marker, "w", encoding="utf-8") as f:
+        f.write(wanted)
+    return python
 
 
 def _pins() -> dict[str, str]:
@@ -145,6 +197,7 @@ def _size(folder: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, ".gpucheck"))
+    parser.add_argument("--no-image-venv", action="store_true", help="do not make .venv-gpu-image for the dry run")
     args = parser.parse_args(argv)
     if os.environ.get("PLUGRT_NUMBA") != "0":
         print("prep: set PLUGRT_NUMBA=0 (bash scripts/gpu_check.sh prep does)", file=sys.stderr)
@@ -171,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     if size > SIZE_LIMIT:
         print(f"prep: {out} is over its {SIZE_LIMIT >> 20} MiB limit", file=sys.stderr)
         return 1
+    if not args.no_image_venv:
+        print(f"prep: {IMAGE_VENV}: Python 3.12 with the GPU image's packages, for the dry run", flush=True)
+        if make_image_venv() is None:
+            print("prep: no Python 3.12 here: the dry run will use python3 and cannot stand in for the GPU "
+                  "machine's image (set GPU_CHECK_IMAGE_BASE_PYTHON to a CPython 3.12)", file=sys.stderr)
     return 0
 
 

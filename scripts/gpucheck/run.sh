@@ -14,7 +14,17 @@
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/.."
+# the image's python3 on the GPU machine; for a dry run elsewhere, the stand-in for that image
+# which prep makes beside the checkout (CPython 3.12 with the image's versions, no plugrt)
 PYTHON=${GPU_CHECK_PYTHON:-python3}
+if [ -z "${GPU_CHECK_PYTHON:-}" ] && [ -n "${GPU_CHECK_DRY:-}" ] && [ -x "$HERE/../.venv-gpu-image/bin/python" ]; then
+    PYTHON="$HERE/../.venv-gpu-image/bin/python"
+fi
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+    echo "gpu check: $PYTHON is not CPython 3.12, the GPU machine's; the carried wheels are built for 3.12." >&2
+    echo "  For a dry run here, 'bash scripts/gpu_check.sh prep' makes .venv-gpu-image (or set GPU_CHECK_PYTHON)." >&2
+    exit 2
+fi
 export OUT=${OUT:-$HERE/out}
 export GPU_CHECK_SITE=${GPU_CHECK_SITE:-/tmp/plugrt-gpucheck-site}
 export GPU_CHECK_WORK=${GPU_CHECK_WORK:-/tmp/plugrt-gpucheck-work}

@@ -1,6 +1,6 @@
 """The GPU check's two halves without a GPU: `gpu_check.sh prep` writes a carried folder
 under its size limit, and `.gpucheck/run.sh` in dry mode, under a Python like the lent GPU
-machine's image (CI makes one: PLUGRT_GPU_CHECK_IMAGE_PYTHON), installs from the carried
+machine's image (prep makes it: .venv-gpu-image), installs from the carried
 wheels only, finds cuda unavailable with its reason, compiles every kernel with that
 image's NVRTC and checks the references; and the summary's comparison lines."""
 
@@ -16,7 +16,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(ROOT, "scripts", "gpucheck", "driver.py")
-IMAGE_PYTHON = os.environ.get("PLUGRT_GPU_CHECK_IMAGE_PYTHON")
 
 
 def _driver(monkeypatch, out):
@@ -60,19 +59,29 @@ def test_records_are_appended_one_json_object_a_line(monkeypatch, tmp_path):
     assert "GPU tests: ok: 42 tests, 0 failed, 0 skipped" in (tmp_path / "summary.md").read_text()
 
 
+def _prep_module():
+    spec = importlib.util.spec_from_file_location("gpucheck_prep", os.path.join(ROOT, "scripts", "gpucheck", "prep.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not IMAGE_PYTHON, reason="PLUGRT_GPU_CHECK_IMAGE_PYTHON is not set (.ci/run makes that venv)")
 def test_prep_then_the_dry_run_under_the_image_python_exit_zero(tmp_path):
+    prep_module = _prep_module()
+    if prep_module.find_python312() is None:
+        pytest.skip("no CPython 3.12 here to stand in for the GPU machine's image")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     carried = str(tmp_path / ".gpucheck")  # not the checkout's own .gpucheck
     prep = subprocess.run(["bash", "scripts/gpu_check.sh", "prep", "--out", carried], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-3000:]
+    image_python = os.path.join(prep_module.IMAGE_VENV, "bin", "python")
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(carried) for f in files)
     assert size <= 8 * 1024 * 1024
     out = tmp_path / "out"
     dry_env = dict(
-        env, OUT=str(out), GPU_CHECK_DRY="1", GPU_CHECK_PYTHON=IMAGE_PYTHON,
+        env, OUT=str(out), GPU_CHECK_DRY="1", GPU_CHECK_PYTHON=image_python,
         GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_WORK=str(tmp_path / "work"),
     )
     dry_env.pop("PYTHONPATH", None)
