@@ -32,6 +32,7 @@ __all__ = [
     "EpContextAmbiguousError",
     "EpContextMissingPrimaryError",
     "EpContextPathError",
+    "EpContextAttributeError",
     "EpContextOverwriteError",
     "ModelBuildError",
     "RunError",
@@ -371,6 +372,20 @@ class EpContextPathError(EpContextError):
     def __init__(self, path: str, node: str, why: str):
         self.path = path
         super().__init__(f"EPContext node {node!r}: context file {path!r} {why}", node=node)
+
+
+class EpContextAttributeError(EpContextError):
+    """An EPContext attribute has the wrong type or value (``embed_mode="zero"``, an int path)."""
+
+    def __init__(self, node: str, attribute: str, expected: str, actual: str):
+        self.attribute = attribute
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"EPContext node {node!r}: attribute {attribute!r} is {actual}, but must be {expected}; "
+            "the model is malformed, export it again",
+            node=node,
+        )
 
 
 # --- batch inference -----------------------------------------------------------------

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper
 import plugrt
 from plugrt.errors import (
     EpContextAmbiguousError,
+    EpContextAttributeError,
     EpContextError,
     EpContextMissingPrimaryError,
     EpContextOverwriteError,
@@ -186,6 +187,38 @@ def test_template_partitions_round_trip_in_a_fresh_process(tmp_path, embed_mode)
     np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected)
     restored = eval(out.strip())
     assert [r for r in restored if r[0] == "template"] == [("template", True)] * len(template_parts)
+
+
+# -- attributes of the wrong type --------------------------------------------------------------
+
+
+def test_embed_mode_that_is_a_string_names_the_attribute_and_the_expected_type(tmp_path, registry):
+    path = _context_model(tmp_path, _embedded(embed_mode="zero"))
+    with pytest.raises(EpContextAttributeError) as info:
+        plugrt.load(path, registry=registry)
+    err = info.value
+    assert (err.node, err.attribute, err.expected) == ("ctx0", "embed_mode", "the int 0 or 1")
+    assert "'zero'" in err.actual and "string" in err.actual
+
+
+def test_main_context_that_is_a_string_names_the_attribute_and_the_expected_type(tmp_path, registry):
+    path = _context_model(tmp_path, _embedded(main_context="x"))
+    with pytest.raises(EpContextAttributeError) as info:
+        plugrt.load(path, registry=registry)
+    err = info.value
+    assert (err.node, err.attribute, err.expected) == ("ctx0", "main_context", "the int 0 or 1")
+    assert "'x'" in err.actual
+
+
+@pytest.mark.parametrize("embed_mode", [0, 1])
+def test_ep_cache_context_that_is_an_int_names_the_attribute_not_a_path(tmp_path, registry, embed_mode):
+    path = _context_model(tmp_path, _embedded(embed_mode=embed_mode, ep_cache_context=7))
+    with pytest.raises(EpContextAttributeError) as info:
+        plugrt.load(path, registry=registry)
+    err = info.value
+    assert (err.node, err.attribute) == ("ctx0", "ep_cache_context")
+    assert err.expected.startswith("a string") and err.actual == "int 7"
+    assert not isinstance(err, EpContextPathError)
 
 
 # -- hostile paths and safe export -------------------------------------------------------------
