@@ -242,9 +242,11 @@ def _read_blob(node: ir.Node, label: str, base_dir: str, max_bytes: int) -> byte
     try:
         target = contained_path(label, location, base_dir, label)
     except UnsafeExternalDataError as exc:
-        raise EpContextPathError(
-            location, label, "resolves outside the model's folder (absolute, '..', a link out, or not a regular file)"
-        ) from exc
+        why = {
+            UnsafeExternalDataError.NUL_BYTE: "contains a NUL byte, which no file name can; the attribute is corrupt",
+            UnsafeExternalDataError.NOT_REGULAR: "is not a regular file (a FIFO, device, socket or folder)",
+        }.get(exc.problem, "resolves outside the model's folder (absolute, '..' or a link out)")
+        raise EpContextPathError(location, label, why) from exc
     except ModelLoadError as exc:
         raise EpContextPathError(location, label, "does not exist beside the model") from exc
     return read_regular_file(target, max_bytes, "context_bytes", label, EpContextError)

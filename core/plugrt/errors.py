@@ -64,18 +64,31 @@ class ModelLoadError(PlugrtError):
 
 
 class UnsafeExternalDataError(ModelLoadError):
-    """An external-data reference points outside the model's folder."""
+    """An external-data reference is unsafe to follow: it points outside the model's folder,
+    its location holds a NUL byte, or what it names is not a regular file (a FIFO, device,
+    socket or folder). ``problem`` says which."""
 
-    def __init__(self, tensor: str, location: str, *, source: str | None = None):
+    OUTSIDE = "outside the model's folder"
+    NUL_BYTE = "a NUL byte in the location"
+    NOT_REGULAR = "not a regular file"
+
+    def __init__(self, tensor: str, location: str, *, source: str | None = None, problem: str = OUTSIDE):
+        why = {
+            self.OUTSIDE: "which is outside the model's folder; external data must be a relative path "
+            "inside the folder that holds the model (move the file there and fix the 'location' field)",
+            self.NUL_BYTE: "which contains a NUL byte; no file name can, so the 'location' field is "
+            "corrupt (set it to the data file's path relative to the model)",
+            self.NOT_REGULAR: "which is not a regular file (a FIFO, device, socket or folder); external "
+            "data must be a regular file inside the model's folder",
+        }[problem]
         super().__init__(
-            f"initializer {tensor!r} refers to external data at {location!r}, which is outside "
-            "the model's folder; external data must be a relative path inside the folder that "
-            "holds the model (move the file there and fix the 'location' field)",
+            f"initializer {tensor!r} refers to external data at {location!r}, {why}",
             source=source,
-            reason="external data outside the model folder",
+            reason=f"external data {problem}",
         )
         self.tensor = tensor
         self.location = location
+        self.problem = problem
 
 
 class ModelLimitError(ModelLoadError):

@@ -284,12 +284,13 @@ def contained_path(name: str, location: str, base_dir: str, label: str) -> str:
             "model was given as bytes; load it from its path so the file can be found",
             source=label,
         )
+    if "\0" in location:
+        raise UnsafeExternalDataError(name, location, source=label, problem=UnsafeExternalDataError.NUL_BYTE)
     parts = location.replace("\\", "/").split("/")
     if (
         os.path.isabs(location)
         or location.startswith(("/", "\\"))
         or ".." in parts
-        or "\0" in location
         or (len(location) > 1 and location[1] == ":")  # a Windows drive
     ):
         raise UnsafeExternalDataError(name, location, source=label)
@@ -306,7 +307,7 @@ def contained_path(name: str, location: str, base_dir: str, label: str) -> str:
             source=label,
         ) from exc
     if not stat.S_ISREG(info.st_mode):
-        raise UnsafeExternalDataError(name, location, source=label)
+        raise UnsafeExternalDataError(name, location, source=label, problem=UnsafeExternalDataError.NOT_REGULAR)
     return target
 
 
