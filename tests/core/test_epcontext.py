@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import onnx
@@ -247,6 +248,22 @@ def test_context_blob_over_the_limit_is_refused(tmp_path, registry):
     with pytest.raises(ModelLimitError) as info:
         plugrt.load(path, registry=registry, **{"limits.context_bytes": 4})
     assert info.value.limit == "context_bytes"
+
+
+def test_sparse_context_blob_above_the_default_limit_is_refused_before_it_is_read(tmp_path, registry):
+    with open(tmp_path / "blob.bin", "wb") as f:
+        f.truncate(3 << 30)  # claims 3 GiB, occupies nothing on disk
+    path = _context_model(tmp_path, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelLimitError) as info:
+            plugrt.load(path, registry=registry)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (info.value.limit, info.value.value) == ("context_bytes", 3 << 30)
+    assert "limits.context_bytes" in str(info.value)
+    assert peak < 64 << 20, f"{peak} bytes allocated: the blob was read"
 
 
 def test_context_blob_that_is_a_fifo_is_refused_as_not_a_regular_file(tmp_path, registry):
