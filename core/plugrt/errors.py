@@ -313,8 +313,9 @@ class CaptureThreadError(CaptureError):
         self.replayed_on = replayed_on
         super().__init__(
             f"capture slot {slot!r} was made on thread {captured_on!r} and is replayed on "
-            f"{replayed_on!r}: its outputs are buffers the next replay overwrites; use one session "
-            "per thread, or replay(..., copy_outputs=True) to get outputs of your own",
+            f"{replayed_on!r} with copy_outputs=False: its outputs are buffers the next replay on "
+            "any thread overwrites; leave copy_outputs out (replays off the capturing thread "
+            "return copies), or use one session per thread",
             reason="replayed on another thread",
         )
 

@@ -290,10 +290,14 @@ class CapturedPartition:
     ``runs`` are zero-argument callables run in order on every replay; ``nodes`` says,
     per step, whether it was captured and, if not, why (it then runs eagerly inside a
     run, copying into its persistent buffer, and raises CaptureMiss if that no longer fits).
+    ``run_nodes``, when given, is the label (``Step.name``) of the step each of ``runs``
+    replays, so that an error during a replay names its node as an eager run's does;
+    without it the error names the partition.
     """
 
     runs: list[Callable[[], None]]
     nodes: list[tuple[str, bool, str]]  # (node label, captured, reason when not)
+    run_nodes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
