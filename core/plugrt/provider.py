@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from ._dtypes import numpy_dtype, onnx_type
@@ -519,6 +520,21 @@ CAPABILITIES: dict[str, str] = {
 def protocol_version(provider: Any) -> Any:
     """The protocol version a provider declares (1 when it declares none)."""
     return getattr(provider, "protocol_version", 1)
+
+
+#: What a provider declaring its own ``memory`` must have (MemoryCapability's members).
+MEMORY_MEMBERS = ("default_device", "allocate", "to_device", "to_host", "copy_into", "owns")
+
+
+def missing_memory_members(provider: Any) -> list[str]:
+    """MemoryCapability's members a provider lacks although it declares a ``memory`` of
+    its own (not ``"host"``); [] for a host provider or a complete one. Looked up without
+    running properties (a ``default_device`` property may probe the device)."""
+    memory = getattr(provider, "memory", None)
+    if not isinstance(memory, str) or memory == HOST_MEMORY:
+        return []
+    absent = object()
+    return [name for name in MEMORY_MEMBERS if inspect.getattr_static(provider, name, absent) is absent]
 
 
 def memory_of(provider: Any) -> MemoryCapability | None:
