@@ -13,12 +13,37 @@ import enum
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from ._dtypes import numpy_dtype, onnx_type
-from .ir_utils import constant_array, graph_free_values, implicit_inputs, is_constant, subgraphs, tensor_array
-from .weights import shared_transform
-
 if TYPE_CHECKING:
     import onnx_ir as ir
+
+    from ._dtypes import numpy_dtype, onnx_type
+    from .ir_utils import constant_array, graph_free_values, implicit_inputs, is_constant, subgraphs, tensor_array
+    from .weights import shared_transform
+
+#: Helpers a provider may use, re-exported from the modules that hold them; imported on
+#: first use (PEP 562), so that discovering providers needs no onnx_ir.
+_HELPERS = {
+    "numpy_dtype": "._dtypes",
+    "onnx_type": "._dtypes",
+    "constant_array": ".ir_utils",
+    "graph_free_values": ".ir_utils",
+    "implicit_inputs": ".ir_utils",
+    "is_constant": ".ir_utils",
+    "subgraphs": ".ir_utils",
+    "tensor_array": ".ir_utils",
+    "shared_transform": ".weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HELPERS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __package__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "PROTOCOL_VERSION",
