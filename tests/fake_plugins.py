@@ -88,6 +88,26 @@ class ContextTwin(ContextProvider):
     name = "ctxtwin"
 
 
+class HalfMemoryProvider(NegProvider):
+    """Declares memory of its own but implements only part of MemoryCapability."""
+
+    name = "halfnpu"
+    memory = "npu"
+
+    def allocate(self, shape, dtype, device):
+        return np.empty(shape, dtype)
+
+    def owns(self, array):
+        return False
+
+
+class half_memory:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [HalfMemoryProvider()]
+
+
 class with_context:
     @staticmethod
     @hookimpl

@@ -1,6 +1,14 @@
-"""plugrt: an ONNX inference runtime in which every execution provider is a plugin."""
+"""plugrt: an ONNX inference runtime in which every execution provider is a plugin.
+
+``import plugrt`` loads only the error classes: every other public name is imported on
+first use (PEP 562), so that onnx, onnx_ir and the providers cost nothing until a model
+is loaded or an API that needs them is called.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     BatchColumnError,
@@ -9,6 +17,7 @@ from .errors import (
     CaptureThreadError,
     ConformanceInputError,
     EpContextAmbiguousError,
+    EpContextAttributeError,
     EpContextError,
     EpContextMissingPrimaryError,
     EpContextOverwriteError,
@@ -42,51 +51,77 @@ from .errors import (
     WarmupShapeError,
     WeightStoreError,
 )
-from .ort import (
-    ExecutionMode,
-    GraphOptimizationLevel,
-    InferenceSession,
-    IOBinding,
-    OrtValue,
-    RunOptions,
-    SessionOptions,
-    get_all_providers,
-    get_available_providers,
-    get_device,
-)
-from .bindings import DeviceBinding
-from .builder import SessionBuilder
-from .capture import Captured, CaptureReport, CaptureStats, ReplayResult
-from .provider import (
-    AvailabilityCapability,
-    CaptureCapability,
-    CaptureContext,
-    CaptureMiss,
-    CapturedPartition,
-    CompiledPartition,
-    ContextCapability,
-    ContextCompatibilityCapability,
-    CountersCapability,
-    Device,
-    DeviceKind,
-    ExecutionProvider,
-    FunctionCapability,
-    MemoryCapability,
-    NotCapturable,
-    PROTOCOL_VERSION,
-    Partition,
-    PassesCapability,
-    SUPPORTED_PROTOCOL_VERSIONS,
-    Step,
-    SubgraphPlan,
-    Support,
-    SupportContext,
-)
-from .registry import ProviderRegistry, default_registry
-from .session import ModelMetadata, Session, TensorInfo, load
-from .stats import SessionStats
-from .transfers import TransferCounter
-from .weights import WeightStats, WeightStore
+
+if TYPE_CHECKING:
+    from .ort import (
+        ExecutionMode,
+        GraphOptimizationLevel,
+        InferenceSession,
+        IOBinding,
+        OrtValue,
+        RunOptions,
+        SessionOptions,
+        get_all_providers,
+        get_available_providers,
+        get_device,
+    )
+    from .bindings import DeviceBinding
+    from .builder import SessionBuilder
+    from .capture import Captured, CaptureReport, CaptureStats, ReplayResult
+    from .provider import (
+        AvailabilityCapability,
+        CaptureCapability,
+        CaptureContext,
+        CaptureMiss,
+        CapturedPartition,
+        CompiledPartition,
+        ContextCapability,
+        ContextCompatibilityCapability,
+        CountersCapability,
+        Device,
+        DeviceKind,
+        ExecutionProvider,
+        FunctionCapability,
+        MemoryCapability,
+        NotCapturable,
+        PROTOCOL_VERSION,
+        Partition,
+        PassesCapability,
+        SUPPORTED_PROTOCOL_VERSIONS,
+        Step,
+        SubgraphPlan,
+        Support,
+        SupportContext,
+    )
+    from .registry import ProviderRegistry, default_registry
+    from .session import ModelMetadata, Session, TensorInfo, load
+    from .stats import SessionStats
+    from .transfers import TransferCounter
+    from .weights import WeightStats, WeightStore
+
+#: The module each public name other than the errors lives in, imported on first use.
+_LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".ort": (
+        "ExecutionMode", "GraphOptimizationLevel", "InferenceSession", "IOBinding", "OrtValue", "RunOptions",
+        "SessionOptions", "get_all_providers", "get_available_providers", "get_device",
+    ),
+    ".bindings": ("DeviceBinding",),
+    ".builder": ("SessionBuilder",),
+    ".capture": ("Captured", "CaptureReport", "CaptureStats", "ReplayResult"),
+    ".provider": (
+        "AvailabilityCapability", "CaptureCapability", "CaptureContext", "CaptureMiss", "CapturedPartition",
+        "CompiledPartition", "ContextCapability", "ContextCompatibilityCapability", "CountersCapability", "Device",
+        "DeviceKind", "ExecutionProvider", "FunctionCapability", "MemoryCapability", "NotCapturable",
+        "PROTOCOL_VERSION", "Partition", "PassesCapability", "SUPPORTED_PROTOCOL_VERSIONS", "Step", "SubgraphPlan",
+        "Support", "SupportContext",
+    ),
+    ".registry": ("ProviderRegistry", "default_registry"),
+    ".session": ("ModelMetadata", "Session", "TensorInfo", "load"),
+    ".stats": ("SessionStats",),
+    ".transfers": ("TransferCounter",),
+    ".weights": ("WeightStats", "WeightStore"),
+}
+_MODULE_OF = {name: module for module, names in _LAZY_EXPORTS.items() for name in names}
 
 __version__ = "0.1.0"
 
@@ -173,6 +208,7 @@ __all__ = [
     "EpContextMissingPrimaryError",
     "EpContextOverwriteError",
     "EpContextPathError",
+    "EpContextAttributeError",
     "EpContextSourceError",
     "ModelBuildError",
     "NotSupportedError",
@@ -182,3 +218,23 @@ __all__ = [
     "WeightStoreError",
     "RunTerminatedError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, or a submodule (``plugrt.loader``), imported on first use."""
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value  # later lookups find it without coming here
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -31,6 +31,8 @@ from .errors import (
 from .provider import (
     CaptureCapability,
     CaptureMiss,
+    CapturedPartition,
+    CompiledPartition,
     ExecutionProvider,
     MemoryCapability,
     NotCapturable,
@@ -198,7 +200,7 @@ class CaptureBuffers:
         return any(_root(b) is root for b in self._arrays.values() if b is not None)
 
 
-def _eager_partition(steps: Sequence[Step], ctx: CaptureBuffers, reason: str):
+def _eager_partition(steps: Sequence[Step], ctx: CaptureBuffers, reason: str) -> CapturedPartition:
     runs, nodes = [], []
     for step in steps:
         inputs = [ctx.array(v) for v in step.inputs]
@@ -206,13 +208,13 @@ def _eager_partition(steps: Sequence[Step], ctx: CaptureBuffers, reason: str):
         runs.append(eager_replay(step, inputs, recorded, ctx))
         nodes.append((step.name, False, reason))
         ctx.step_done(step)
-    return runs, nodes
+    return CapturedPartition(runs, nodes, [step.name for step in steps])
 
 
-def _staged_transfers(steps: Sequence[Step], ctx: CaptureBuffers, spaces: MemorySpaces) -> list[Callable[[], None]]:
+def _staged_transfers(steps: Sequence[Step], ctx: CaptureBuffers, spaces: MemorySpaces) -> list[tuple[Step, Callable[[], None]]]:
     """Transfers between memory spaces, outside any captured segment (GPU graph APIs
     cannot capture host<->device copies): a copy between two persistent buffers."""
-    runs: list[Callable[[], None]] = []
+    runs: list[tuple[Step, Callable[[], None]]] = []
     for step in steps:
         source = ctx.array(step.inputs[0])
         moved = step.fn(source)
@@ -222,7 +224,7 @@ def _staged_transfers(steps: Sequence[Step], ctx: CaptureBuffers, spaces: Memory
             buffer = ctx.buffer_like(moved)
             spaces.copy_into(source, buffer)
             ctx.set(step.outputs[0], buffer)
-            runs.append(functools.partial(spaces.copy_into, source, buffer))
+            runs.append((step, functools.partial(spaces.copy_into, source, buffer)))
         ctx.step_done(step)
     return runs
 
@@ -236,6 +238,17 @@ def _allocated_bytes(spaces: MemorySpaces) -> int:
         if counted is not None:
             total += int(counted())
     return total
+
+
+def _run_steps(
+    result: CapturedPartition, steps: Sequence[Step], compiled: CompiledPartition
+) -> list[tuple[str, str, str]]:
+    """(node label, op type, provider) for each of a partition capture's runs; the
+    partition itself where the provider did not say which step a run replays."""
+    if len(result.run_nodes) == len(result.runs):
+        op_types = {step.name: step.op_type for step in steps}
+        return [(name, op_types.get(name, "?"), compiled.provider) for name in result.run_nodes]
+    return [(compiled.partition.name, "partition", compiled.provider)] * len(result.runs)
 
 
 class CapturedPlan:
@@ -304,11 +317,14 @@ class CapturedPlan:
         ctx = CaptureBuffers(arrays, last_use, spaces.memories, carried)
         by_name = {p.name: p for p in providers}
         runs: list[Callable[[], None]] = []
+        run_steps: list[tuple[str, str, str]] = []  # per run: the node label, op type and provider an error names
         nodes: list[tuple[str, bool | None, str]] = []
         staged: list[str] = []
         for stage in built.stages:
             if stage.compiled is None:
-                runs.extend(_staged_transfers(stage.steps, ctx, spaces))
+                for step, run in _staged_transfers(stage.steps, ctx, spaces):
+                    runs.append(run)
+                    run_steps.append((step.name, step.op_type, stage.provider))
                 staged.extend(step.name for step in stage.steps)
                 nodes.append(("", None, ""))  # a staged copy ends the captured segment before it
                 continue
@@ -322,16 +338,16 @@ class CapturedPlan:
                         if result is None
                         else "; ".join(f"{n}: {r}" for n, r in result.report) or "declined"
                     )
-                    part_runs, part_nodes = _eager_partition(stage.steps, ctx, why)
-                else:
-                    part_runs, part_nodes = result.runs, result.nodes
+                    result = _eager_partition(stage.steps, ctx, why)
             except PlugrtError:
                 raise
             except Exception as exc:
                 raise KernelError(compiled.partition.name, "capture", compiled.provider, exc) from exc
-            runs.extend(part_runs)
-            nodes.extend(part_nodes)
+            runs.extend(result.runs)
+            nodes.extend(result.nodes)
+            run_steps.extend(_run_steps(result, stage.steps, compiled))
         self._runs = runs
+        self._run_steps = run_steps
         self._outputs = [ctx.array(v) for v in plan.outputs]
         self.output_names = list(output_names)
         segments: list[list[str]] = []
@@ -347,6 +363,7 @@ class CapturedPlan:
             previous_captured = bool(captured)
         self.report = CaptureReport(segments, seams, staged)
         self.thread = threading.current_thread()  # replays elsewhere would share the output buffers
+        self.shared = False  # replayed on another thread too: every replay copies its outputs unless told not to
         bound = {b.output for b in self.bindings if b.output}
         self.has_host_outputs = any(name not in bound for name in self.output_names)
 
@@ -381,14 +398,23 @@ class CapturedPlan:
             self._spaces.copy_into(value, buffer)
 
     def replay(self) -> list | None:
-        """Run the captured steps; None when an eager seam missed (caller runs eagerly)."""
+        """Run the captured steps; None when an eager seam missed (caller runs eagerly).
+        A kernel that raises is a KernelError naming its node, as in an eager run."""
+        index = 0
         try:
-            for run in self._runs:
+            # one try around the loop, and the index it keeps, name the failed step:
+            # no per-step cost on the hot path
+            for index, run in enumerate(self._runs):  # noqa: B007 (the except clause reads index)
                 run()
         except CaptureMiss as miss:
             self.misses += 1
             self.last_miss = str(miss)
             return None
+        except (PlugrtError, MemoryError):
+            raise
+        except Exception as exc:
+            name, op_type, provider = self._run_steps[index]
+            raise KernelError(name, op_type, provider, exc) from exc
         self.replays += 1
         return self._outputs
 
@@ -411,9 +437,11 @@ class CaptureStats:
 
 class ReplayResult(dict):
     """``replay``'s outputs by name, saying whether the capture was replayed (``replayed``)
-    or the run went the plain way, and why (``reason``). Unless replayed with
-    ``copy_outputs=True``, host outputs are the capture's buffers: the next replay of the
-    slot overwrites them."""
+    or the run went the plain way, and why (``reason``). Host outputs are copies when the
+    replay ran on a thread other than the capturing one, or the slot has ever been
+    replayed on one, or ``copy_outputs=True`` was asked; otherwise (or with
+    ``copy_outputs=False``) they are the capture's buffers, which the next replay of the
+    slot overwrites."""
 
     replayed: bool = True
     reason: str = ""
@@ -422,8 +450,9 @@ class ReplayResult(dict):
 
 class CaptureSlots:
     """A session's captures by slot name, and the lock that serialises them: a capture's
-    buffers are shared, so two threads replaying one capture take turns, and a thread
-    other than the capturing one must ask for copies of the outputs."""
+    buffers are shared, so two threads replaying one capture take turns, and once a
+    slot is replayed off the thread that captured it, its replays return copies of the
+    outputs (made under the lock) unless the caller asks for the buffers."""
 
     def __init__(self, trace: Recorder | None = None) -> None:
         self.slots: dict[str, CapturedPlan] = {}
@@ -469,13 +498,17 @@ class CaptureSlots:
         feeds: dict[str, Any],
         bindings: Sequence[DeviceBinding] | None,
         run_eagerly: Callable[[dict[str, Any], Sequence[DeviceBinding]], dict[str, Any]],
-        copy_outputs: bool = False,
+        copy_outputs: bool | None = None,
     ) -> ReplayResult:
         with self.lock:
             captured = self.get(slot)
             here = threading.current_thread()
-            if not copy_outputs and captured.thread is not here and captured.has_host_outputs:
-                raise CaptureThreadError(slot, captured.thread.name, here.name)
+            if here is not captured.thread:
+                captured.shared = True
+                if copy_outputs is False and captured.has_host_outputs:
+                    raise CaptureThreadError(slot, captured.thread.name, here.name)
+            if copy_outputs is None:
+                copy_outputs = captured.shared
             captured.check(bindings)
             if feeds:
                 captured.load_feeds(feeds)

@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from .errors import (
     EpContextAmbiguousError,
+    EpContextAttributeError,
     EpContextError,
     EpContextMissingPrimaryError,
     EpContextOverwriteError,
@@ -48,9 +49,28 @@ EP_CONTEXT_DOMAIN = "com.microsoft"
 EP_CONTEXT_OP = "EPContext"
 
 
-def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
+def _describe(attr: ir.Attr) -> str:
+    return f"{attr.type.name.lower()} {attr.value!r}"
+
+
+def _flag(node: ir.Node, name: str, default: int) -> int:
+    """A 0/1 attribute (``main_context``, ``embed_mode``), refused when it is anything else."""
     attr = node.attributes.get(name)
-    return default if attr is None else attr.value
+    if attr is None:
+        return default
+    if attr.type != ir.AttributeType.INT or attr.value not in (0, 1):
+        raise EpContextAttributeError(node.name or "EPContext", name, "the int 0 or 1", _describe(attr))
+    return int(attr.value)
+
+
+def _text(node: ir.Node, name: str, default: str = "") -> str:
+    """A string attribute (``source``, ``partition_name``, ...), refused when it is not one."""
+    attr = node.attributes.get(name)
+    if attr is None:
+        return default
+    if attr.type != ir.AttributeType.STRING:
+        raise EpContextAttributeError(node.name or "EPContext", name, "a string", _describe(attr))
+    return str(_as_text(attr.value))
 
 
 def context_nodes(graph: ir.Graph) -> list[ir.Node]:
@@ -203,8 +223,12 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
 
 
 def _read_blob(node: ir.Node, label: str, base_dir: str, max_bytes: int) -> bytes:
-    value = _attr(node, "ep_cache_context", b"")
-    embed_mode = int(_attr(node, "embed_mode", 1))
+    embed_mode = _flag(node, "embed_mode", 1)
+    attr = node.attributes.get("ep_cache_context")
+    if attr is not None and attr.type != ir.AttributeType.STRING:
+        expected = "a string (the blob)" if embed_mode == 1 else "a string (the blob file's path beside the model)"
+        raise EpContextAttributeError(label, "ep_cache_context", expected, _describe(attr))
+    value = b"" if attr is None else attr.value
     if embed_mode == 1:
         return value if isinstance(value, bytes) else value.encode("utf-8")
     location = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
@@ -218,9 +242,11 @@ def _read_blob(node: ir.Node, label: str, base_dir: str, max_bytes: int) -> byte
     try:
         target = contained_path(label, location, base_dir, label)
     except UnsafeExternalDataError as exc:
-        raise EpContextPathError(
-            location, label, "resolves outside the model's folder (absolute, '..', a link out, or not a regular file)"
-        ) from exc
+        why = {
+            UnsafeExternalDataError.NUL_BYTE: "contains a NUL byte, which no file name can; the attribute is corrupt",
+            UnsafeExternalDataError.NOT_REGULAR: "is not a regular file (a FIFO, device, socket or folder)",
+        }.get(exc.problem, "resolves outside the model's folder (absolute, '..' or a link out)")
+        raise EpContextPathError(location, label, why) from exc
     except ModelLoadError as exc:
         raise EpContextPathError(location, label, "does not exist beside the model") from exc
     return read_regular_file(target, max_bytes, "context_bytes", label, EpContextError)
@@ -244,12 +270,12 @@ def restore_context_nodes(
             owners.setdefault(key, []).append(provider)
     primaries: dict[str, ir.Node] = {}
     for node in found:
-        if int(_attr(node, "main_context", 1)) == 1:
-            primaries.setdefault(str(_as_text(_attr(node, "source", ""))), node)
+        if _flag(node, "main_context", 1) == 1:
+            primaries.setdefault(_text(node, "source"), node)
     restored: dict[ir.Node, CompiledPartition] = {}
     for node in found:
         label = node.name or "EPContext"
-        source = str(_as_text(_attr(node, "source", "")))
+        source = _text(node, "source")
         candidates = owners.get(source, [])
         if not candidates:
             installed = {n: _source_keys(p) for n, p in registry.providers().items()}
@@ -257,13 +283,13 @@ def restore_context_nodes(
         if len(candidates) > 1:
             raise EpContextAmbiguousError(source, label, [p.name for p in candidates])
         provider = candidates[0]
-        main = int(_attr(node, "main_context", 1))
+        main = _flag(node, "main_context", 1)
         holder = node if main == 1 else primaries.get(source)
         if holder is None:
             raise EpContextMissingPrimaryError(source, label)
         blob = _read_blob(holder, holder.name or label, base_dir, max_blob_bytes)
         partition = Partition(
-            str(_as_text(_attr(node, "partition_name", label))) or label,
+            _text(node, "partition_name", label) or label,
             [node],
             [v for v in node.inputs if v is not None],
             [v for v in node.outputs if v is not None],
@@ -274,9 +300,9 @@ def restore_context_nodes(
             "partition_name": partition.name,
             "source": source,
             "main_context": main,
-            "embed_mode": int(_attr(node, "embed_mode", 1)),
-            "ep_sdk_version": str(_as_text(_attr(node, "ep_sdk_version", ""))),
-            "notes": str(_as_text(_attr(node, "notes", ""))),
+            "embed_mode": _flag(node, "embed_mode", 1),
+            "ep_sdk_version": _text(node, "ep_sdk_version"),
+            "notes": _text(node, "notes"),
         }
         if isinstance(provider, ContextCompatibilityCapability):
             verdict = provider.check_context(meta)
@@ -306,7 +332,7 @@ def required_providers(graph: ir.Graph, registry: "ProviderRegistry") -> list[Ex
     """Providers the EPContext nodes of ``graph`` need (one per source key, when unique)."""
     names: list[ExecutionProvider] = []
     for node in context_nodes(graph):
-        source = str(_as_text(_attr(node, "source", "")))
+        source = _text(node, "source")
         for provider in registry.providers().values():
             if source in _source_keys(provider) and provider not in names:
                 names.append(provider)

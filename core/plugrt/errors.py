@@ -32,6 +32,7 @@ __all__ = [
     "EpContextAmbiguousError",
     "EpContextMissingPrimaryError",
     "EpContextPathError",
+    "EpContextAttributeError",
     "EpContextOverwriteError",
     "ModelBuildError",
     "RunError",
@@ -63,18 +64,31 @@ class ModelLoadError(PlugrtError):
 
 
 class UnsafeExternalDataError(ModelLoadError):
-    """An external-data reference points outside the model's folder."""
+    """An external-data reference is unsafe to follow: it points outside the model's folder,
+    its location holds a NUL byte, or what it names is not a regular file (a FIFO, device,
+    socket or folder). ``problem`` says which."""
 
-    def __init__(self, tensor: str, location: str, *, source: str | None = None):
+    OUTSIDE = "outside the model's folder"
+    NUL_BYTE = "a NUL byte in the location"
+    NOT_REGULAR = "not a regular file"
+
+    def __init__(self, tensor: str, location: str, *, source: str | None = None, problem: str = OUTSIDE):
+        why = {
+            self.OUTSIDE: "which is outside the model's folder; external data must be a relative path "
+            "inside the folder that holds the model (move the file there and fix the 'location' field)",
+            self.NUL_BYTE: "which contains a NUL byte; no file name can, so the 'location' field is "
+            "corrupt (set it to the data file's path relative to the model)",
+            self.NOT_REGULAR: "which is not a regular file (a FIFO, device, socket or folder); external "
+            "data must be a regular file inside the model's folder",
+        }[problem]
         super().__init__(
-            f"initializer {tensor!r} refers to external data at {location!r}, which is outside "
-            "the model's folder; external data must be a relative path inside the folder that "
-            "holds the model (move the file there and fix the 'location' field)",
+            f"initializer {tensor!r} refers to external data at {location!r}, {why}",
             source=source,
-            reason="external data outside the model folder",
+            reason=f"external data {problem}",
         )
         self.tensor = tensor
         self.location = location
+        self.problem = problem
 
 
 class ModelLimitError(ModelLoadError):
@@ -299,8 +313,9 @@ class CaptureThreadError(CaptureError):
         self.replayed_on = replayed_on
         super().__init__(
             f"capture slot {slot!r} was made on thread {captured_on!r} and is replayed on "
-            f"{replayed_on!r}: its outputs are buffers the next replay overwrites; use one session "
-            "per thread, or replay(..., copy_outputs=True) to get outputs of your own",
+            f"{replayed_on!r} with copy_outputs=False: its outputs are buffers the next replay on "
+            "any thread overwrites; leave copy_outputs out (replays off the capturing thread "
+            "return copies), or use one session per thread",
             reason="replayed on another thread",
         )
 
@@ -371,6 +386,20 @@ class EpContextPathError(EpContextError):
     def __init__(self, path: str, node: str, why: str):
         self.path = path
         super().__init__(f"EPContext node {node!r}: context file {path!r} {why}", node=node)
+
+
+class EpContextAttributeError(EpContextError):
+    """An EPContext attribute has the wrong type or value (``embed_mode="zero"``, an int path)."""
+
+    def __init__(self, node: str, attribute: str, expected: str, actual: str):
+        self.attribute = attribute
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"EPContext node {node!r}: attribute {attribute!r} is {actual}, but must be {expected}; "
+            "the model is malformed, export it again",
+            node=node,
+        )
 
 
 # --- batch inference -----------------------------------------------------------------

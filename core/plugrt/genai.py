@@ -37,7 +37,6 @@ import numpy as np
 
 from .capture import Captured, CaptureReport
 from .errors import (
-    CaptureThreadError,
     InvalidInputError,
     InvalidOptionValueError,
     ModelLoadError,
@@ -384,10 +383,7 @@ class Generator:
             if reason is None:
                 use.reports[phase] = state.reports[phase]
                 try:
-                    try:
-                        replayed = session.replay(feeds, bindings=self._cache, slot=slot)
-                    except CaptureThreadError:  # captured on another thread: its buffers are not ours
-                        replayed = session.replay(feeds, bindings=self._cache, slot=slot, copy_outputs=True)
+                    replayed = session.replay(feeds, bindings=self._cache, slot=slot)
                 except StaleCaptureError as e:
                     state.captured_lengths.pop(phase, None)
                     reason = f"the {phase} capture went stale ({e.reason})"

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import stat
-from typing import Callable, Iterable, Iterator, Union
+from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import onnx
 import onnx_ir as ir
@@ -30,8 +30,11 @@ KNOWN_DOMAINS = frozenset(
 )
 
 
-#: Largest EPContext blob file read (compiled engines can be large, but not unbounded).
-DEFAULT_CONTEXT_BYTES = 2**32
+#: Largest EPContext blob file read by default: 2 GiB, the most an embedded blob
+#: (``embed_mode=1``) can hold, as protobuf caps the model there. A file is read whole into
+#: memory, and a sparse one costs its claimed size in memory but nothing on disk, so the
+#: ceiling is not higher; a trusted larger engine raises ``limits.context_bytes``.
+DEFAULT_CONTEXT_BYTES = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +87,7 @@ def read_regular_file(
             raise ModelLimitError(limit, info.st_size, max_bytes, source=label)
         with os.fdopen(fd, "rb", closefd=True) as f:
             fd = -1
-            data = f.read(max_bytes + 1)
+            data = _read_bounded(f, info.st_size, max_bytes)
     except OSError as exc:
         raise error(f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}", source=label) from exc
     finally:
@@ -93,6 +96,22 @@ def read_regular_file(
     if len(data) > max_bytes:
         raise ModelLimitError(limit, len(data), max_bytes, source=label)
     return data
+
+
+def _read_bounded(f: BinaryIO, claimed: int, max_bytes: int) -> bytes:
+    """Read at most ``max_bytes + 1`` bytes, asking for no more than the file claims to hold
+    (``read(n)`` reserves n bytes up front: 2 GiB for every small model under the default
+    limit, enough to fail under ``RLIMIT_AS``). A file that grew since ``fstat``, or
+    reports no size (``/proc``), is read on in chunks up to the limit."""
+    parts = [f.read(min(claimed, max_bytes) + 1)]
+    size = len(parts[0])
+    while size > claimed and size <= max_bytes:
+        chunk = f.read(min(1 << 20, max_bytes + 1 - size))
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _read_proto(source: ModelSource, limits: LoadLimits) -> tuple[onnx.ModelProto, str, str]:
@@ -284,12 +303,13 @@ def contained_path(name: str, location: str, base_dir: str, label: str) -> str:
             "model was given as bytes; load it from its path so the file can be found",
             source=label,
         )
+    if "\0" in location:
+        raise UnsafeExternalDataError(name, location, source=label, problem=UnsafeExternalDataError.NUL_BYTE)
     parts = location.replace("\\", "/").split("/")
     if (
         os.path.isabs(location)
         or location.startswith(("/", "\\"))
         or ".." in parts
-        or "\0" in location
         or (len(location) > 1 and location[1] == ":")  # a Windows drive
     ):
         raise UnsafeExternalDataError(name, location, source=label)
@@ -306,7 +326,7 @@ def contained_path(name: str, location: str, base_dir: str, label: str) -> str:
             source=label,
         ) from exc
     if not stat.S_ISREG(info.st_mode):
-        raise UnsafeExternalDataError(name, location, source=label)
+        raise UnsafeExternalDataError(name, location, source=label, problem=UnsafeExternalDataError.NOT_REGULAR)
     return target
 
 

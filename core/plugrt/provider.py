@@ -10,14 +10,40 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
-
-from ._dtypes import numpy_dtype, onnx_type
-from .ir_utils import constant_array, graph_free_values, implicit_inputs, is_constant, subgraphs, tensor_array
-from .weights import shared_transform
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+
+    from ._dtypes import numpy_dtype, onnx_type
+    from .ir_utils import constant_array, graph_free_values, implicit_inputs, is_constant, subgraphs, tensor_array
+    from .weights import shared_transform
+
+#: Helpers a provider may use, re-exported from the modules that hold them; imported on
+#: first use (PEP 562), so that discovering providers needs no onnx_ir.
+_HELPERS = {
+    "numpy_dtype": "._dtypes",
+    "onnx_type": "._dtypes",
+    "constant_array": ".ir_utils",
+    "graph_free_values": ".ir_utils",
+    "implicit_inputs": ".ir_utils",
+    "is_constant": ".ir_utils",
+    "subgraphs": ".ir_utils",
+    "tensor_array": ".ir_utils",
+    "shared_transform": ".weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HELPERS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __package__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -290,10 +316,14 @@ class CapturedPartition:
     ``runs`` are zero-argument callables run in order on every replay; ``nodes`` says,
     per step, whether it was captured and, if not, why (it then runs eagerly inside a
     run, copying into its persistent buffer, and raises CaptureMiss if that no longer fits).
+    ``run_nodes``, when given, is the label (``Step.name``) of the step each of ``runs``
+    replays, so that an error during a replay names its node as an eager run's does;
+    without it the error names the partition.
     """
 
     runs: list[Callable[[], None]]
     nodes: list[tuple[str, bool, str]]  # (node label, captured, reason when not)
+    run_nodes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -515,6 +545,21 @@ CAPABILITIES: dict[str, str] = {
 def protocol_version(provider: Any) -> Any:
     """The protocol version a provider declares (1 when it declares none)."""
     return getattr(provider, "protocol_version", 1)
+
+
+#: What a provider declaring its own ``memory`` must have (MemoryCapability's members).
+MEMORY_MEMBERS = ("default_device", "allocate", "to_device", "to_host", "copy_into", "owns")
+
+
+def missing_memory_members(provider: Any) -> list[str]:
+    """MemoryCapability's members a provider lacks although it declares a ``memory`` of
+    its own (not ``"host"``); [] for a host provider or a complete one. Looked up without
+    running properties (a ``default_device`` property may probe the device)."""
+    memory = getattr(provider, "memory", None)
+    if not isinstance(memory, str) or memory == HOST_MEMORY:
+        return []
+    absent = object()
+    return [name for name in MEMORY_MEMBERS if inspect.getattr_static(provider, name, absent) is absent]
 
 
 def memory_of(provider: Any) -> MemoryCapability | None:

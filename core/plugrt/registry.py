@@ -13,7 +13,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import ProviderUnavailableError
-from .provider import SUPPORTED_PROTOCOL_VERSIONS, Device, ExecutionProvider, protocol_version
+from .provider import SUPPORTED_PROTOCOL_VERSIONS, Device, ExecutionProvider, missing_memory_members, protocol_version
 
 __all__ = ["ProviderFailure", "ProviderRegistry", "default_registry", "DISABLE_ENV"]
 
@@ -31,7 +31,7 @@ class ProviderFailure:
     """Why a plugin or provider could not be used."""
 
     name: str  # entry-point or provider name
-    stage: str  # "import", "init", "protocol", "devices", "supports_op", "compile"
+    stage: str  # "import", "init", "protocol", "memory", "devices", "supports_op", "compile"
     cause: str  # "ExceptionType: message"
     detail: str = ""  # formatted traceback
 
@@ -134,6 +134,17 @@ class ProviderRegistry:
                         f"declares protocol_version {version!r}; this plugrt supports "
                         f"{sorted(SUPPORTED_PROTOCOL_VERSIONS)}: install a matching release of the "
                         "provider or of plugrt",
+                    )
+                    continue
+                missing = missing_memory_members(provider)
+                if missing:
+                    # used anyway, it would be taken for a host provider and fed numpy arrays
+                    self._failures[name] = ProviderFailure(
+                        name,
+                        "memory",
+                        f"declares memory {provider.memory!r} but lacks MemoryCapability's "  # type: ignore[attr-defined]
+                        f"{', '.join(missing)}; implement them (see plugrt.provider.MemoryCapability), "
+                        "or leave 'memory' out for a provider that works on host arrays",
                     )
                     continue
                 if name in providers:

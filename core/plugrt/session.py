@@ -228,13 +228,18 @@ class Session(SessionIntrospection, ProfiledSession):
         *,
         bindings: Sequence[DeviceBinding] | None = None,
         slot: str = DEFAULT_SLOT,
-        copy_outputs: bool = False,
+        copy_outputs: bool | None = None,
     ) -> ReplayResult:
         """Re-run the capture in ``slot``. ``feeds`` refill the captured input buffers (same
         shapes, else StaleCaptureError); bound inputs are read from their buffers as they
-        are now. The result says whether it replayed or ran eagerly, and why; its host
-        outputs are the capture's buffers unless ``copy_outputs`` (required on a thread
-        other than the capturing one, else CaptureThreadError)."""
+        are now. The result says whether it replayed or ran eagerly, and why.
+
+        Host outputs are safe to keep by default: copies, whenever the slot is (or has
+        been) replayed on a thread other than the one that captured it, so a thread pool
+        can share one session. Only while the capturing thread alone replays the slot are
+        they the capture's own buffers, which the next replay overwrites.
+        ``copy_outputs=True`` always copies; ``copy_outputs=False`` asks for the buffers
+        (zero-copy) and is refused off the capturing thread (CaptureThreadError)."""
         begin_run(self._intra_op_threads)
         return self._captures.replay(
             slot, dict(feeds or {}), bindings, lambda feeds, bound: self.run(feeds, bindings=bound), copy_outputs

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
+import onnx
 import pytest
 
 import plugrt
 from plugrt.capture import Captured
 from plugrt.conformance.light_models import light_models
-from plugrt.errors import InvalidInputError, NoCaptureError, StaleCaptureError
+from plugrt.errors import InvalidInputError, KernelError, NoCaptureError, StaleCaptureError
 
 from helpers import NONZERO_MIDDLE, model_bytes
 
@@ -157,3 +161,79 @@ def test_in_place_steps_never_overwrite_a_value_still_needed():
         replayed = session.replay(feeds)
         assert all(_same(replayed[k], eager[k]) for k in eager)
         feeds = {k: rng.standard_normal((64, 64)).astype(np.float32) for k in feeds}
+
+
+# -- errors during a replay -------------------------------------------------------------------
+
+GATHER = """<ir_version: 8, opset_import: ["" : 17]>
+g (float[4,3] data, int64[2] idx) => (float[2,3] y) {
+  r = Relu(data)
+  pick = Gather<axis=0>(r, idx)
+  y = Neg(pick)
+}"""
+
+
+def _named(text: str) -> bytes:
+    model = onnx.parser.parse_model(text)
+    for index, node in enumerate(model.graph.node):
+        node.name = f"{node.op_type.lower()}_{index}"
+    return model.SerializeToString()
+
+
+def test_kernel_error_during_a_replay_names_the_node_and_op_type_as_an_eager_run_does():
+    session = plugrt.load(_named(GATHER), device="cpu", optimization="none")
+    data = np.ones((4, 3), np.float32)
+    assert isinstance(session.try_capture({"data": data, "idx": np.array([0, 3])}), Captured)
+    with pytest.raises(KernelError) as eager:
+        session.run({"data": data, "idx": np.array([0, 9])})
+    with pytest.raises(KernelError) as replayed:
+        session.replay({"data": data, "idx": np.array([0, 9])})
+    err = replayed.value
+    assert (err.node, err.op_type, err.provider) == ("gather_1", "Gather", "cpu")
+    assert (err.node, err.op_type) == (eager.value.node, eager.value.op_type)
+    assert isinstance(err.cause, IndexError) and err.__cause__ is err.cause
+
+
+# -- replays from several threads ------------------------------------------------------------
+
+
+def test_one_slot_replayed_from_a_thread_pool_gives_each_request_its_own_outputs(add_relu_model):
+    session = plugrt.load(add_relu_model, device="cpu")
+    session.try_capture({"x": X, "y": X})
+    requests = [(X * k, X - k) for k in range(1, 41)]
+    expected = [np.maximum(a + b, 0) for a, b in requests]  # what an eager run gives
+
+    def serve(request):
+        a, b = request
+        out = session.replay({"x": a, "y": b})["z"]
+        threading.Event().wait(0.001)  # hold the result while other threads replay
+        return out.copy(), out
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(serve, requests))
+    for (at_return, kept), want, (a, b) in zip(results, expected, requests):
+        np.testing.assert_array_equal(at_return, want)
+        np.testing.assert_array_equal(kept, want)  # not overwritten by a later replay
+        np.testing.assert_array_equal(kept, session.run({"x": a, "y": b})["z"])
+    assert session.capture_stats.replays == len(requests)
+
+
+def test_replays_on_the_capturing_thread_alone_are_zero_copy(add_relu_model):
+    session = plugrt.load(add_relu_model, device="cpu")
+    session.try_capture({"x": X, "y": X})
+    first = session.replay({"x": X, "y": X})["z"]
+    second = session.replay({"x": X + 1, "y": X})["z"]
+    assert np.shares_memory(first, second)  # the capture's own buffer, overwritten
+
+
+def test_capturing_thread_gets_copies_once_another_thread_replayed_the_slot(add_relu_model):
+    session = plugrt.load(add_relu_model, device="cpu")
+    session.try_capture({"x": X, "y": X})
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(session.replay, {"x": X, "y": X}).result()
+    first = session.replay({"x": X, "y": X})["z"]
+    second = session.replay({"x": X + 1, "y": X})["z"]
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(first, np.maximum(X + X, 0))
+    zero_copy = session.replay({"x": X, "y": X}, copy_outputs=False)["z"]
+    assert np.shares_memory(zero_copy, session.replay({"x": X, "y": X}, copy_outputs=False)["z"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import onnx
@@ -14,6 +15,7 @@ from onnx import TensorProto, helper
 import plugrt
 from plugrt.errors import (
     EpContextAmbiguousError,
+    EpContextAttributeError,
     EpContextError,
     EpContextMissingPrimaryError,
     EpContextOverwriteError,
@@ -188,6 +190,38 @@ def test_template_partitions_round_trip_in_a_fresh_process(tmp_path, embed_mode)
     assert [r for r in restored if r[0] == "template"] == [("template", True)] * len(template_parts)
 
 
+# -- attributes of the wrong type --------------------------------------------------------------
+
+
+def test_embed_mode_that_is_a_string_names_the_attribute_and_the_expected_type(tmp_path, registry):
+    path = _context_model(tmp_path, _embedded(embed_mode="zero"))
+    with pytest.raises(EpContextAttributeError) as info:
+        plugrt.load(path, registry=registry)
+    err = info.value
+    assert (err.node, err.attribute, err.expected) == ("ctx0", "embed_mode", "the int 0 or 1")
+    assert "'zero'" in err.actual and "string" in err.actual
+
+
+def test_main_context_that_is_a_string_names_the_attribute_and_the_expected_type(tmp_path, registry):
+    path = _context_model(tmp_path, _embedded(main_context="x"))
+    with pytest.raises(EpContextAttributeError) as info:
+        plugrt.load(path, registry=registry)
+    err = info.value
+    assert (err.node, err.attribute, err.expected) == ("ctx0", "main_context", "the int 0 or 1")
+    assert "'x'" in err.actual
+
+
+@pytest.mark.parametrize("embed_mode", [0, 1])
+def test_ep_cache_context_that_is_an_int_names_the_attribute_not_a_path(tmp_path, registry, embed_mode):
+    path = _context_model(tmp_path, _embedded(embed_mode=embed_mode, ep_cache_context=7))
+    with pytest.raises(EpContextAttributeError) as info:
+        plugrt.load(path, registry=registry)
+    err = info.value
+    assert (err.node, err.attribute) == ("ctx0", "ep_cache_context")
+    assert err.expected.startswith("a string") and err.actual == "int 7"
+    assert not isinstance(err, EpContextPathError)
+
+
 # -- hostile paths and safe export -------------------------------------------------------------
 
 
@@ -216,11 +250,28 @@ def test_context_blob_over_the_limit_is_refused(tmp_path, registry):
     assert info.value.limit == "context_bytes"
 
 
-def test_context_blob_that_is_a_fifo_is_refused(tmp_path, registry):
+def test_sparse_context_blob_above_the_default_limit_is_refused_before_it_is_read(tmp_path, registry):
+    with open(tmp_path / "blob.bin", "wb") as f:
+        f.truncate(3 << 30)  # claims 3 GiB, occupies nothing on disk
+    path = _context_model(tmp_path, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelLimitError) as info:
+            plugrt.load(path, registry=registry)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (info.value.limit, info.value.value) == ("context_bytes", 3 << 30)
+    assert "limits.context_bytes" in str(info.value)
+    assert peak < 64 << 20, f"{peak} bytes allocated: the blob was read"
+
+
+def test_context_blob_that_is_a_fifo_is_refused_as_not_a_regular_file(tmp_path, registry):
     os.mkfifo(tmp_path / "blob.bin")
     path = _context_model(tmp_path, {"main_context": 1, "embed_mode": 0, "ep_cache_context": "blob.bin", "source": "ctxaccel"})
-    with pytest.raises(EpContextPathError):
+    with pytest.raises(EpContextPathError, match="not a regular file") as info:
         plugrt.load(path, registry=registry)
+    assert "outside" not in str(info.value)
 
 
 def test_export_over_the_source_model_is_refused_and_the_source_kept(tmp_path, registry):

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import tracemalloc
 
 import numpy as np
 import onnx
@@ -9,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import plugrt
 from plugrt.errors import ModelLimitError, ModelLoadError, UnsafeExternalDataError
-from plugrt.loader import LoadLimits, load_model
+from plugrt.loader import LoadLimits, load_model, read_regular_file
 
 from helpers import LOCAL_DOUBLE
 
@@ -30,6 +32,28 @@ def _identity_with_initializer(location: str | None = None) -> onnx.ModelProto:
         [weight],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_reading_a_small_file_reserves_no_memory_for_the_limit(tmp_path):
+    (tmp_path / "small.bin").write_bytes(b"x" * 100)
+    tracemalloc.start()
+    try:
+        data = read_regular_file(tmp_path / "small.bin", 2**31, "model_bytes", "small", ModelLoadError)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert data == b"x" * 100
+    assert peak < 1 << 20, f"{peak} bytes reserved to read 100"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc files report a size of 0")
+def test_file_reporting_no_size_is_read_on_up_to_the_limit():
+    assert os.stat("/proc/self/status").st_size == 0
+    data = read_regular_file("/proc/self/status", 2**20, "model_bytes", "status", ModelLoadError)
+    assert data.startswith(b"Name:") and b"VmRSS" in data
+    with pytest.raises(ModelLimitError) as info:
+        read_regular_file("/proc/self/status", 16, "model_bytes", "status", ModelLoadError)
+    assert info.value.maximum == 16
 
 
 def test_loads_from_path_pathlike_and_bytes(tmp_path, add_relu_model):

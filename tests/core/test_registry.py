@@ -54,6 +54,19 @@ def test_plugin_that_fails_to_import_is_recorded_not_raised(monkeypatch):
     assert "ModuleNotFoundError" in info.value.cause
 
 
+def test_provider_declaring_memory_without_memory_capability_is_refused_and_remembered(monkeypatch):
+    fake_entry_points(monkeypatch, ("halfnpu", "fake_plugins:half_memory"))
+    registry = ProviderRegistry()
+    assert "halfnpu" not in registry.providers()
+    failure = registry.failures()["halfnpu"]
+    assert failure.stage == "memory"
+    assert "default_device, to_device, to_host, copy_into" in failure.cause and "'npu'" in failure.cause
+    assert plugrt.load(NEG_ADD, registry=registry).providers == ["cpu"]  # not asked for: never used
+    with pytest.raises(ProviderUnavailableError) as info:
+        plugrt.load(NEG_ADD, device="halfnpu", registry=registry)
+    assert info.value.provider == "halfnpu" and "to_host" in info.value.cause
+
+
 def test_disabled_provider_is_skipped(monkeypatch):
     fake_entry_points(monkeypatch, ("fakeaccel", "fake_plugins:good"))
     monkeypatch.setenv(DISABLE_ENV, "fakeaccel")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import plugrt_cpu.kernels  # noqa: F401  (registers the kernels)
-from helpers import reference_node, run_kernel, run_node
+from helpers import model_bytes, reference_node, run_kernel, run_node
 from plugrt_cpu._registry import KernelContext, lookup
 from plugrt_cpu.kernels.elementwise import erf, sigmoid
 
@@ -257,6 +257,57 @@ def test_pow_with_a_constant_exponent_of_two_squares():
     got = run_kernel("Pow", 15, base, exponent, constants=[None, exponent])[0]
     np.testing.assert_allclose(got, reference_node("Pow", [base, exponent], 15)[0], rtol=1e-6)
     assert got.dtype == np.float32
+
+
+# (base, exponent) pairs whose exponent a float32 cannot hold: cast to float32 it would
+# become the even 16777216 or 16777218, and lose its sign of the result
+_LARGE_INT_EXPONENTS = [
+    (-0.0, -16777217), (-0.0, -16777218), (-0.0, 16777217), (-0.0, 16777219),
+    (-1.0, 16777217), (-1.0, 16777218), (-1.0, -16777219), (-1.0, 2147483647), (-1.0, -2147483648),
+    (-2.0, 16777217), (-2.0, -16777217), (-0.5, 16777217), (0.5, -16777217), (1.0, 16777217),
+    (-3.0, 3), (-2.0, -1), (2.0, 10),
+]
+
+
+@pytest.mark.parametrize("exponent_type", [np.int32, np.int64])
+@pytest.mark.parametrize("base_type", [np.float16, np.float32])
+def test_pow_by_large_integer_exponents_keeps_their_parity(base_type, exponent_type):
+    base = np.array([b for b, _ in _LARGE_INT_EXPONENTS], base_type)
+    exponent = np.array([e for _, e in _LARGE_INT_EXPONENTS], exponent_type)
+    with np.errstate(all="ignore"):
+        expected = reference_node("Pow", [base, exponent], 15)[0]
+        (got,) = run_node("Pow", {"x": base, "y": exponent}, 15)
+    assert got.dtype == base_type
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(expected))
+    assert got[0] == -np.inf  # Pow(-0.0, -16777217)
+
+
+def test_pow_of_float64_by_int64_exponents_beyond_2_to_53_keeps_their_parity():
+    # float64 holds these exponents only rounded to even; the sign must come from the integer
+    base = np.array([-1.0, -1.0, -0.0, -0.0, -1.0], np.float64)
+    exponent = np.array([2**53 + 1, 2**53 + 2, -(2**53 + 1), 2**60 + 1, -(2**62 + 3)], np.int64)
+    with np.errstate(all="ignore"):
+        got = run_kernel("Pow", 15, base, exponent)[0]
+    np.testing.assert_array_equal(got, [-1.0, 1.0, -np.inf, -0.0, -1.0])
+    assert np.signbit(got[3])
+
+
+def test_replayed_pow_by_a_large_odd_integer_exponent_keeps_its_parity():
+    import plugrt
+
+    session = plugrt.load(
+        model_bytes("""<ir_version: 8, opset_import: ["" : 15]>
+        g (float[2] x, int32[2] y) => (float[2] z) { z = Pow(x, y) }"""),
+        device="cpu",
+    )
+    small = {"x": np.array([-0.0, -2.0], np.float32), "y": np.array([3, 2], np.int32)}
+    session.try_capture(small)
+    large = {"x": np.array([-0.0, -1.0], np.float32), "y": np.array([-16777217, 16777217], np.int32)}
+    with np.errstate(all="ignore"):
+        replayed = session.replay(large)
+    assert replayed.replayed
+    np.testing.assert_array_equal(replayed["z"], [-np.inf, -1.0])
 
 
 def test_round_is_half_to_even():

@@ -139,6 +139,25 @@ def test_external_data_that_is_a_fifo_is_refused(layout):
         plugrt.load(str(model_dir / "m.onnx"))
 
 
+def test_external_data_fifo_inside_the_folder_is_called_not_a_regular_file(tmp_path):
+    os.mkfifo(tmp_path / "pipe.bin")
+    onnx.save(_model([_constant("pipe.bin")]), tmp_path / "m.onnx")
+    with pytest.raises(UnsafeExternalDataError) as info:
+        plugrt.load(str(tmp_path / "m.onnx"))
+    assert info.value.problem == UnsafeExternalDataError.NOT_REGULAR
+    assert "not a regular file" in str(info.value) and "outside" not in str(info.value)
+
+
+def test_external_data_location_with_a_nul_byte_is_called_a_nul_byte(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(SECRET.tobytes())
+    onnx.save(_model([_constant("weights.bin\x00.txt")]), tmp_path / "m.onnx")
+    with pytest.raises(UnsafeExternalDataError) as info:
+        plugrt.load(str(tmp_path / "m.onnx"))
+    assert info.value.problem == UnsafeExternalDataError.NUL_BYTE
+    assert info.value.location == "weights.bin\x00.txt"
+    assert "NUL byte" in str(info.value) and "outside" not in str(info.value)
+
+
 def test_external_data_past_the_end_of_its_file_is_refused(layout):
     model_dir, _, _ = layout
     (model_dir / "short.bin").write_bytes(SECRET.tobytes()[:10])

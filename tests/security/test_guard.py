@@ -81,7 +81,7 @@ def test_unanticipated_exception_while_building_is_typed_with_the_cause_chained(
     assert isinstance(info.value, PlugrtError) and isinstance(info.value.__cause__, TypeError)
 
 
-def test_a_fault_inside_replay_is_a_run_error_with_its_cause():
+def test_a_fault_inside_replay_is_a_kernel_error_naming_its_node_with_its_cause():
     import onnx.parser
 
     from plugrt.capture import DEFAULT_SLOT
@@ -95,7 +95,8 @@ def test_a_fault_inside_replay_is_a_run_error_with_its_cause():
     def faulty_step() -> None:
         raise IndexError("list index out of range")
 
-    session._captures.get(DEFAULT_SLOT)._runs = [faulty_step]  # a step that faults as a kernel might
-    with pytest.raises(plugrt.RunError) as caught:
+    session._captures.get(DEFAULT_SLOT)._runs = [faulty_step]  # the Relu's step, faulting as a kernel might
+    with pytest.raises(plugrt.KernelError) as caught:
         session.replay({"x": np.ones((2, 3), np.float32)})
+    assert caught.value.op_type == "Relu" and caught.value.provider == "cpu"
     assert isinstance(caught.value.__cause__, IndexError)

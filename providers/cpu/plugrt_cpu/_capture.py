@@ -30,14 +30,16 @@ def _identical(a: Any, b: Any) -> bool:
 def capture_partition(compiled: CompiledPartition, ctx: CaptureContext, metadata: list) -> CapturedPartition:
     """Capture every step of a CPU partition; ``metadata[i]`` is (spec, attributes) or None."""
     runs: list[Callable[[], None]] = []
+    run_nodes: list[str] = []
     nodes: list[tuple[str, bool, str]] = []
     for step, meta in zip(compiled.steps, metadata):
         run, reason = _capture_step(step, meta, ctx)
         if run is not None:
             runs.append(run)
+            run_nodes.append(step.name)
         nodes.append((step.name, not reason, reason))
         ctx.step_done(step)
-    return CapturedPartition(runs, nodes)
+    return CapturedPartition(runs, nodes, run_nodes)
 
 
 def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], None] | None, str]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import functools
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import onnx_ir as ir
-
+from plugrt import provider as protocol  # its onnx_ir helpers load on first use, not at discovery
 from plugrt.errors import UnsupportedOpError
 from plugrt.provider import (
     CaptureContext,
@@ -19,18 +18,16 @@ from plugrt.provider import (
     Step,
     Support,
     SupportContext,
-    constant_array,
-    graph_free_values,
-    implicit_inputs,
     node_label,
-    numpy_dtype,
-    tensor_array,
 )
 
 from . import _registry
 from ._capture import capture_partition, into_of
 from ._counters import PartitionCounters, collecting, counted, track_runner
 from ._host_memory import tune_host_allocator
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 __all__ = ["CPUProvider"]
 
@@ -47,6 +44,8 @@ def _load_kernels() -> None:
 
 def attribute_value(attr: ir.Attr) -> Any:
     """An ONNX attribute as the Python value a kernel receives."""
+    import onnx_ir as ir
+
     kind = attr.type
     value = attr.value
     if kind == ir.AttributeType.FLOAT:
@@ -62,9 +61,9 @@ def attribute_value(attr: ir.Attr) -> Any:
     if kind == ir.AttributeType.STRINGS:
         return [v.decode("utf-8") if isinstance(v, bytes) else v for v in value]
     if kind == ir.AttributeType.TENSOR:
-        return tensor_array(value)
+        return protocol.tensor_array(value)
     if kind == ir.AttributeType.TENSORS:
-        return [tensor_array(v) for v in value]
+        return [protocol.tensor_array(v) for v in value]
     if kind == ir.AttributeType.GRAPHS:
         return list(value)
     return value  # GRAPH, TYPE_PROTO(S), SPARSE_TENSOR(S): as onnx_ir holds them
@@ -76,7 +75,7 @@ class SubgraphRunner:
     __slots__ = ("graph", "input_names", "output_names", "outer_names", "_plan", "runs")
 
     def __init__(self, graph: ir.Graph, build_subgraph: Any):
-        free = graph_free_values(graph)
+        free = protocol.graph_free_values(graph)
         self.graph = graph
         self.input_names = [v.name or "" for v in graph.inputs]
         self.output_names = [v.name or "" for v in graph.outputs]
@@ -150,6 +149,8 @@ class CPUProvider:
         return self._bind(node, opset_imports, build_subgraph)[0]
 
     def _bind(self, node: ir.Node, opset_imports: dict[str, int], build_subgraph: Any = None) -> tuple[Step, tuple]:
+        import onnx_ir as ir
+
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
         opset = opset_imports.get(domain, 1 if domain else 0)
         spec = _registry.lookup(domain, node.op_type, opset)
@@ -163,7 +164,7 @@ class CPUProvider:
         while inputs and inputs[-1] is None:
             inputs.pop()
         control_flow = any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
-        implicit = implicit_inputs(node) if control_flow else []
+        implicit = protocol.implicit_inputs(node) if control_flow else []
         attributes = {name: attribute_value(attr) for name, attr in node.attributes.items()}
         if spec.builder:
             ctx = _registry.KernelContext(
@@ -174,7 +175,7 @@ class CPUProvider:
                 num_inputs=len(inputs),
                 num_outputs=len(node.outputs),
                 input_dtypes=[_dtype_of(v) for v in inputs],
-                constant_inputs=[constant_array(v) if v is not None else None for v in inputs],
+                constant_inputs=[protocol.constant_array(v) if v is not None else None for v in inputs],
                 node=node,
                 compile_subgraph=(
                     functools.partial(SubgraphRunner, build_subgraph=build_subgraph) if build_subgraph else None
@@ -236,7 +237,7 @@ def _dtype_of(value: ir.Value | None):
     if value is None or value.dtype is None:
         return None
     try:
-        return numpy_dtype(int(value.dtype))
+        return protocol.numpy_dtype(int(value.dtype))
     except ValueError:
         return None
 

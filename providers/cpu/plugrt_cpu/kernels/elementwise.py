@@ -258,12 +258,37 @@ def _power_integer_into(out, a, b):
 declare_into(_power_integer_into, _power_integer)
 
 
+#: The largest integer each float type holds exactly, with every integer below it: an
+#: integer exponent within it keeps its value, so its parity, cast to the base's type.
+_EXACT_INTEGERS = {np.dtype(np.float16): 2**11, np.dtype(np.float32): 2**24, np.dtype(np.float64): 2**53}
+
+
+def _exponent_exact_in(dtype: np.dtype, b: np.ndarray) -> bool:
+    limit = _EXACT_INTEGERS.get(np.dtype(dtype))
+    if limit is None:
+        return False  # bfloat16, float8: the careful path
+    return b.size == 0 or (-limit <= int(b.min()) and int(b.max()) <= limit)
+
+
+def _power_integer_exponent(a, b):
+    """A float base to integer exponents too large for the base's type to hold exactly
+    (int32 -16777217 is -16777216 in float32: even, so (-0.0) ** it would be +inf, not
+    -inf). The magnitude in float64, as onnx.reference computes it; the sign from the
+    exponent's parity, exact on the integers whatever their size."""
+    wide = a.astype(np.float64)
+    magnitude = np.power(np.abs(wide), b.astype(np.float64))
+    negative = np.signbit(wide) & (b % 2 != 0)
+    return np.where(negative, -magnitude, magnitude).astype(a.dtype)
+
+
 def _power_any(a, b):
     if _is_integer(a.dtype):
         return _power_integer(a, b)
     if a.dtype == b.dtype:
         return np.power(a, b)
     if _is_integer(b.dtype):
+        if not _exponent_exact_in(a.dtype, b):
+            return _power_integer_exponent(a, b)
         return np.power(a, b.astype(a.dtype))
     return np.power(a, b).astype(a.dtype, copy=False)
 
@@ -273,6 +298,8 @@ def _power_any_into(out, a, b):
         _power_integer_into(out, a, b)
     elif a.dtype == b.dtype:
         np.power(a, b, out=out)
+    elif _is_integer(b.dtype) and not _exponent_exact_in(a.dtype, b):
+        np.copyto(out, _power_integer_exponent(a, b), casting="unsafe")
     elif _is_integer(b.dtype):
         exponent = scratch(out, "exponent", b.shape, a.dtype)
         np.copyto(exponent, b, casting="unsafe")
