@@ -4,13 +4,11 @@ values in device memory, captures partitions as CUDA graphs and saves compiled k
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
-import onnx_ir as ir
 
 from plugrt.errors import EpContextError, UnsupportedOpError
-from plugrt.ir_utils import constant_array
 from plugrt.provider import (
     CaptureContext,
     CapturedPartition,
@@ -28,6 +26,9 @@ from plugrt.provider import (
 from . import __version__, _context, _probe
 from ._backend import Backend, CupyBackend
 from ._ops import FLOAT_DTYPES, OPS, PRIVATE_DOMAIN, OpInfo, inputs_not_constant
+
+if TYPE_CHECKING:  # onnx_ir is imported where a model is placed: discovery stays cheap
+    import onnx_ir as ir
 
 __all__ = ["CUDAProvider", "CompiledState"]
 
@@ -107,6 +108,8 @@ class CUDAProvider:
     # -- placement ---------------------------------------------------------------------
 
     def supports_op(self, node: ir.Node, ctx: SupportContext) -> Support:
+        from plugrt.ir_utils import constant_array
+
         domain = "" if node.domain in _ONNX_DOMAINS else node.domain
         shown = f"{domain or 'ai.onnx'}::{node.op_type}"
         if domain not in ("", PRIVATE_DOMAIN):
@@ -166,6 +169,8 @@ class CUDAProvider:
         return OpInfo(attributes, constants, opset, len(node.inputs), len(outputs), backend)  # type: ignore[arg-type]
 
     def _bind(self, node: ir.Node, opset_imports: dict[str, int], backend: Backend) -> Step:
+        from plugrt.ir_utils import constant_array
+
         domain = "" if node.domain in _ONNX_DOMAINS else node.domain
         spec = OPS.get((domain, node.op_type))
         opset = opset_imports.get(domain, 1 if domain else 0)
@@ -287,6 +292,8 @@ class CUDAProvider:
 
 
 def _dtype_name(value: ir.Value | None) -> str | None:
+    import onnx_ir as ir
+
     if value is None or not isinstance(value.type, ir.TensorType) or value.dtype is None:
         return None
     try:
@@ -296,6 +303,8 @@ def _dtype_name(value: ir.Value | None) -> str | None:
 
 
 def _dtype_problem(value: ir.Value, role: str) -> str | None:
+    import onnx_ir as ir
+
     if value.type is not None and not isinstance(value.type, ir.TensorType):
         return f"{role} {value.name!r} is a {type(value.type).__name__}, the CUDA provider takes tensors only"
     if value.dtype is None:
@@ -309,6 +318,8 @@ def _dtype_problem(value: ir.Value, role: str) -> str | None:
 
 
 def _attribute_value(attr: ir.Attr) -> Any:
+    import onnx_ir as ir
+
     """An attribute as a builder receives it (Python numbers, strings, lists, numpy arrays)."""
     kind, value = attr.type, attr.value
     if kind in (ir.AttributeType.FLOAT, ir.AttributeType.INT):
