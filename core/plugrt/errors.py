@@ -147,10 +147,7 @@ class ProviderUnavailableError(PlugrtError):
     def __init__(self, provider: str, cause: str, *, hint: str | None = None):
         self.provider = provider
         self.cause = cause
-        self.hint = hint or (
-            "run 'plugrt providers' to see what is installed; uninstall the broken package or "
-            "choose device='cpu'"
-        )
+        self.hint = hint or "run 'plugrt providers' to see what is installed and why, or choose device='cpu'"
         super().__init__(f"provider {provider!r} is unavailable: {cause}\n  fix: {self.hint}")
 
 
