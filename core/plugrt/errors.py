@@ -43,6 +43,8 @@ __all__ = [
     "ProviderNameMismatchError",
     "WeightStoreError",
     "WarmupShapeError",
+    "CommandLineError",
+    "MissingDependencyError",
 ]
 
 
@@ -517,3 +519,26 @@ class WarmupShapeError(InvalidInputError):
             "of non-negative integers, e.g. {'" + input_name + "': (1, 16)}",
             input_name=input_name,
         )
+
+
+# --- the command line ----------------------------------------------------------------
+
+
+class CommandLineError(PlugrtError):
+    """A ``plugrt`` command was given something it cannot use (a missing file, a bad
+    ``NAME=VALUE``); the command exits with status 2, as argparse does."""
+
+    def __init__(self, command: str, message: str, *, option: str | None = None):
+        self.command = command
+        self.option = option
+        super().__init__(message)
+
+
+class MissingDependencyError(PlugrtError, ImportError):
+    """An optional package a feature needs is not installed."""
+
+    def __init__(self, package: str, needed_for: str, install: str):
+        self.package = package
+        self.needed_for = needed_for
+        self.install = install
+        super().__init__(f"{needed_for} needs the {package!r} package, which is not installed; install it with: {install}")
