@@ -241,12 +241,30 @@ class OptionError(PlugrtError, ValueError):
         self.key = key
 
 
+#: Above this many valid keys, an unknown key's message names the closest few and where
+#: the rest are listed, not every one.
+_KEYS_LISTED = 20
+
+
 class UnknownOptionError(OptionError):
-    def __init__(self, key: str, known: Sequence[str]):
-        self.known = tuple(sorted(known))
-        super().__init__(
-            f"unknown option {key!r}; valid options are: {', '.join(self.known)}", key=key
-        )
+    """An unknown option or keyword: ``suggestions`` are the valid keys closest to it."""
+
+    def __init__(self, key: str, known: Sequence[str], *, what: str = "option", listed_in: str = "plugrt.options.OPTIONS"):
+        import difflib
+
+        self.known = tuple(sorted(set(known)))
+        self.suggestions = tuple(difflib.get_close_matches(key, self.known, n=3, cutoff=0.6))
+        message = f"unknown {what} {key!r}"
+        if self.suggestions:
+            message += "; did you mean " + " or ".join(repr(s) for s in self.suggestions) + "?"
+        elif len(self.known) > _KEYS_LISTED:  # nothing close: the nearest few still beat a list of all
+            nearest = difflib.get_close_matches(key, self.known, n=3, cutoff=0.0)
+            message += "; the closest valid ones are " + ", ".join(repr(s) for s in nearest)
+        if len(self.known) <= _KEYS_LISTED:
+            message += f" (valid: {', '.join(self.known)})"
+        else:
+            message += f" ({len(self.known)} are valid, listed in {listed_in})"
+        super().__init__(message, key=key)
 
 
 class InvalidOptionValueError(OptionError):
