@@ -5,6 +5,7 @@ from __future__ import annotations
 from .errors import (
     BatchColumnError,
     BatchRowError,
+    BindingShapeError,
     CaptureError,
     CaptureThreadError,
     CommandLineError,
@@ -181,6 +182,7 @@ __all__ = [
     "ProviderNameMismatchError",
     "RunError",
     "WarmupShapeError",
+    "BindingShapeError",
     "CommandLineError",
     "MissingDependencyError",
     "WeightStoreError",

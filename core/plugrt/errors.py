@@ -43,6 +43,7 @@ __all__ = [
     "ProviderNameMismatchError",
     "WeightStoreError",
     "WarmupShapeError",
+    "BindingShapeError",
     "CommandLineError",
     "MissingDependencyError",
 ]
@@ -228,6 +229,18 @@ class SymbolConflictError(InvalidInputError):
             f"share a dimension name must agree on its size",
             input_name=second[0],
         )
+
+
+class BindingShapeError(InvalidInputError):
+    """A device binding's shape disagrees with the model's declared shape (at allocation)
+    or with an array written to it. ``expected`` is the declared shape, or the binding's
+    capacity; ``actual`` the shape asked for or written."""
+
+    def __init__(self, name: str, expected: Sequence[Any], actual: Sequence[int], message: str, *, input_name: str | None = None):
+        self.name = name
+        self.expected = tuple(expected)
+        self.actual = tuple(actual)
+        super().__init__(message, input_name=input_name)
 
 
 # --- options -------------------------------------------------------------------------
