@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from .errors import KernelError, OptionError, PlugrtError, UnsupportedOpError
 from .provider import Step
-from .tracing import complete_event, micros, node_event
+from .tracing import PROFILING_OFF, complete_event, micros, node_event
 
 __all__ = ["Plan", "StepInfo"]
 
@@ -258,7 +258,7 @@ class Plan:
         (a ``perf_counter`` reading). The plan must be built with ``profile``."""
         records = self.profile_records
         if records is None:
-            raise OptionError("profiling is off; build the session with profiling=True", key="profiling")
+            raise OptionError(PROFILING_OFF, key="profiling")
         pid = os.getpid()
         infos, parameters = self.infos, self.parameter_inputs
         events = []

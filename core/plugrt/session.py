@@ -96,7 +96,7 @@ class Session(SessionIntrospection, ProfiledSession):
                 self.selection.providers,
                 self._opsets,
                 registry=self.registry,
-                profile=self.options["profiling"],
+                profile=self._trace is not None,  # profiling=True, or start_profiling() since
                 devices=self.selection.devices,
                 spaces=self._spaces,
                 **how,
