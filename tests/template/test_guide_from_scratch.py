@@ -61,3 +61,17 @@ def test_op_version_in_effect_is_the_newest_version_at_or_below_the_opset() -> N
     assert op_version_in_effect("Add", 13) == 13
     assert op_version_in_effect("Relu", 12) == 6
     assert op_version_in_effect("GroupNormalization", 17) == 0  # not yet in opset 17
+
+
+def test_the_guides_copy_commands_run_as_written_in_a_new_home(tmp_path) -> None:
+    with open(GUIDE, encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## 1. Copy the template") : text.index("## 2. The protocol")]
+    (commands,) = re.findall(r"```bash\n(mkdir.*?)```", section, re.S)
+    home = tmp_path / "home"
+    home.mkdir()  # ~/src does not exist yet
+    env = {**os.environ, "HOME": str(home)}
+    done = subprocess.run(["bash", "-e", "-c", commands], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    provider = home / "src" / "plugrt-provider-acme" / "plugrt_provider_acme" / "_provider.py"
+    assert "class AcmeProvider" in provider.read_text(encoding="utf-8")
