@@ -97,7 +97,7 @@ class DeviceBinding:
                 capacity,
                 shape,
                 f"binding {self.name!r} has shape {self._shape} (rank {len(capacity)}); {shape} has rank "
-                f"{len(shape)}: the shapes differ in rank, not in size. "
+                f"{len(shape)}: the shapes differ in rank{', not in size' if same_size else ''}. "
                 + (f"Reshape the array to {self._shape} (array.reshape{self._shape}), " if same_size else "Reshape the array to rank "
                    f"{len(capacity)}, ")
                 + f"or allocate the binding with shape={shape}",

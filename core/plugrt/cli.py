@@ -12,7 +12,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 
-__all__ = ["main", "EXAMPLE_MODEL", "USAGE_ERROR", "conformance_verdict"]
+__all__ = ["main", "EXAMPLE_MODEL", "USAGE_ERROR"]
 
 #: The model ``plugrt run`` uses when given none.
 EXAMPLE_MODEL = os.path.join(os.path.dirname(__file__), "examples", "tiny_cnn.onnx")
@@ -157,7 +157,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         for name, check in report.protocol.items():
             if check["status"] == "failed":
                 print(f"protocol check failed: {name}: {check.get('detail', '')}")
-        problems = [c for c in report.cases if c.status in ("failed", "error", "xpassed")]
+        problems = report.problems()
         for case in problems[:_PROBLEMS_SHOWN]:
             print(f"{case.status}: {case.name}: {case.detail}")
         if len(problems) > _PROBLEMS_SHOWN:
@@ -172,21 +172,12 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
                 option="--report",
             ) from exc
         print(f"wrote {path}")
-    print(conformance_verdict(report))
+    print(report.verdict())
     return 0 if report.ok else 1
 
 
 #: Failing cases ``plugrt conformance`` lists before its verdict without ``--markdown``.
 _PROBLEMS_SHOWN = 20
-
-
-def conformance_verdict(report: Any) -> str:
-    """The one line ``plugrt conformance`` ends with: PASS or FAIL and the counts."""
-    totals = report.totals()
-    counts = ", ".join(
-        f"{totals.get(k, 0)} {k}" for k in ("passed", "failed", "error", "xfailed", "unsupported", "skipped")
-    )
-    return f"conformance: {'PASS' if report.ok else 'FAIL'}, {counts} (provider {report.provider}, {report.seconds:.1f} s)"
 
 
 def _positive_int(text: str) -> int:

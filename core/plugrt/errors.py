@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Sequence
 
 __all__ = [
@@ -263,8 +264,6 @@ class UnknownOptionError(OptionError):
     """An unknown option or keyword: ``suggestions`` are the valid keys closest to it."""
 
     def __init__(self, key: str, known: Sequence[str], *, what: str = "option", listed_in: str = "plugrt.options.OPTIONS"):
-        import difflib
-
         self.known = tuple(sorted(set(known)))
         self.suggestions = tuple(difflib.get_close_matches(key, self.known, n=3, cutoff=0.6))
         message = f"unknown {what} {key!r}"
