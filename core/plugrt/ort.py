@@ -512,6 +512,12 @@ class InferenceSession:
 
         from .tracing import with_provider_names
 
+        if not self._session.profiling:
+            raise OptionError(
+                "profiling is off; set SessionOptions.enable_profiling = True before creating the "
+                "InferenceSession, or call InferenceSession.session.start_profiling() before the runs to profile",
+                key="enable_profiling",
+            )
         events = with_provider_names(self._session.profile(), _PLUGRT_TO_ORT)  # as onnxruntime names them
         prefix = self._sess_options.profile_file_prefix if self._sess_options is not None else "onnxruntime_profile_"
         path = f"{prefix}{self._profiling_start_ns}.json"

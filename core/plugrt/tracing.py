@@ -363,6 +363,11 @@ class ProfiledSession:
     _built: Any  # the session's BuiltGraph, which holds the plan too
     _captures: Any  # the session's CaptureSlots
 
+    @property
+    def profiling(self) -> bool:
+        """Whether this session records a profile (``profiling=True``, or ``start_profiling()``)."""
+        return self._trace is not None
+
     def start_profiling(self) -> None:
         """Switch profiling on for a session built without ``profiling=True``: from now on
         runs record per-node events, and captures and replays their spans, as a session

@@ -292,6 +292,20 @@ def test_end_profiling_without_profiling_says_how_to_switch_it_on(tmp_path, add_
     assert not (tmp_path / "never.json").exists()
 
 
+def test_end_profiling_of_the_onnxruntime_api_without_profiling_says_how_to_switch_it_on(add_relu_model):
+    session = plugrt.InferenceSession(add_relu_model, providers=["CPUExecutionProvider"])
+    with pytest.raises(OptionError, match="enable_profiling = True") as info:
+        session.end_profiling()
+    assert info.value.key == "enable_profiling"
+
+
+def test_profiling_says_whether_a_session_records(add_relu_model):
+    session = plugrt.load(add_relu_model)
+    assert session.profiling is False
+    session.start_profiling()
+    assert session.profiling is True
+
+
 # -- OpenTelemetry --------------------------------------------------------------------------
 
 
