@@ -141,6 +141,11 @@ class Plan:
         self._constants = constants
         self._fn, self._line_to_step, self.source = self._generate(profile)
 
+    def profiled(self) -> "Plan":
+        """The same steps generated again with the recording lines of a profiled plan (an
+        unprofiled plan carries none, so that its runs pay nothing for profiling)."""
+        return Plan(self.inputs, self.outputs, self.steps, self._constants, self.infos, profile=True)
+
     @property
     def constants(self) -> dict[ir.Value, Any]:
         """Values with a fixed array (initializers), as the plan binds them."""

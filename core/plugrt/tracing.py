@@ -375,14 +375,8 @@ class ProfiledSession:
         this call. Does nothing when profiling is already on."""
         if self._trace is not None:
             return
-        from .plan import Plan
-
         recorder = Recorder()
-        plan = self._plan
-        # the same steps, generated again with the recording lines: an unprofiled plan
-        # carries none, so that its runs pay nothing for profiling
-        profiled = Plan(plan.inputs, plan.outputs, plan.steps, plan.constants, plan.infos, profile=True)
-        self._built.plan = self._plan = profiled
+        self._built.plan = self._plan = self._plan.profiled()
         self._captures.record_into(recorder)
         self._trace = recorder
 
