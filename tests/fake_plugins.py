@@ -194,3 +194,21 @@ class probed_npu:
     @hookimpl
     def plugrt_providers():
         return [probed_npu.provider]
+
+
+class DriverlessCudaProvider(NegProvider):
+    """A provider named cuda that is installed on a machine without a GPU driver."""
+
+    name = "cuda"
+    device_kinds = (DeviceKind.GPU,)
+    unavailable_reason = "no CUDA driver: the NVIDIA driver (libcuda) cannot be loaded"
+
+    def devices(self):
+        return []
+
+
+class driverless_cuda:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [DriverlessCudaProvider()]

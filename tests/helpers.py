@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import site
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -295,3 +299,21 @@ def onnxruntime_genai_greedy(folder: Any, prompt: Sequence[int], max_length: int
         generator.generate_next_token()
         tokens.append(int(generator.get_next_tokens()[0]))
     return tokens
+
+
+# --- a fresh virtual environment for install tests -------------------------------------
+
+
+def fresh_venv(path: str) -> str:
+    """A new virtual environment that sees this one's packages (plugrt and its
+    dependencies) the way ``--system-site-packages`` sees the base interpreter's; returns
+    its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", path], check=True, timeout=60)
+    python = os.path.join(path, "bin", "python")
+    own_site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    with open(os.path.join(own_site, "inherit.pth"), "w", encoding="utf-8") as f:
+        f.write("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in site.getsitepackages()) + "\n")
+    return python

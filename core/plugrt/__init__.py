@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     BatchColumnError,
     BatchRowError,
+    BindingShapeError,
     CaptureError,
     CaptureThreadError,
+    CommandLineError,
     ConformanceInputError,
     EpContextAmbiguousError,
     EpContextAttributeError,
@@ -32,6 +34,7 @@ from .errors import (
     MissingInputError,
     ModelBuildError,
     ModelLimitError,
+    MissingDependencyError,
     ModelLoadError,
     NoCaptureError,
     NotSupportedError,
@@ -215,6 +218,9 @@ __all__ = [
     "ProviderNameMismatchError",
     "RunError",
     "WarmupShapeError",
+    "BindingShapeError",
+    "CommandLineError",
+    "MissingDependencyError",
     "WeightStoreError",
     "RunTerminatedError",
 ]

@@ -42,8 +42,22 @@ def _plugrt_runner(model: str, device: str, options: Mapping[str, Any]) -> Calla
     return lambda feeds: list(run(feeds).values())
 
 
+def _import_onnxruntime() -> Any:
+    """onnxruntime, or MissingDependencyError saying how to install it."""
+    from .errors import MissingDependencyError
+
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "onnxruntime", "comparing with onnxruntime (--compare onnxruntime)",
+            "pip install onnxruntime (or leave out --compare onnxruntime)",
+        ) from exc
+    return onnxruntime
+
+
 def _ort_runner(model: str, device: str, options: Mapping[str, Any]) -> Callable[[dict], Any]:
-    import onnxruntime
+    onnxruntime = _import_onnxruntime()
 
     session_options = onnxruntime.SessionOptions()
     # its pool threads otherwise spin after each run, taking the cores from the runtime
@@ -194,6 +208,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _cmd_bench(args: Any) -> int:
+    from .errors import CommandLineError
     from .inputs import example_inputs
     from .session import load
 
@@ -201,11 +216,13 @@ def _cmd_bench(args: Any) -> int:
     for pair in args.dim:
         symbol, _, size = pair.partition("=")
         if not symbol or not size.isdigit() or int(size) < 1:
-            raise SystemExit(f"plugrt bench: --dim takes SYMBOL=SIZE with SIZE >= 1, got {pair!r}")
+            raise CommandLineError("bench", f"--dim takes SYMBOL=SIZE with SIZE >= 1, got {pair!r}", option="--dim")
         dims[symbol] = int(size)
     warmup, runs = (1, 5) if args.fast else (args.warmup, args.runs)
     if runs < 1 or warmup < 0:
-        raise SystemExit("plugrt bench: --runs must be at least 1 and --warmup at least 0")
+        raise CommandLineError("bench", f"--runs must be at least 1 and --warmup at least 0, got {runs} and {warmup}")
+    if "onnxruntime" in args.compare:
+        _import_onnxruntime()  # before anything is built or timed
     feeds = example_inputs(load(args.model, device=args.device).inputs, dims=dims)
     load_before = os.getloadavg()
     results = bench(

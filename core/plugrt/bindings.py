@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import InvalidInputError, UnknownInputError
+from .errors import BindingShapeError, InvalidInputError, UnknownInputError
 from .provider import MemoryCapability
 from .transfers import MemorySpaces
 
@@ -89,10 +89,28 @@ class DeviceBinding:
         return self._shape
 
     def _check_fits(self, shape: Sequence[int]) -> None:
-        if len(shape) != len(self.capacity) or any(s > c for s, c in zip(shape, self.capacity)):
-            raise InvalidInputError(
-                f"binding {self.name!r}: logical shape {tuple(shape)} does not fit its capacity "
-                f"{self.capacity}; allocate it with a larger capacity",
+        shape, capacity = tuple(shape), self.capacity
+        if len(shape) != len(capacity):
+            same_size = int(np.prod(shape)) == int(np.prod(self._shape))
+            raise BindingShapeError(
+                self.name,
+                capacity,
+                shape,
+                f"binding {self.name!r} has shape {self._shape} (rank {len(capacity)}); {shape} has rank "
+                f"{len(shape)}: the shapes differ in rank{', not in size' if same_size else ''}. "
+                + (f"Reshape the array to {self._shape} (array.reshape{self._shape}), " if same_size else "Reshape the array to rank "
+                   f"{len(capacity)}, ")
+                + f"or allocate the binding with shape={shape}",
+                input_name=self.input,
+            )
+        if any(s > c for s, c in zip(shape, capacity)):
+            larger = tuple(max(s, c) for s, c in zip(shape, capacity))
+            raise BindingShapeError(
+                self.name,
+                capacity,
+                shape,
+                f"binding {self.name!r}: shape {shape} does not fit its capacity {capacity}; allocate it "
+                f"with capacity={larger} (or larger)",
                 input_name=self.input,
             )
 
@@ -232,11 +250,39 @@ def allocate_binding(
         if info.shape is None or not all(isinstance(d, int) for d in info.shape):
             raise InvalidInputError(f"binding {info.name!r} has symbolic dims {info.shape}; pass shape=", input_name=input)
         shape = [int(d) for d in info.shape]
+    elif input is not None:
+        _check_declared(info, tuple(int(d) for d in shape))
     capacity = tuple(capacity) if capacity is not None else tuple(shape)
     memory = spaces.memories[0] if spaces else None
     device = memory.default_device if memory is not None else host_device
     buffer = memory.allocate(capacity, dtype, device) if memory is not None else np.zeros(capacity, dtype)
     return DeviceBinding(input=input, output=output, buffer=buffer, shape=shape, device=device, memory=memory, spaces=spaces)
+
+
+def _check_declared(info: Any, shape: tuple[int, ...]) -> None:
+    """Refuse, at allocation, a shape the input's declared shape rules out (another rank,
+    or another size on a fixed axis): a run would refuse it later, far from the cause."""
+    declared = info.shape
+    if declared is None:
+        return
+    declared = tuple(declared)
+    fixed = tuple(d if isinstance(d, int) and d >= 0 else s for d, s in zip(declared, shape))
+    if len(declared) != len(shape):
+        why = f"has rank {len(shape)}; the input has rank {len(declared)}"
+    else:
+        axes = [i for i, (d, s) in enumerate(zip(declared, shape)) if isinstance(d, int) and d >= 0 and d != s]
+        if not axes:
+            return
+        why = "differs on fixed axis " + ", ".join(f"{i} ({shape[i]}, the model fixes {declared[i]})" for i in axes)
+    raise BindingShapeError(
+        info.name,
+        declared,
+        shape,
+        f"binding for input {info.name!r}: shape={shape} {why}; the model declares {declared}. Allocate with "
+        + (f"shape={fixed}" if len(declared) == len(shape) else f"a shape of rank {len(declared)}")
+        + " (only symbolic axes may take another size)",
+        input_name=info.name,
+    )
 
 
 def bind_host_array(

@@ -459,8 +459,12 @@ class CaptureSlots:
         self.lock = threading.RLock()
         self.stats = CaptureStats()
         if trace is not None:  # profiling: capture and replay record events (no cost otherwise)
-            self.capture = traced_capture(trace, self.capture)  # type: ignore[method-assign]
-            self.replay = traced_replay(trace, self.replay)  # type: ignore[method-assign]
+            self.record_into(trace)
+
+    def record_into(self, trace: Recorder) -> None:
+        """Record a span per capture and per replay into ``trace`` from now on."""
+        self.capture = traced_capture(trace, type(self).capture.__get__(self))  # type: ignore[method-assign]
+        self.replay = traced_replay(trace, type(self).replay.__get__(self))  # type: ignore[method-assign]
 
     def capture(self, slot: str, record: Callable[[], CapturedPlan]) -> "Captured | NotCapturable":
         """Record a capture into ``slot`` (replacing only that slot's)."""

@@ -8,26 +8,33 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 
-__all__ = ["main", "EXAMPLE_MODEL"]
+__all__ = ["main", "EXAMPLE_MODEL", "USAGE_ERROR"]
 
 #: The model ``plugrt run`` uses when given none.
 EXAMPLE_MODEL = os.path.join(os.path.dirname(__file__), "examples", "tiny_cnn.onnx")
 
 
 def _parse_inputs(pairs: Sequence[str]) -> dict[str, np.ndarray]:
+    from .errors import CommandLineError
+
     feeds = {}
     for pair in pairs:
         name, sep, path = pair.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"plugrt run: --input takes NAME=FILE.npy, got {pair!r}")
+            raise CommandLineError("run", f"--input takes NAME=FILE.npy, got {pair!r}", option="--input")
         try:
             feeds[name] = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
-            raise SystemExit(f"plugrt run: cannot read {path!r} for input {name!r}: {exc}") from exc
+            raise CommandLineError(
+                "run",
+                f"cannot read {path!r} for input {name!r} ({exc}); give the path of a .npy file "
+                "(numpy.save writes one)",
+                option="--input",
+            ) from exc
     return feeds
 
 
@@ -41,6 +48,7 @@ def _format_values(array: np.ndarray, count: int = 6) -> str:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from . import load
+    from .errors import CommandLineError
     from .inputs import DEFAULT_DIM, example_inputs
 
     model = args.model or EXAMPLE_MODEL
@@ -76,9 +84,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         else:
             print(f"output {name}: {type(value).__name__} {value!r:.80}")
     report = session.placement
-    print("placement: " + ", ".join(f"{p}: {n} node(s)" for p, n in report.nodes_per_provider.items()))
-    if args.explain:
+    if args.explain:  # the full report starts with the same per-provider counts
         print(report.summary())
+    else:
+        print("placement: " + ", ".join(f"{p}: {n} node(s)" for p, n in report.nodes_per_provider.items()))
     if len(times) > 1:
         print(
             f"latency: median {statistics.median(times) * 1e3:.3f} ms, min {min(times) * 1e3:.3f} ms "
@@ -90,7 +99,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         try:
             path = session.end_profiling(args.profile)
         except OSError as exc:
-            raise SystemExit(f"plugrt run: cannot write the profile to {args.profile!r}: {exc}") from exc
+            raise CommandLineError(
+                "run", f"cannot write the profile to {args.profile!r} ({exc}); give a path in a writable folder",
+                option="--profile",
+            ) from exc
         print(f"profile: {path} (onnxruntime's format; open it in Perfetto or chrome://tracing)")
     return 0
 
@@ -123,6 +135,7 @@ def _cmd_providers(args: argparse.Namespace) -> int:
 def _cmd_conformance(args: argparse.Namespace) -> int:
     from .conformance.expectations import read_expectations, shipped_expectations
     from .conformance.suite import run_conformance
+    from .errors import CommandLineError
     from .registry import default_registry
 
     # the provider's shipped expectations, then the files given (which add to them)
@@ -131,28 +144,40 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     skips = skips + (read_expectations(args.skips_file) if args.skips_file else [])
     ops = [p.strip() for p in (args.ops or "").split(",") if p.strip()]
     if args.ops is not None and not ops:
-        raise SystemExit("plugrt conformance: error: --ops needs at least one op pattern, e.g. --ops 'Conv*,Relu'")
+        raise CommandLineError(
+            "conformance", "--ops needs at least one op pattern, e.g. --ops 'Conv*,Relu'", option="--ops"
+        )
     report = run_conformance(
         args.provider, ops=ops or None, xfails=xfails, skips=skips, progress=not args.no_progress and sys.stderr.isatty()
     )
     markdown = report.to_markdown()
-    if args.report:
-        # the full table goes to the files; stdout keeps the verdict
-        totals = report.totals()
-        print(
-            f"conformance of {args.provider}: {'PASS' if report.ok else 'FAIL'} "
-            + ", ".join(f"{totals.get(k, 0)} {k}" for k in ("passed", "failed", "error", "xfailed", "unsupported", "skipped"))
-        )
+    if args.markdown:
+        print(markdown)
+    else:  # the problems, if any; the full table is one flag (or --report FILE.md) away
         for name, check in report.protocol.items():
             if check["status"] == "failed":
                 print(f"protocol check failed: {name}: {check.get('detail', '')}")
-    else:
-        print(markdown)
+        problems = report.problems()
+        for case in problems[:_PROBLEMS_SHOWN]:
+            print(f"{case.status}: {case.name}: {case.detail}")
+        if len(problems) > _PROBLEMS_SHOWN:
+            print(f"... and {len(problems) - _PROBLEMS_SHOWN} more (--markdown or --report FILE.md lists them all)")
     for path in args.report:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(report.to_json() if path.endswith(".json") else markdown)
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(report.to_json() if path.endswith(".json") else markdown)
+        except OSError as exc:
+            raise CommandLineError(
+                "conformance", f"cannot write the report to {path!r} ({exc}); give a path in a writable folder",
+                option="--report",
+            ) from exc
         print(f"wrote {path}")
+    print(report.verdict())
     return 0 if report.ok else 1
+
+
+#: Failing cases ``plugrt conformance`` lists before its verdict without ``--markdown``.
+_PROBLEMS_SHOWN = 20
 
 
 def _positive_int(text: str) -> int:
@@ -193,7 +218,11 @@ def _add_conformance(sub: Any) -> None:
     conformance.add_argument("--ops", help="comma-separated op patterns (fnmatch), e.g. 'Conv*,Relu'")
     conformance.add_argument(
         "--report", action="append", default=[], metavar="FILE.json|FILE.md",
-        help="write the report (repeatable); stdout then shows only the verdict",
+        help="write the report (repeatable): JSON for .json, else the Markdown table",
+    )
+    conformance.add_argument(
+        "--markdown", action="store_true",
+        help="print the full Markdown table (per op, protocol checks, failures) before the verdict",
     )
     conformance.add_argument(
         "--xfails-file", help="more cases expected to fail: a pattern per line, then '# reason' (adds to the provider's own)"
@@ -223,10 +252,23 @@ def _add_bench(sub: Any) -> None:
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_run, _add_providers, _add_conformance, _add_explain, _add_bench]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in the format of every other ``plugrt`` error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(USAGE_ERROR, f"plugrt: error: {message} (see '{self.prog} --help')\n")
+
+
+#: The exit status of every user error (a bad argument, a missing file, a model that
+#: does not load), as argparse exits on a bad argument.
+USAGE_ERROR = 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="plugrt", description="plugrt: ONNX inference, every provider a plugin")
+    parser = _Parser(prog="plugrt", description="plugrt: ONNX inference, every provider a plugin")
     parser.add_argument("--version", action="version", version=f"plugrt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
@@ -273,16 +315,19 @@ def _warn_by_node(session: Any, feeds: dict[str, np.ndarray]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .errors import PlugrtError
+    from .errors import CommandLineError, PlugrtError
 
     args = build_parser().parse_args(argv)
     try:
         status = args.func(args)
         sys.stdout.flush()  # inside the try: a reader that went away is noticed here
         return status
+    except CommandLineError as exc:
+        print(f"plugrt: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
     except PlugrtError as exc:
         print(f"plugrt: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     except BrokenPipeError:
         # the reader went away (``plugrt ... | head``): stop quietly, as other tools do;
         # stdout is pointed at devnull so the interpreter's final flush does not complain

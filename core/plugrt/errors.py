@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Sequence
 
 __all__ = [
@@ -44,6 +45,9 @@ __all__ = [
     "ProviderNameMismatchError",
     "WeightStoreError",
     "WarmupShapeError",
+    "BindingShapeError",
+    "CommandLineError",
+    "MissingDependencyError",
 ]
 
 
@@ -161,10 +165,7 @@ class ProviderUnavailableError(PlugrtError):
     def __init__(self, provider: str, cause: str, *, hint: str | None = None):
         self.provider = provider
         self.cause = cause
-        self.hint = hint or (
-            "run 'plugrt providers' to see what is installed; uninstall the broken package or "
-            "choose device='cpu'"
-        )
+        self.hint = hint or "run 'plugrt providers' to see what is installed and why, or choose device='cpu'"
         super().__init__(f"provider {provider!r} is unavailable: {cause}\n  fix: {self.hint}")
 
 
@@ -245,6 +246,18 @@ class SymbolConflictError(InvalidInputError):
         )
 
 
+class BindingShapeError(InvalidInputError):
+    """A device binding's shape disagrees with the model's declared shape (at allocation)
+    or with an array written to it. ``expected`` is the declared shape, or the binding's
+    capacity; ``actual`` the shape asked for or written."""
+
+    def __init__(self, name: str, expected: Sequence[Any], actual: Sequence[int], message: str, *, input_name: str | None = None):
+        self.name = name
+        self.expected = tuple(expected)
+        self.actual = tuple(actual)
+        super().__init__(message, input_name=input_name)
+
+
 # --- options -------------------------------------------------------------------------
 
 
@@ -256,12 +269,28 @@ class OptionError(PlugrtError, ValueError):
         self.key = key
 
 
+#: Above this many valid keys, an unknown key's message names the closest few and where
+#: the rest are listed, not every one.
+_KEYS_LISTED = 20
+
+
 class UnknownOptionError(OptionError):
-    def __init__(self, key: str, known: Sequence[str]):
-        self.known = tuple(sorted(known))
-        super().__init__(
-            f"unknown option {key!r}; valid options are: {', '.join(self.known)}", key=key
-        )
+    """An unknown option or keyword: ``suggestions`` are the valid keys closest to it."""
+
+    def __init__(self, key: str, known: Sequence[str], *, what: str = "option", listed_in: str = "plugrt.options.OPTIONS"):
+        self.known = tuple(sorted(set(known)))
+        self.suggestions = tuple(difflib.get_close_matches(key, self.known, n=3, cutoff=0.6))
+        message = f"unknown {what} {key!r}"
+        if self.suggestions:
+            message += "; did you mean " + " or ".join(repr(s) for s in self.suggestions) + "?"
+        elif len(self.known) > _KEYS_LISTED:  # nothing close: the nearest few still beat a list of all
+            nearest = difflib.get_close_matches(key, self.known, n=3, cutoff=0.0)
+            message += "; the closest valid ones are " + ", ".join(repr(s) for s in nearest)
+        if len(self.known) <= _KEYS_LISTED:
+            message += f" (valid: {', '.join(self.known)})"
+        else:
+            message += f" ({len(self.known)} are valid, listed in {listed_in})"
+        super().__init__(message, key=key)
 
 
 class InvalidOptionValueError(OptionError):
@@ -549,3 +578,26 @@ class WarmupShapeError(InvalidInputError):
             "of non-negative integers, e.g. {'" + input_name + "': (1, 16)}",
             input_name=input_name,
         )
+
+
+# --- the command line ----------------------------------------------------------------
+
+
+class CommandLineError(PlugrtError):
+    """A ``plugrt`` command was given something it cannot use (a missing file, a bad
+    ``NAME=VALUE``); the command exits with status 2, as argparse does."""
+
+    def __init__(self, command: str, message: str, *, option: str | None = None):
+        self.command = command
+        self.option = option
+        super().__init__(message)
+
+
+class MissingDependencyError(PlugrtError, ImportError):
+    """An optional package a feature needs is not installed."""
+
+    def __init__(self, package: str, needed_for: str, install: str):
+        self.package = package
+        self.needed_for = needed_for
+        self.install = install
+        super().__init__(f"{needed_for} needs the {package!r} package, which is not installed; install it with: {install}")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["explain_data", "explain_html", "write_explain", "PALETTE"]
+__all__ = ["explain_data", "explain_html", "write_explain", "try_capture_as_run_does", "PALETTE"]
 
 #: Provider colours, in the order providers are consulted (the fallback is last).
 PALETTE = ("#e8871e", "#3f9b52", "#b5479b", "#2aa1b3", "#c9a227", "#8c6bb1", "#d45a5a")
@@ -402,22 +402,30 @@ def write_explain(
 
     Returns the session and what ``try_capture`` returned (None when not tried or when
     the model cannot run on made-up inputs)."""
-    from .errors import PlugrtError
-    from .inputs import example_inputs
     from .session import load
 
     session = load(model, device=device, **dict(options or {}))
-    result = None
-    if capture:
-        try:
-            result = session.try_capture(example_inputs(session.inputs))
-        except PlugrtError:
-            result = None  # such a model is still drawn, without seams
-        session.reset()
+    result = try_capture_as_run_does(session) if capture else None
     title = f"plugrt placement: {os.path.basename(os.fspath(model))}"
     with open(path, "w", encoding="utf-8") as f:
         f.write(explain_html(session, capture=result, title=title))
     return session, result
+
+
+def try_capture_as_run_does(session: "Session") -> Any:
+    """What ``session.try_capture`` returns on the inputs ``plugrt run`` generates (declared
+    shapes, seeded non-zero values), or None when the model cannot run on them. On other
+    inputs (zeros) an ``out=`` kernel may round differently from its eager form and show
+    seams a real run does not have. The capture is dropped again."""
+    from .errors import PlugrtError
+    from .inputs import example_inputs
+
+    try:
+        return session.try_capture(example_inputs(session.inputs))
+    except PlugrtError:
+        return None  # such a model is still explained, without seams
+    finally:
+        session.reset()
 
 
 def add_parser(sub: Any) -> None:
@@ -427,7 +435,8 @@ def add_parser(sub: Any) -> None:
     explain.add_argument("--device", default="auto", help="auto, cpu, gpu, gpu:N, cuda:N, a provider name or a policy")
     explain.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page (no network needed)")
     explain.add_argument(
-        "--no-capture", action="store_true", help="do not try a capture on made-up inputs (no seams shown)"
+        "--no-capture", action="store_true",
+        help="do not try a capture on the inputs 'plugrt run' generates (no seams shown)",
     )
     explain.add_argument("--optimization", default="all", choices=["none", "basic", "all"])
     explain.set_defaults(func=_cmd_explain)
@@ -441,7 +450,8 @@ def _cmd_explain(args: Any) -> int:
     if args.html:
         session, result = write_explain(args.model, args.html, device=args.device, capture=capture, options=options)
     else:
-        session, result = load(args.model, device=args.device, **options), None
+        session = load(args.model, device=args.device, **options)
+        result = try_capture_as_run_does(session) if capture else None
     print(session.placement.summary())
     parts = _capture_parts(result)
     if parts is not None:

@@ -123,7 +123,10 @@ def resolve_device(
                 provider = registry.get("cuda")
                 found = _first_device(registry, "cuda", None, index)
                 if found is None:
-                    raise ProviderUnavailableError("cuda", f"it has no device {index}")
+                    have = ", ".join(str(d) for d in registry.devices("cuda"))
+                    raise ProviderUnavailableError(
+                        "cuda", f"it has no device {index} (it has: {have})", hint="choose one of its devices, e.g. device='cuda:0'"
+                    )
                 devices["cuda"] = found
                 chosen = [provider]
             else:
@@ -136,23 +139,7 @@ def resolve_device(
                         chosen = [p]
                         break
                 if not chosen:
-                    where = f"{kind_word}:{index}" if index is not None else kind_word
-                    have = {p.name: [str(d) for d in registry.devices(p.name)] for p in by_intent(registry.available())}
-                    failures = "; ".join(str(f) for f in registry.failures().values())
-                    # installed providers without a device say why (e.g. cuda: no CUDA driver)
-                    idle = "; ".join(
-                        f"{name}: {why}"
-                        for name in registry.providers()
-                        if name not in registry.failures() and (why := registry.unavailable_reason(name))
-                    )
-                    raise ProviderUnavailableError(
-                        where,
-                        f"no installed provider offers a {where} device (available: {have})"
-                        + (f"; unavailable: {idle}" if idle else "")
-                        + (f"; failed providers: {failures}" if failures else ""),
-                        hint="install a provider package for this device (e.g. 'pip install plugrt[cuda]'), "
-                        "or use device='auto' to fall back to what is available",
-                    )
+                    raise _no_device(registry, kind, kind_word if index is None else f"{kind_word}:{index}")
         elif intent in registry.providers() or intent in registry.failures() or intent in registry.disabled:
             chosen = [registry.get(intent)]
             return _selection(chosen, devices, registry, frozenset({intent}), intent)
@@ -160,6 +147,42 @@ def resolve_device(
             raise InvalidOptionValueError("device", device, _DEVICE_CHOICES + _installed(registry))
         return _selection(chosen, devices, registry, frozenset(), intent)
     return _selection(chosen, devices, registry, frozenset(), intent)
+
+
+def _no_device(registry: "ProviderRegistry", kind: DeviceKind, where: str) -> ProviderUnavailableError:
+    """Why no provider offers a ``where`` device, and what to do: install one, or (one is
+    installed but cannot run here) fall back to the CPU."""
+    from .registry import LOAD_STAGES, install_hint
+
+    have = {
+        p.name: [str(d) for d in registry.devices(p.name)]
+        for p in registry.available()
+        if int(getattr(p, "priority", 0)) >= 0
+    }
+    failures = registry.failures()
+    # installed providers of this kind without a device say why (e.g. cuda: no CUDA driver)
+    idle = {
+        name: why
+        for name, p in registry.providers().items()
+        if name not in failures and _may_offer(p, kind) and (why := registry.unavailable_reason(name))
+    }
+    cause = f"no installed provider offers a {where} device (available: {have})"
+    if idle:
+        cause += "; unavailable: " + "; ".join(f"{name}: {why}" for name, why in idle.items())
+    if failures:
+        cause += "; failed providers: " + "; ".join(str(f) for f in failures.values())
+    fall_back = "use device='cpu', or device='auto' to fall back to what is available"
+    if idle:
+        hint = f"{' and '.join(idle)} is installed but cannot run here (why: above): fix that, or {fall_back}"
+    elif broken := [f.name for f in failures.values() if f.stage in LOAD_STAGES]:
+        hint = f"{', '.join(broken)} failed to load (see above): reinstall or uninstall its package; or {fall_back}"
+    elif kind == DeviceKind.GPU and "cuda" in registry.disabled:
+        hint = registry.unavailable_hint("cuda")
+    elif kind == DeviceKind.GPU:
+        hint = f"{install_hint('cuda')}; or {fall_back}"
+    else:
+        hint = f"install a provider package that offers a {kind.value} device; or {fall_back}"
+    return ProviderUnavailableError(where, cause, hint=hint)
 
 
 def _selection(chosen, devices, registry, pinned, intent) -> Selection:

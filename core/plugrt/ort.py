@@ -190,7 +190,12 @@ class SessionOptions:
     def add_session_config_entry(self, key: str, value: str) -> None:
         """Set an onnxruntime config key or a plugrt option; an unknown key raises now."""
         if key not in MAPPED_CONFIG_KEYS and key not in IGNORED_CONFIG_KEYS and key not in OPTIONS:
-            raise UnknownOptionError(key, sorted(set(MAPPED_CONFIG_KEYS) | IGNORED_CONFIG_KEYS | set(OPTIONS)))
+            raise UnknownOptionError(
+                key,
+                [*MAPPED_CONFIG_KEYS, *IGNORED_CONFIG_KEYS, *OPTIONS],
+                what="session config key",
+                listed_in="plugrt.ort.MAPPED_CONFIG_KEYS, plugrt.ort.IGNORED_CONFIG_KEYS and plugrt.options.OPTIONS",
+            )
         self._configs[key] = str(value) if not isinstance(value, str) else value
 
     def get_session_config_entry(self, key: str) -> str:
@@ -325,6 +330,13 @@ def _resolve_providers(entries: list[tuple[str, dict]], strict: bool) -> list[st
     return list(dict.fromkeys(chosen))
 
 
+#: InferenceSession's keywords besides plugrt's options (onnxruntime's own).
+_CONSTRUCTOR_KEYWORDS = (
+    "path_or_bytes", "sess_options", "providers", "provider_options",
+    "enable_fallback", "read_config_from_model", "disabled_optimizers",
+)
+
+
 class InferenceSession:
     """``onnxruntime.InferenceSession`` work-alike: change the import, keep the code."""
 
@@ -343,6 +355,14 @@ class InferenceSession:
         if disabled_optimizers:
             raise NotSupportedError(
                 "disabled_optimizers", "choose an optimisation level (SessionOptions.graph_optimization_level)"
+            )
+        unknown = [key for key in kwargs if key not in OPTIONS]
+        if unknown:  # a typo of one of this constructor's own keywords is the likelier mistake
+            raise UnknownOptionError(
+                unknown[0],
+                [*_CONSTRUCTOR_KEYWORDS, *OPTIONS],
+                what="InferenceSession keyword",
+                listed_in="InferenceSession's signature and plugrt.options.OPTIONS",
             )
         self._model = path_or_bytes
         self._sess_options = sess_options
@@ -492,6 +512,12 @@ class InferenceSession:
 
         from .tracing import with_provider_names
 
+        if not self._session.profiling:
+            raise OptionError(
+                "profiling is off; set SessionOptions.enable_profiling = True before creating the "
+                "InferenceSession, or call InferenceSession.session.start_profiling() before the runs to profile",
+                key="enable_profiling",
+            )
         events = with_provider_names(self._session.profile(), _PLUGRT_TO_ORT)  # as onnxruntime names them
         prefix = self._sess_options.profile_file_prefix if self._sess_options is not None else "onnxruntime_profile_"
         path = f"{prefix}{self._profiling_start_ns}.json"

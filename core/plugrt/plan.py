@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from .errors import KernelError, OptionError, PlugrtError, UnsupportedOpError
 from .provider import Step
-from .tracing import complete_event, micros, node_event
+from .tracing import PROFILING_OFF, complete_event, micros, node_event
 
 __all__ = ["Plan", "StepInfo"]
 
@@ -141,6 +141,11 @@ class Plan:
         self._constants = constants
         self._fn, self._line_to_step, self.source = self._generate(profile)
 
+    def profiled(self) -> "Plan":
+        """The same steps generated again with the recording lines of a profiled plan (an
+        unprofiled plan carries none, so that its runs pay nothing for profiling)."""
+        return Plan(self.inputs, self.outputs, self.steps, self._constants, self.infos, profile=True)
+
     @property
     def constants(self) -> dict[ir.Value, Any]:
         """Values with a fixed array (initializers), as the plan binds them."""
@@ -258,7 +263,7 @@ class Plan:
         (a ``perf_counter`` reading). The plan must be built with ``profile``."""
         records = self.profile_records
         if records is None:
-            raise OptionError("profiling is off; build the session with profiling=True", key="profiling")
+            raise OptionError(PROFILING_OFF, key="profiling")
         pid = os.getpid()
         infos, parameters = self.infos, self.parameter_inputs
         events = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -79,6 +80,7 @@ __all__ = [
     "memory_of",
     # helpers for providers
     "node_label",
+    "op_version_in_effect",
     "numpy_dtype",
     "onnx_type",
     "constant_array",
@@ -189,7 +191,9 @@ class Step:
     name: str = ""
     op_type: str = ""
     domain: str = ""
-    nodes: tuple[str, ...] = ()  # names of the graph nodes this step computes (several when fused)
+    # labels of the graph nodes this step computes (several when fused): node_label(node),
+    # the node's name, or its op type and outputs when it has none
+    nodes: tuple[str, ...] = ()
     # Optional ``inplace(out, *inputs)``, correct when ``out`` is the first input (an
     # elementwise op whose output has that input's dtype). The plan calls it when the
     # first input dies at this step and nothing else refers to its array.
@@ -574,6 +578,19 @@ HOST_MEMORY = "host"
 
 
 # -- helpers a provider may use (so that it needs no other plugrt module) ----------------
+
+
+@functools.lru_cache(maxsize=None)
+def op_version_in_effect(op_type: str, opset: int, domain: str = "") -> int:
+    """The version (``since_version``) of ``op_type`` a model importing ``domain`` at
+    ``opset`` uses: the highest at or below ``opset``; 0 when the op did not exist yet.
+    Compare it with the versions a kernel was checked against, as ``supports_op`` does."""
+    import onnx
+
+    try:
+        return int(onnx.defs.get_schema(op_type, opset, domain).since_version)
+    except onnx.defs.SchemaError:
+        return 0
 
 
 def node_label(node: "ir.Node") -> str:

@@ -15,11 +15,22 @@ from . import hookspecs
 from .errors import ProviderUnavailableError
 from .provider import SUPPORTED_PROTOCOL_VERSIONS, Device, ExecutionProvider, missing_memory_members, protocol_version
 
-__all__ = ["ProviderFailure", "ProviderRegistry", "default_registry", "DISABLE_ENV"]
+__all__ = ["ProviderFailure", "ProviderRegistry", "default_registry", "DISABLE_ENV", "INSTALL_COMMANDS", "LOAD_STAGES", "install_hint"]
 
 #: Comma-separated provider names that discovery skips (like an uninstall, without one).
 DISABLE_ENV = "PLUGRT_DISABLE_PROVIDERS"
 
+
+#: How to install the providers this repository ships, by provider name (from a checkout:
+#: plugrt and its providers are on no package index).
+INSTALL_COMMANDS = {
+    "cuda": "pip install \"./providers/cuda[cuda12]\" (or \"./providers/cuda[cuda13]\" for CUDA 13) "
+    "from the plugrt checkout",
+}
+
+#: Stages at which a plugin itself failed (a broken package), as opposed to a provider
+#: that loaded and found no device.
+LOAD_STAGES = ("import", "init", "protocol")
 
 #: The built-in provider's name, and the only package allowed to offer it.
 _BUILT_IN = "cpu"
@@ -208,16 +219,45 @@ class ProviderRegistry:
             return why or "it reports no device on this machine"
         return None
 
+    def unavailable_hint(self, name: str) -> str:
+        """What to do about an unavailable provider, for its situation: not installed,
+        disabled, a plugin that failed to load, or installed with no usable device."""
+        providers = self.providers()
+        failure = self._failures.get(name)
+        if name in self.disabled:
+            return f"remove {name!r} from {DISABLE_ENV} (or the 'disabled_providers' option), or choose device='cpu'"
+        if name not in providers and failure is not None and failure.stage in LOAD_STAGES:
+            return (
+                f"its plugin failed to load ('plugrt providers' shows why): reinstall or uninstall the "
+                f"package offering {name!r}, or choose device='cpu'"
+            )
+        if name not in providers:
+            return install_hint(name) + ", or choose device='cpu'"
+        if failure is not None:  # loaded, but its device probe raised
+            return (
+                f"the provider's own check failed ({failure.stage}); report it to the maintainers of the "
+                f"package offering {name!r}, or choose device='cpu'"
+            )
+        return "use device='cpu' (or device='auto' to fall back to what is available)"
+
     def get(self, name: str) -> ExecutionProvider:
-        """A usable provider by name, or ProviderUnavailableError with the cause."""
+        """A usable provider by name, or ProviderUnavailableError with the cause and what to do."""
         reason = self.unavailable_reason(name)
         if reason is not None:
-            raise ProviderUnavailableError(name, reason)
+            raise ProviderUnavailableError(name, reason, hint=self.unavailable_hint(name))
         return self.providers()[name]
 
     def available(self) -> list[ExecutionProvider]:
         """Usable providers, highest priority first."""
         return [p for n, p in self.providers().items() if self.unavailable_reason(n) is None]
+
+
+def install_hint(name: str) -> str:
+    """How to install the provider ``name``: its command when this repository ships it."""
+    command = INSTALL_COMMANDS.get(name)
+    if command is not None:
+        return f"install the {name} provider: {command}"
+    return f"install a package that offers a provider named {name!r} ('plugrt providers' lists what is installed)"
 
 
 _default: ProviderRegistry | None = None

@@ -96,7 +96,7 @@ class Session(SessionIntrospection, ProfiledSession):
                 self.selection.providers,
                 self._opsets,
                 registry=self.registry,
-                profile=self.options["profiling"],
+                profile=self.profiling,  # profiling=True, or start_profiling() before a rebuild
                 devices=self.selection.devices,
                 spaces=self._spaces,
                 **how,

@@ -32,6 +32,7 @@ from .errors import OptionError
 
 __all__ = [
     "GenerationTrace",
+    "PROFILING_OFF",
     "ProfiledSession",
     "Recorder",
     "complete_event",
@@ -348,11 +349,36 @@ def _export_runs(recorder: Recorder, plan: Any) -> None:
     plan.exported_records = len(records) - len(pending)
 
 
+#: What profile() says when profiling is off, and how to switch it on.
+PROFILING_OFF = (
+    "profiling is off; call session.start_profiling() first, or build the session with profiling=True"
+)
+
+
 class ProfiledSession:
-    """The profiling half of a session: ``profile()`` and ``end_profiling()``."""
+    """The profiling half of a session: ``start_profiling()``, ``profile()`` and ``end_profiling()``."""
 
     _trace: Recorder | None
     _plan: Any  # the session's Plan (plan.py imports this module)
+    _built: Any  # the session's BuiltGraph, which holds the plan too
+    _captures: Any  # the session's CaptureSlots
+
+    @property
+    def profiling(self) -> bool:
+        """Whether this session records a profile (``profiling=True``, or ``start_profiling()``)."""
+        return self._trace is not None
+
+    def start_profiling(self) -> None:
+        """Switch profiling on for a session built without ``profiling=True``: from now on
+        runs record per-node events, and captures and replays their spans, as a session
+        built with it does (the build's own spans were not recorded). Times count from
+        this call. Does nothing when profiling is already on."""
+        if self._trace is not None:
+            return
+        recorder = Recorder()
+        self._built.plan = self._plan = self._plan.profiled()
+        self._captures.record_into(recorder)
+        self._trace = recorder
 
     def profile(self) -> list[dict[str, Any]]:
         """The profile so far, in time order: build phases, captures and replays
@@ -360,7 +386,7 @@ class ProfiledSession:
         onnxruntime's format. Needs ``profiling=True``."""
         recorder = self._trace
         if recorder is None:
-            raise OptionError("profiling is off; build the session with profiling=True", key="profiling")
+            raise OptionError(PROFILING_OFF, key="profiling")
         events = list(recorder.events) + self._plan.chrome_trace(recorder.origin)
         if recorder.tracer is not None:
             _export_runs(recorder, self._plan)
@@ -370,7 +396,8 @@ class ProfiledSession:
     def end_profiling(self, path: str | os.PathLike[str] | None = None) -> str:
         """Write :meth:`profile` as a JSON array (opens in Perfetto and chrome://tracing)
         to ``path`` (default ``plugrt_profile_<date>_<time>.json`` in the working folder);
-        returns the path. Recording goes on."""
+        returns the path. Recording goes on. Without profiling on, OptionError says how to
+        switch it on."""
         events = self.profile()
         if path is None:
             path = f"plugrt_profile_{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}.json"

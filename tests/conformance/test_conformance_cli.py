@@ -44,3 +44,37 @@ def test_installed_template_is_listed_by_plugrt_providers():
     pytest.importorskip("plugrt_provider_template")
     out = subprocess.run([sys.executable, "-m", "plugrt", "providers"], capture_output=True, text=True, check=True).stdout
     assert "template" in out and "[available]" in out
+
+
+_VERDICT = r"conformance: (PASS|FAIL), (\d+) passed, (\d+) failed, \d+ error, \d+ xfailed, \d+ unsupported, \d+ skipped \(provider cpu, [\d.]+ s\)"
+
+
+def test_conformance_without_a_report_prints_a_summary_ending_in_a_one_line_verdict(capsys):
+    import re
+
+    from plugrt.cli import main
+
+    assert main(["conformance", "--provider", "cpu", "--ops", "Relu", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(_VERDICT, lines[-1]) and lines[-1].startswith("conformance: PASS")
+    assert not any(line.startswith("|") for line in lines)  # the Markdown table only when asked for
+
+
+def test_conformance_markdown_prints_the_full_table_then_the_verdict(capsys):
+    import re
+
+    from plugrt.cli import main
+
+    assert main(["conformance", "--provider", "cpu", "--ops", "Relu", "--no-progress", "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "| Relu |" in "\n".join(lines) and any(line.startswith("| **total** |") for line in lines)
+    assert re.fullmatch(_VERDICT, lines[-1])
+
+
+def test_conformance_report_to_an_unwritable_path_exits_2_in_the_common_format(tmp_path, capsys):
+    from plugrt.cli import main
+
+    target = tmp_path / "no_such_folder" / "report.md"
+    assert main(["conformance", "--provider", "cpu", "--ops", "Relu", "--no-progress", "--report", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plugrt: error: cannot write the report") and str(target) in err

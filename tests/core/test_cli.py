@@ -76,7 +76,7 @@ def test_report_files_keep_stdout_to_the_verdict(tmp_path, capsys):
     report = tmp_path / "relu.md"
     assert main(["conformance", "--provider", "cpu", "--ops", "Relu", "--report", str(report)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("conformance of cpu: PASS") and "| op |" not in out
+    assert out.splitlines()[-1].startswith("conformance: PASS") and "| op |" not in out
     assert "| Relu |" in report.read_text()
 
 
@@ -114,3 +114,30 @@ def test_a_terminal_sees_a_status_line_while_the_model_builds():
         os.close(controller)
     assert done.returncode == 0
     assert b"plugrt: building tiny_cnn.onnx ..." in seen and b"\r\x1b[K" in seen
+
+
+def test_a_missing_input_file_exits_2_in_the_common_error_format(tmp_path, capsys):
+    missing = tmp_path / "missing.npy"
+    assert main(["run", "--input", f"image={missing}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plugrt: error: ") and str(missing) in err and ".npy" in err
+
+
+def test_a_malformed_input_pair_exits_2_in_the_common_error_format(capsys):
+    assert main(["run", "--input", "image"]) == 2
+    assert capsys.readouterr().err.startswith("plugrt: error: --input takes NAME=FILE.npy")
+
+
+def test_an_argument_error_uses_the_common_error_format(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["run", "--optimization", "most"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert err.splitlines()[-1].startswith("plugrt: error: argument --optimization: invalid choice")
+
+
+def test_run_explain_prints_the_placement_once(capsys):
+    assert main(["run", "--explain"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("placement")] == ["placement:"]
+    assert any(line.strip().startswith("partitions:") for line in lines)

@@ -77,6 +77,13 @@ def test_unknown_option_key_is_rejected(add_relu_model):
     assert "optimization" in info.value.known
 
 
+def test_unknown_option_key_suggests_the_closest_option(add_relu_model):
+    with pytest.raises(UnknownOptionError) as info:
+        plugrt.load(add_relu_model, optimisation="all")
+    assert info.value.suggestions == ("optimization",)
+    assert "did you mean 'optimization'?" in str(info.value)
+
+
 def test_invalid_option_value_lists_the_choices(add_relu_model):
     with pytest.raises(InvalidOptionValueError) as info:
         plugrt.load(add_relu_model, optimization="max")

@@ -96,10 +96,10 @@ def test_cli_profile_is_a_valid_chrome_trace(tmp_path):
         open_ends.append(end)
 
 
-def test_cli_profile_to_an_unwritable_path_says_so(tmp_path):
+def test_cli_profile_to_an_unwritable_path_says_so(tmp_path, capsys):
     missing = tmp_path / "no such folder" / "profile.json"
-    with pytest.raises(SystemExit, match="cannot write the profile to .*no such folder"):
-        main(["run", "--profile", str(missing)])
+    assert main(["run", "--profile", str(missing)]) == 2
+    assert re.match(r"plugrt: error: cannot write the profile to .*no such folder", capsys.readouterr().err)
 
 
 def test_build_phases_are_session_spans_inside_the_session_initialization(tmp_path):
@@ -249,6 +249,61 @@ def test_end_profiling_writes_a_json_array(tmp_path, add_relu_model):
     path = session.end_profiling(tmp_path / "trace.json")
     with open(path, encoding="utf-8") as f:
         assert json.load(f) == json.loads(json.dumps(session.profile()))
+
+
+def test_start_profiling_on_a_session_built_without_it_records_per_node_events(tmp_path, add_relu_model):
+    session = plugrt.load(add_relu_model)
+    x = np.ones((2, 4), np.float32)
+    session.run({"x": x, "y": x})  # before profiling: not in the profile
+    session.start_profiling()
+    session.run({"x": x, "y": x})
+    with open(session.end_profiling(tmp_path / "late.json"), encoding="utf-8") as f:
+        events = json.load(f)
+    nodes = [e for e in events if e["cat"] == "Node"]
+    assert [e["args"]["op_name"] for e in nodes] == ["Add", "Relu"]
+    assert all(set(NODE_FIELDS) <= set(e["args"]) and e["args"]["provider"] == "cpu" for e in nodes)
+    assert nodes[0]["args"]["input_type_shape"] == [{"float": [2, 4]}, {"float": [2, 4]}]
+    assert len(_named(events, "model_run")) == 1
+
+
+def test_start_profiling_records_capture_and_replay_spans(add_relu_model):
+    session = plugrt.load(add_relu_model)
+    session.start_profiling()
+    x = np.ones((2, 4), np.float32)
+    session.try_capture({"x": x, "y": x})
+    session.replay({"x": x, "y": x})
+    events = session.profile()
+    assert len(_named(events, "capture")) == 1 and _named(events, "capture")[0]["args"]["captured"] is True
+    assert [e["args"]["replayed"] for e in _named(events, "replay")] == [True]
+
+
+def test_a_session_without_profiling_runs_a_plan_with_no_recording_until_started(add_relu_model):
+    session = plugrt.load(add_relu_model)
+    assert "_rec" not in session.plan_source
+    session.start_profiling()
+    assert "_rec.append" in session.plan_source
+
+
+def test_end_profiling_without_profiling_says_how_to_switch_it_on(tmp_path, add_relu_model):
+    session = plugrt.load(add_relu_model)
+    with pytest.raises(OptionError, match=r"start_profiling\(\)") as info:
+        session.end_profiling(tmp_path / "never.json")
+    assert info.value.key == "profiling"
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_end_profiling_of_the_onnxruntime_api_without_profiling_says_how_to_switch_it_on(add_relu_model):
+    session = plugrt.InferenceSession(add_relu_model, providers=["CPUExecutionProvider"])
+    with pytest.raises(OptionError, match="enable_profiling = True") as info:
+        session.end_profiling()
+    assert info.value.key == "enable_profiling"
+
+
+def test_profiling_says_whether_a_session_records(add_relu_model):
+    session = plugrt.load(add_relu_model)
+    assert session.profiling is False
+    session.start_profiling()
+    assert session.profiling is True
 
 
 # -- OpenTelemetry --------------------------------------------------------------------------

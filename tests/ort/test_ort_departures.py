@@ -217,3 +217,30 @@ def test_with_fallback_disabled_a_provider_failing_at_run_raises(breaking_regist
     session.disable_fallback()
     with pytest.raises(ort.KernelError, match="device lost"):
         session.run(None, {"X": X})
+
+
+def test_a_typo_of_providers_suggests_providers(model_bytes):
+    with pytest.raises(UnknownOptionError) as info:
+        ort.InferenceSession(model_bytes, provider=["CPUExecutionProvider"])
+    assert info.value.key == "provider" and info.value.suggestions[0] == "providers"
+    assert "did you mean 'providers'" in str(info.value)
+
+
+def test_an_unknown_config_key_names_the_closest_keys_first_and_stays_short():
+    options = ort.SessionOptions()
+    with pytest.raises(UnknownOptionError) as info:
+        options.add_session_config_entry("session.intra_op.allow_spining", "1")
+    message = str(info.value)
+    assert message.startswith(
+        "unknown session config key 'session.intra_op.allow_spining'; did you mean 'session.intra_op.allow_spinning'"
+    )
+    assert len(message) < 400 and message.count("'session.") <= 4  # the key and three suggestions, not all 50
+
+
+def test_a_config_key_close_to_none_still_gets_a_short_message():
+    options = ort.SessionOptions()
+    with pytest.raises(UnknownOptionError) as info:
+        options.add_session_config_entry("session.foo_bar", "1")
+    message = str(info.value)
+    assert "closest valid ones are" in message and "plugrt.ort.IGNORED_CONFIG_KEYS" in message
+    assert len(message) < 400

@@ -7,11 +7,11 @@ import json
 import os
 import re
 import shutil
-import site
 import subprocess
-import sys
 
 import pytest
+
+from helpers import fresh_venv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GUIDE = os.path.join(ROOT, "docs", "writing-a-provider.md")
@@ -45,20 +45,6 @@ def copy_with_renames(destination: str, table: list[tuple[str, str]]) -> None:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(rename(text, table))
     os.rename(os.path.join(destination, "plugrt_provider_template"), os.path.join(destination, rename("plugrt_provider_template", table)))
-
-
-def fresh_venv(path: str) -> str:
-    """A new virtual environment that sees this one's packages (plugrt and its
-    dependencies) the way ``--system-site-packages`` sees the base interpreter's."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", path], check=True, timeout=60)
-    python = os.path.join(path, "bin", "python")
-    own_site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()
-    with open(os.path.join(own_site, "inherit.pth"), "w", encoding="utf-8") as f:
-        f.write("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in site.getsitepackages()) + "\n")
-    return python
 
 
 def test_the_rename_table_covers_every_mention_of_the_template(tmp_path):

@@ -64,3 +64,15 @@ def test_percentiles_match_numpy() -> None:
 def test_table_states_missing_memory_as_na() -> None:
     table = format_table([BenchResult("plugrt", 1, 1.0, 1.0, 1.0, 1.0, 1000.0, None)])
     assert "n/a" in table.splitlines()[2]
+
+
+def test_compare_without_onnxruntime_installed_names_it_and_how_to_install(monkeypatch, capsys) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # "import onnxruntime" now raises ImportError
+    code = main(["bench", SQUEEZENET, "--device", "cpu", "--compare", "onnxruntime", "--fast", "--no-memory"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("plugrt: error: MissingDependencyError:")
+    assert "'onnxruntime'" in err and "pip install onnxruntime" in err
+    assert "Traceback" not in err

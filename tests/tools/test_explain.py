@@ -78,6 +78,52 @@ def test_cli_writes_the_page_and_prints_the_summary(tmp_path, capsys) -> None:
     assert out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
 
 
+SQUEEZENET = os.path.join(LIGHT, "light_squeezenet.onnx")
+
+
+def _feeds_of(monkeypatch, method: str, argv: list[str]) -> dict:
+    """The feeds the command ``argv`` passes to ``Session.<method>`` (the first call)."""
+    from plugrt.session import Session
+
+    seen: list[dict] = []
+    original = getattr(Session, method)
+
+    def spy(self, feeds=None, *args, **kwargs):
+        seen.append({name: np.array(value) for name, value in dict(feeds or {}).items()})
+        return original(self, feeds, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Session, method, spy)
+        assert main(argv) == 0
+    return seen[0]
+
+
+def test_explain_captures_on_the_inputs_plugrt_run_generates(monkeypatch, capsys) -> None:
+    captured_on = _feeds_of(monkeypatch, "try_capture", ["explain", SQUEEZENET, "--device", "cpu"])
+    run_on = _feeds_of(monkeypatch, "run", ["run", SQUEEZENET, "--device", "cpu"])
+    capsys.readouterr()
+    assert list(captured_on) == list(run_on) == ["data_0"]
+    np.testing.assert_array_equal(captured_on["data_0"], run_on["data_0"])
+    assert np.count_nonzero(captured_on["data_0"]) > 0.99 * captured_on["data_0"].size  # not zeros
+
+
+def test_explain_reports_the_seams_a_capture_on_runs_inputs_has(monkeypatch, capsys) -> None:
+    run_on = _feeds_of(monkeypatch, "run", ["run", SQUEEZENET, "--device", "cpu"])
+    capsys.readouterr()
+    session = plugrt.load(SQUEEZENET, device="cpu")
+    result = session.try_capture(run_on)
+    assert main(["explain", SQUEEZENET, "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    match = re.search(r"^capture: (\d+) segment\(s\), (\d+) seam\(s\) run eagerly$", printed, re.M)
+    assert match, printed
+    assert (int(match[1]), int(match[2])) == (len(result.report.segments), len(result.report.seams))
+
+
+def test_explain_without_capture_prints_no_seam_count(capsys) -> None:
+    assert main(["explain", plugrt.cli.EXAMPLE_MODEL, "--device", "cpu", "--no-capture"]) == 0
+    assert "capture:" not in capsys.readouterr().out
+
+
 # -- in a real browser -----------------------------------------------------------------
 
 

@@ -52,6 +52,18 @@ class ConformanceReport:
             and all(v["status"] != "failed" for v in self.protocol.values())
         )
 
+    def problems(self) -> list[CaseOutcome]:
+        """The cases that make the run fail: failed, error, unexpectedly passed."""
+        return [c for c in self.cases if c.status in ("failed", "error", "xpassed")]
+
+    def verdict(self) -> str:
+        """One line: PASS or FAIL, the counts, the provider and the time."""
+        totals = self.totals()
+        counts = ", ".join(
+            f"{totals.get(k, 0)} {k}" for k in ("passed", "failed", "error", "xfailed", "unsupported", "skipped")
+        )
+        return f"conformance: {'PASS' if self.ok else 'FAIL'}, {counts} (provider {self.provider}, {self.seconds:.1f} s)"
+
     def per_op(self) -> dict[str, collections.Counter]:
         table: dict[str, collections.Counter] = {}
         for case in self.cases:
@@ -97,7 +109,7 @@ class ConformanceReport:
         lines += ["", "## Protocol checks", "", "| check | status | detail |", "|---|---|---|"]
         for name, result in self.protocol.items():
             lines.append(f"| {name} | {result['status']} | {str(result.get('detail', '')).replace('|', '/')} |")
-        problems = [c for c in self.cases if c.status in ("failed", "error", "xpassed")]
+        problems = self.problems()
         if problems:
             lines += ["", "## Failures", "", "| case | status | detail |", "|---|---|---|"]
             for case in problems:

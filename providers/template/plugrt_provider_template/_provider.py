@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
-import onnx
 import onnx_ir as ir
 
 from plugrt.errors import EpContextError
-from plugrt.provider import CompiledPartition, Device, DeviceKind, Partition, Step, Support, SupportContext
+from plugrt.provider import (
+    CompiledPartition,
+    Device,
+    DeviceKind,
+    Partition,
+    Step,
+    Support,
+    SupportContext,
+    op_version_in_effect,
+)
 
 from . import _context
 from ._kernels import CLAIMED_OPS
@@ -43,7 +50,7 @@ class TemplateProvider:
         if spec is None:
             return Support.no(f"the template has no kernel for {op}; it claims {_CLAIMS}")
         opset = ctx.opset(node.domain)
-        version = _version_in_effect(node.op_type, opset)
+        version = op_version_in_effect(node.op_type, opset)
         if version not in spec.versions:
             implemented = ", ".join(str(v) for v in spec.versions)
             if version < spec.versions[0]:
@@ -123,15 +130,6 @@ def _compiled(partition: Partition, program: Program, *, restored: bool) -> Comp
     )
     # no provider name here: plugrt fills in the name of the provider that compiled it
     return CompiledPartition(partition, [step], restored=restored, state=program)
-
-
-@functools.lru_cache(maxsize=None)
-def _version_in_effect(op_type: str, opset: int) -> int:
-    """The since_version of ``op_type`` that a model importing ai.onnx ``opset`` uses."""
-    try:
-        return onnx.defs.get_schema(op_type, opset, "").since_version
-    except onnx.defs.SchemaError:
-        return 0  # the op did not exist yet at this opset
 
 
 def _type_name(dtype: ir.DataType) -> str:
