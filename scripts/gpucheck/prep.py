@@ -111,8 +111,14 @@ def _pip(*args: str) -> None:
 
 
 def build_wheels(wheels: str) -> list[str]:
-    _pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", wheels, ".", "./providers/cuda",
-         "./providers/template")
+    projects = (".", "./providers/cuda", "./providers/template")
+    for project in projects:  # a stale build/lib would put deleted modules in the wheel
+        shutil.rmtree(os.path.join(ROOT, project, "build"), ignore_errors=True)
+    try:
+        _pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", wheels, *projects)
+    finally:
+        for project in projects:
+            shutil.rmtree(os.path.join(ROOT, project, "build"), ignore_errors=True)
     pins = _pins()
     wanted = [f"{name}=={pins[name]}" if name in pins else name for name in MISSING_WHEELS]
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]

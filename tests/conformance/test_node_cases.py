@@ -28,7 +28,7 @@ def _param(case):
     if skipped:
         marks.append(pytest.mark.skip(reason=skipped.reason))
     if not _HAS_PILLOW and any(fnmatch.fnmatch(case.name, p) for p in _NEEDS_PILLOW):
-        marks.append(pytest.mark.skip(reason="needs Pillow: pip install 'plugrt[image]'"))
+        marks.append(pytest.mark.skip(reason="needs Pillow: pip install Pillow (or '.[image]' from the checkout)"))
     return pytest.param(case, id=case.name, marks=marks)
 
 

@@ -905,7 +905,7 @@ def _decode_with_pillow(data: bytes, format_name: str, pixel_format: str) -> np.
     except ImportError as exc:
         raise NotImplementedError(
             f"ImageDecoder: {format_name} images decode through Pillow, which is not installed; "
-            "install it with: pip install 'plugrt[image]' (or pip install Pillow)"
+            "install it with: pip install Pillow (or, from the plugrt checkout, pip install '.[image]')"
         ) from exc
     try:
         with Image.open(io.BytesIO(data)) as image:
