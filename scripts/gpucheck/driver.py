@@ -25,7 +25,6 @@ against its reference); it exits 0 when all of that holds.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -262,14 +261,6 @@ def light_inputs(name: str) -> dict:
     return next(m for m in light_models() if m.name == name).inputs
 
 
-def _digest(arrays: dict) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(arrays):
-        digest.update(name.encode())
-        digest.update(arrays[name].tobytes())
-    return digest.hexdigest()
-
-
 def compare(got: Any, want: Any) -> tuple[float, float]:
     """(max abs difference, that over max(1, max |want|))."""
     import numpy as np
@@ -433,13 +424,14 @@ def stage_references() -> bool:
     import numpy as np
 
     import plugrt
+    from plugrt.conformance.light_models import arrays_digest
 
     manifest = _manifest()
     references = np.load(os.path.join(HERE, "references.npz"))
     ok = True
     mismatched = []
     for entry in manifest["models"]:
-        if _digest(light_inputs(entry["name"])) != entry["inputs_sha256"]:
+        if arrays_digest(light_inputs(entry["name"])) != entry["inputs_sha256"]:
             mismatched.append(f"{entry['name']} inputs")
         for variant, info in entry["variants"].items():
             for output in entry["outputs"]:
