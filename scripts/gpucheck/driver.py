@@ -161,6 +161,8 @@ def _section(stage: str, rows: list[dict]) -> list[str]:
                            f"{r.get('status')} ({len(r.get('compiled', []))} modules) {r.get('detail', '')}")
             elif r.get("kind") == "discovery":
                 out.append(f"- discovery: cuda {r.get('cuda')}; {r.get('detail', '')}")
+            elif r.get("kind") == "cubin load":
+                out.append(f"- loading a cubin: {r.get('status')}: {r.get('detail', '')}")
     elif stage == "references":
         for r in rows:
             out.append(f"- {r.get('kind')}: {r.get('status')} {r.get('detail', '')}")
@@ -394,8 +396,25 @@ def stage_environment() -> bool:
         record("environment", kind="discovery", status=status, cuda="available" if cuda_reason is None else "unavailable",
                detail=f"reason: {cuda_reason}" if cuda_reason else f"devices: {registry.devices('cuda')}")
         ok &= status == "ok"
+        if status == "ok":
+            ok &= _cubin_load_check(registry.get("cuda"))
     ok &= _nvrtc_check()
     return ok
+
+
+def _cubin_load_check(provider: Any) -> bool:
+    """Whether the driver loads the cubins NVRTC makes here (else cupy compiles each module)."""
+    try:
+        backend = provider.backend()
+        backend.kernel("gemm", "float32", "gemm")
+        refused = dict(getattr(backend, "cubins_refused", {}))
+        record("environment", kind="cubin load", status="ok" if not refused else "fallback",
+               detail=f"architecture {getattr(backend, 'arch', '?')}: "
+               + ("the driver loads NVRTC's cubins" if not refused else f"refused, cupy compiles instead: {refused}"))
+        return True
+    except Exception as exc:
+        record("environment", kind="cubin load", status="fail", detail=f"{type(exc).__name__}: {exc}"[:1500])
+        return False
 
 
 def _cuda_text(version: int) -> str:

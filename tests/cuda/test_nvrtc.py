@@ -114,3 +114,26 @@ def test_saving_contexts_again_compiles_nothing_again(nvrtc):
     assert sorted(cubins) == [("gemm", "float32"), ("softmax", "float16")]
     assert len(nvrtc.compiles) == 2 and loaded == [cubins[("gemm", "float32")], cubins[("softmax", "float16")]]
     assert backend.cubins_nvrtc_version() == 13020
+
+
+def test_a_cubin_the_driver_refuses_falls_back_to_cupys_own_compile(nvrtc):
+    import types
+
+    import numpy as np
+
+    from plugrt_cuda._backend import CupyBackend
+
+    class Module:
+        def load(self, cubin):
+            raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+
+    compiled = []
+    cupy = types.SimpleNamespace(
+        dtype=np.dtype,
+        cuda=types.SimpleNamespace(function=types.SimpleNamespace(Module=Module)),
+        RawModule=lambda code, options: compiled.append(code) or types.SimpleNamespace(get_function=lambda name: name),
+    )
+    backend = CupyBackend(cupy, arch="sm_90")
+    assert backend.kernel("pool", np.float32, "pool2d") == "pool2d"
+    assert len(compiled) == 1 and "pool2d" in compiled[0]
+    assert "CUDA_ERROR_INVALID_IMAGE" in backend.cubins_refused[("pool", "float32")]
