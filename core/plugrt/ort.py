@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ._ort_values import IOBinding, OrtValue, RunOptions, guarded_run, host_value
 from .errors import KernelError, NotSupportedError, OptionError, ProviderUnavailableError, UnknownOptionError
+from .loader import map_types_erased
 from .options import OPTIONS
 from .session import Session, TensorInfo
 from .weights import WeightStore
@@ -256,7 +257,9 @@ def _node_arg(info: TensorInfo) -> NodeArg:
 def _inferred_outputs(session: Session) -> list[TensorInfo]:
     """The outputs with the shapes inference found where the model declares none."""
     inferred = {v.name: v for v in session.model.graph.outputs}
-    if any(inferred[o.name].shape is None for o in session.outputs if o.shape is None and o.name in inferred):
+    unknown = [o for o in session.outputs if o.shape is None and o.name in inferred]
+    # a model holding maps (ZipMap's output) keeps its declared shapes: see map_types_erased
+    if any(inferred[o.name].shape is None for o in unknown) and not map_types_erased(session.model):
         import onnx_ir as ir
         from onnx_ir.passes.common import ShapeInferencePass
 
