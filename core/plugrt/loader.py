@@ -20,7 +20,7 @@ from .ir_utils import subgraphs
 __all__ = [
     "ModelSource", "LoadLimits", "LoadedModel", "load_model", "KNOWN_DOMAINS", "DEFAULT_CONTEXT_BYTES",
     "all_tensors", "contained_path", "read_regular_file", "DECLARED_TYPE_KEY",
-    "map_types_erased",
+    "map_types_erased", "write_declared_types",
 ]
 
 ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto]
@@ -494,11 +494,23 @@ def _without_map_types(
 _MAP_TYPES_ERASED_KEY = "plugrt.map_types_erased"
 
 
-def _restore_declared_types(model: ir.Model, declared: dict[str, onnx.TypeProto]) -> None:
+def _remember_declared_types(model: ir.Model, declared: dict[str, onnx.TypeProto]) -> None:
     model.meta[_MAP_TYPES_ERASED_KEY] = True
     for value in (*model.graph.inputs, *model.graph.outputs):
         if value.name in declared:
             value.meta[DECLARED_TYPE_KEY] = declared[value.name]
+
+
+def write_declared_types(proto: onnx.ModelProto, model: ir.Model) -> None:
+    """Give the graph inputs and outputs of ``proto``, serialized from ``model``, the map
+    types the loader erased, so that a model plugrt writes (an optimised model, an
+    EPContext model) declares what the model it loaded declared."""
+    declared = {
+        v.name: v.meta[DECLARED_TYPE_KEY] for v in (*model.graph.inputs, *model.graph.outputs) if DECLARED_TYPE_KEY in v.meta
+    }
+    for value in (*proto.graph.input, *proto.graph.output):
+        if value.name in declared:
+            value.type.CopyFrom(declared[value.name])
 
 
 def map_types_erased(model: ir.Model) -> bool:
@@ -617,7 +629,7 @@ def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedM
     finally:
         ir_logger.setLevel(previous)
     if declared is not None:
-        _restore_declared_types(model, declared)
+        _remember_declared_types(model, declared)
     if base_dir:
         _set_base_dir(model, base_dir)
     _own_tensors(model)

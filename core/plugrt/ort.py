@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ._ort_values import IOBinding, OrtValue, RunOptions, guarded_run, host_value
 from .errors import KernelError, NotSupportedError, OptionError, ProviderUnavailableError, UnknownOptionError
-from .loader import map_types_erased
+from .loader import map_types_erased, write_declared_types
 from .options import OPTIONS
 from .session import Session, TensorInfo
 from .weights import WeightStore
@@ -400,7 +400,15 @@ class InferenceSession:
 
         # the graph after the optimisation passes, before placement; at level "all" it may
         # hold fused com.microsoft ops, as onnxruntime's own optimised files do
-        ir.save(self._session.model, os.fspath(path))
+        model = self._session.model
+        if map_types_erased(model):  # written with the map types it declares (ZipMap's output)
+            import onnx
+
+            proto = ir.serde.serialize_model(model)
+            write_declared_types(proto, model)
+            onnx.save(proto, os.fspath(path))
+            return
+        ir.save(model, os.fspath(path))
 
     @property
     def session(self) -> Session:

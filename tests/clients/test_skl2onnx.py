@@ -250,3 +250,12 @@ def test_dict_vectorizer_pipeline_takes_a_dict_as_onnxruntime():
         expected_label, expected = reference.run(None, {"input": row})
         assert got_label.tolist() == expected_label.tolist()
         _assert_same_zip_map(probabilities, expected)
+
+
+def test_the_optimized_model_file_declares_the_zip_map_type(tmp_path):
+    _, model = _classifier("logistic_regression")
+    options = plugrt.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    plugrt.InferenceSession(model, options)
+    reloaded = plugrt.InferenceSession(options.optimized_model_filepath)
+    assert [o.type for o in reloaded.get_outputs()] == ["tensor(int64)", "seq(map(int64,tensor(float)))"]
