@@ -6,9 +6,8 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import onnx_ir as ir
-
 import onnx
+import onnx_ir as ir
 
 from ._dtypes import numpy_dtype
 from .ir_utils import tensor_array
