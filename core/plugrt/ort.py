@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ._ort_values import IOBinding, OrtValue, RunOptions, guarded_run, host_value
 from .errors import KernelError, NotSupportedError, OptionError, ProviderUnavailableError, UnknownOptionError
+from .loader import map_types_erased, write_declared_types
 from .options import OPTIONS
 from .session import Session, TensorInfo
 from .weights import WeightStore
@@ -256,7 +257,9 @@ def _node_arg(info: TensorInfo) -> NodeArg:
 def _inferred_outputs(session: Session) -> list[TensorInfo]:
     """The outputs with the shapes inference found where the model declares none."""
     inferred = {v.name: v for v in session.model.graph.outputs}
-    if any(inferred[o.name].shape is None for o in session.outputs if o.shape is None and o.name in inferred):
+    unknown = [o for o in session.outputs if o.shape is None and o.name in inferred]
+    # a model holding maps (ZipMap's output) keeps its declared shapes: see map_types_erased
+    if any(inferred[o.name].shape is None for o in unknown) and not map_types_erased(session.model):
         import onnx_ir as ir
         from onnx_ir.passes.common import ShapeInferencePass
 
@@ -397,7 +400,15 @@ class InferenceSession:
 
         # the graph after the optimisation passes, before placement; at level "all" it may
         # hold fused com.microsoft ops, as onnxruntime's own optimised files do
-        ir.save(self._session.model, os.fspath(path))
+        model = self._session.model
+        if map_types_erased(model):  # written with the map types it declares (ZipMap's output)
+            import onnx
+
+            proto = ir.serde.serialize_model(model)
+            write_declared_types(proto, model)
+            onnx.save(proto, os.fspath(path))
+            return
+        ir.save(model, os.fspath(path))
 
     @property
     def session(self) -> Session:
