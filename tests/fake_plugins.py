@@ -9,10 +9,14 @@ from plugrt.provider import CompiledPartition, Device, DeviceKind, Step, Support
 
 
 class NegProvider:
-    """A tiny accelerator stand-in: claims Neg only, runs it with numpy."""
+    """A tiny accelerator stand-in: claims Neg only, runs it with numpy. It states that its
+    Neg and its partitions cost nothing, so placement by estimate (device="auto") gives it
+    every Neg."""
 
     name = "fakeaccel"
     priority = 50
+    relative_costs = {"Neg": 0.0}
+    partition_overhead = 0.0
 
     def __init__(self, *, fail_in: str | None = None):
         self.fail_in = fail_in
@@ -212,3 +216,56 @@ class driverless_cuda:
     @hookimpl
     def plugrt_providers():
         return [DriverlessCudaProvider()]
+
+
+class ReluAddProvider:
+    """A small vendor provider as the provider guide describes one: Relu and Add on float32
+    (numpy on the host), at a positive priority, stating no costs."""
+
+    name = "reluadd"
+    priority = 10
+
+    def devices(self):
+        return [Device(DeviceKind.NPU, 0, "Relu and Add")]
+
+    def supports_op(self, node, ctx):
+        if node.domain in ("", "ai.onnx") and node.op_type in ("Relu", "Add"):
+            if all(v is None or v.dtype is None or v.dtype.name == "FLOAT" for v in node.inputs):
+                return Support.yes()
+            return Support.no("reluadd runs float32 only")
+        return Support.no(f"reluadd runs Relu and Add only, not {node.op_type}")
+
+    def compile(self, partition):
+        kernels = {"Relu": lambda x: np.maximum(x, np.float32(0)), "Add": np.add}
+        steps = [
+            Step(kernels[n.op_type], list(n.inputs), list(n.outputs), name=n.name, op_type=n.op_type, nodes=(n.name,))
+            for n in partition.nodes
+        ]
+        return CompiledPartition(partition, steps, self.name)
+
+
+class with_relu_add:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [ReluAddProvider()]
+
+
+def _template_at_priority_10():
+    from plugrt_provider_template import TemplateProvider
+
+    class PositiveTemplate(TemplateProvider):
+        """The template provider at the positive priority the guide advises a vendor's."""
+
+        name = "template10"
+        priority = 10
+        context_source_keys = ("template10",)
+
+    return PositiveTemplate()
+
+
+class with_template_10:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [_template_at_priority_10()]

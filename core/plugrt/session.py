@@ -68,7 +68,7 @@ class Session(SessionIntrospection, ProfiledSession):
         self.metadata: ModelMetadata = model_metadata(self._model)
 
         prepared = prepare_model(self._model, self.selection, registry, self.options, loaded.base_dir)
-        self.optimization_stats = prepared.optimization_stats
+        self.optimization_stats = dict(prepared.optimization_stats)
         chosen = self.selection.providers
         self._spaces = MemorySpaces([m for m in map(memory_of, chosen) if m is not None])
         self._opsets = prepared.opsets
@@ -79,6 +79,7 @@ class Session(SessionIntrospection, ProfiledSession):
                 strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
             )
         self._plan = self._built.plan
+        self.optimization_stats.update(self._built.pass_stats)
         specs = input_specs(self.inputs, self._model.graph.inputs, self._built.input_homes)
         self._signature = InputSignature(specs, self._spaces)
         self._output_names = [info.name for info in self.outputs]
@@ -90,6 +91,10 @@ class Session(SessionIntrospection, ProfiledSession):
         self.build_seconds = time.perf_counter() - started
 
     def _build_plan(self, **how: Any) -> BuiltGraph:
+        from .costs import CostModel
+        from .provider import CostContext
+
+        costs = CostModel(self.selection.providers, CostContext(dict(self._opsets), self._model.graph))
         with building(self.weights):  # providers' prepared weights are shared through the store
             return build_graph(
                 self._model.graph,
@@ -99,6 +104,10 @@ class Session(SessionIntrospection, ProfiledSession):
                 profile=self.profiling,  # profiling=True, or start_profiling() before a rebuild
                 devices=self.selection.devices,
                 spaces=self._spaces,
+                costs=costs,
+                by_estimate=self.selection.by_estimate and self.options["placement"] == "estimate",
+                # the providers' own fusions run on the nodes placed on them
+                passes_model=self._model if self.options["optimization"] == "all" else None,
                 **how,
             )
 
