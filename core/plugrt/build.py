@@ -93,7 +93,7 @@ class _Placed:
     compiled: list[CompiledPartition]
     fallbacks: list[Fallback]
     estimate: PlacementEstimate
-    partition_estimates: list[float] | None
+    partition_estimates: list[float | None] | None
     pass_stats: dict[str, int]
 
 
@@ -153,7 +153,7 @@ def _compile_all(
         by_node = dict(zip(placeable, placed_some))
         # each restored EPContext node is a partition of its own
         placed = [by_node[n] if n in by_node else f"{_RESTORED}{i}" for i, n in enumerate(nodes)]
-        estimates = None
+        estimates: list[float | None] | None = None
         if costs is not None:
             by_name = {p.name: p for p in active}
             estimates = [
@@ -362,7 +362,7 @@ def build_graph(
         plan = Plan(inputs, outputs, steps, constants, infos, profile=profile)
     counts: dict[str, int] = {}
     partitions = []
-    estimates = outcome.partition_estimates or [None] * len(compiled)
+    estimates: list[float | None] = outcome.partition_estimates or [None] * len(compiled)
     for part, estimated in zip(compiled, estimates):
         counts[part.provider] = counts.get(part.provider, 0) + len(part.partition.nodes)
         partitions.append(
@@ -381,8 +381,8 @@ def build_graph(
             fallbacks[index] = dataclasses.replace(fb, placed_on=placed)
     estimate = outcome.estimate
     if costs is not None and estimate.total_s is None and outcome.partition_estimates is not None:
-        moved = sum(t.estimated_s or 0.0 for t in transfers)
-        estimate = dataclasses.replace(estimate, total_s=sum(e or 0.0 for e in outcome.partition_estimates) + moved)
+        staged = sum(t.estimated_s or 0.0 for t in transfers)
+        estimate = dataclasses.replace(estimate, total_s=sum(e or 0.0 for e in outcome.partition_estimates) + staged)
     report = PlacementReport([p.name for p in providers], counts, partitions, fallbacks, transfers, estimate)
     for fb in fallbacks:
         instant("fallback", **vars(fb))  # node, op_type, declined_by, reason, placed_on (vars: no deep copy)

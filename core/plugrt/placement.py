@@ -272,11 +272,11 @@ class _Problem:
             return found[value]
 
         for i, node in enumerate(self.nodes):
-            for value in node.outputs:
-                if value is not None and (k := entry(value)) is not None:
+            for made in node.outputs:
+                if made is not None and (k := entry(made)) is not None:
                     self.node_values[i].append(k)
-            for value in list(node.inputs) + implicit_inputs(node):
-                if value is not None and (k := entry(value)) is not None:
+            for read in list(node.inputs) + implicit_inputs(node):
+                if read is not None and (k := entry(read)) is not None:
                     self.values[k].readers.append(i)
                     self.node_values[i].append(k)
         self.node_values = [sorted(set(ks)) for ks in self.node_values]

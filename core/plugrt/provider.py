@@ -162,19 +162,19 @@ class CostContext(SupportContext):
     def nominal(self, node: "ir.Node") -> float:
         """The core's estimate, in seconds, of ``node`` on the nominal host (the same on
         every machine): a kernel call plus the larger of arithmetic and memory traffic."""
-        from .costs import nominal_cost
+        from ._nominal import nominal_cost
 
         return nominal_cost(node)
 
     def flops(self, node: "ir.Node") -> float:
         """Arithmetic of ``node`` from its inferred shapes (multiply-adds count two)."""
-        from .costs import node_flops
+        from ._nominal import node_flops
 
         return node_flops(node)
 
     def bytes(self, node: "ir.Node") -> float:
         """Bytes ``node`` reads and writes, from its inferred shapes and types."""
-        from .costs import node_bytes
+        from ._nominal import node_bytes
 
         return node_bytes(node)
 

@@ -162,3 +162,39 @@ def test_strict_placement_stays_by_priority(relu_add_registry):
     with pytest.raises(PlacementError) as info:
         plugrt.load(_chain(4), registry=relu_add_registry, strict=True)
     assert info.value.provider == "reluadd"
+
+
+# -- the providers' own fusions run after placement, on their nodes only ----------------------
+
+
+def test_a_provider_is_never_asked_about_an_op_the_cpu_fusions_invented():
+    session = plugrt.load(LIGHT["resnet50"].path, device="template")
+    assert session.placement.nodes_per_provider["template"] > 0
+    assert not [fb for fb in session.placement.fallbacks if "plugrt.cpu" in fb.reason]
+    assert all(not fb.op_type.startswith("Fused") for fb in session.placement.fallbacks)
+
+
+def test_the_cpu_fusions_still_fire_where_the_cpu_runs_everything():
+    session = plugrt.load(LIGHT["resnet50"].path, device="cpu")
+    assert "FusedConv" in {step.op_type for step in session._plan.steps}
+    assert session.optimization_stats["FuseConvReluPass"] == 1
+
+
+def test_the_cpu_fusions_leave_alone_a_node_placed_on_another_provider(relu_add_registry):
+    conv_relu = model_bytes(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1, 2, 5, 5] x) => (float[1, 3, 5, 5] y) <float[3, 2, 1, 1] w = {1, 2, 3, 4, 5, 6}> {
+            c = Conv(x, w)
+            y = Relu(c)
+        }
+        """
+    )
+    session = plugrt.load(conv_relu, providers=["reluadd", "cpu"], registry=relu_add_registry)
+    assert [(p.provider, p.node_names) for p in session.placement.partitions] == [
+        ("cpu", ("Conv_0",)),
+        ("reluadd", ("Relu_0",)),
+    ]
+    x = np.linspace(-1, 1, 50, dtype=np.float32).reshape(1, 2, 5, 5)
+    w = np.arange(1, 7, dtype=np.float32).reshape(3, 2)
+    np.testing.assert_allclose(session.run({"x": x})["y"], np.maximum(np.einsum("oc,nchw->nohw", w, x), 0), rtol=1e-6)

@@ -130,7 +130,8 @@ class CPUProvider:
             source = node.inputs[0]
             producer = source.producer() if source is not None else None
             if (
-                producer is not None
+                source is not None
+                and producer is not None
                 and producer.op_type in _FUSED_INTO
                 and producer.domain in ("", "ai.onnx")
                 and not source.is_graph_output()
