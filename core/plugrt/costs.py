@@ -138,6 +138,20 @@ class CostModel:
             cost = self._statement(self.reference, node)
         return self.nominal(node) if cost is None else cost
 
+    def fused_cost(self, provider: ExecutionProvider, node: "ir.Node", producer: "ir.Node") -> float | None:
+        """Seconds ``node`` costs on ``provider`` right after ``producer`` there (a fusion's
+        epilogue), as the provider states; None when it states nothing."""
+        fused = getattr(provider, "fused_cost", None)
+        if not callable(fused):
+            return None
+        try:
+            stated = fused(node, producer, self.ctx)
+        except Exception:  # advice, as estimate_cost
+            return None
+        if isinstance(stated, (int, float)) and not isinstance(stated, bool) and stated >= 0:
+            return float(stated)
+        return None
+
     def partition_overhead(self, provider: ExecutionProvider) -> float:
         stated = getattr(provider, "partition_overhead", None)
         if isinstance(stated, (int, float)) and not isinstance(stated, bool) and stated >= 0:

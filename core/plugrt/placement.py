@@ -280,6 +280,32 @@ class _Problem:
                     self.values[k].readers.append(i)
                     self.node_values[i].append(k)
         self.node_values = [sorted(set(ks)) for ks in self.node_values]
+        # fusions a provider states: (node, producer, provider, seconds saved when both run there)
+        self.pairs: list[tuple[int, int, int, float]] = []
+        self.node_pairs: list[list[int]] = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            source = node.inputs[0] if node.inputs else None
+            producer = source.producer() if source is not None else None
+            j = index.get(id(producer), -1) if producer is not None else -1
+            if j < 0 or source is None or source.is_graph_output() or len(list(source.uses())) != 1:
+                continue
+            for q, provider in enumerate(self.providers):
+                if not (supported[q][i] and supported[q][j]):
+                    continue
+                fused = costs.fused_cost(provider, node, producer)
+                if fused is not None and fused < self.cost[q][i]:
+                    self.node_pairs[i].append(len(self.pairs))
+                    self.node_pairs[j].append(len(self.pairs))
+                    self.pairs.append((i, j, q, self.cost[q][i] - fused))
+
+    def _saved(self, pair_ids: Sequence[int], labels: list[int]) -> float:
+        """Seconds the stated fusions among ``pair_ids`` save under ``labels``."""
+        total = 0.0
+        for k in pair_ids:
+            i, j, q, saving = self.pairs[k]
+            if labels[i] == q and labels[j] == q:
+                total += saving
+        return total
 
     def first_supported(self, order: Sequence[int]) -> list[int]:
         """Each node on the first provider of ``order`` (then of priority order) that supports it."""
@@ -303,7 +329,7 @@ class _Problem:
         return total
 
     def total(self, labels: list[int]) -> float:
-        compute = sum(self.cost[p][i] for i, p in enumerate(labels))
+        compute = sum(self.cost[p][i] for i, p in enumerate(labels)) - self._saved(range(len(self.pairs)), labels)
         transfers = sum(self._value_cost(k, labels) for k in range(len(self.values)))
         return compute + self._starts(labels, 0, len(labels) - 1) + transfers
 
@@ -312,10 +338,13 @@ class _Problem:
         changes, in seconds (negative: faster). ``labels`` is left as it was."""
         old = labels[a : b + 1]
         touched = sorted({k for i in range(a, b + 1) for k in self.node_values[i]})
+        pairs = sorted({k for i in range(a, b + 1) for k in self.node_pairs[i]})
         compute = sum(self.cost[q][i] - self.cost[old[i - a]][i] for i in range(a, b + 1))
+        compute += self._saved(pairs, labels)
         starts = -self._starts(labels, a, b + 1)
         moved = -sum(self._value_cost(k, labels) for k in touched)
         labels[a : b + 1] = [q] * (b - a + 1)
+        compute -= self._saved(pairs, labels)
         starts += self._starts(labels, a, b + 1)
         moved += sum(self._value_cost(k, labels) for k in touched)
         labels[a : b + 1] = old

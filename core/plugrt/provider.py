@@ -554,6 +554,10 @@ class CostCapability(Protocol):
     - ``partition_overhead``: seconds each partition placed on this provider costs
       (launch, synchronisation, what its boundary prevents); default
       ``plugrt.costs.DEFAULT_PARTITION_OVERHEAD``.
+    - ``fused_cost(node, producer, ctx)``: seconds ``node`` costs when it and ``producer``
+      (the node making its first input, which only it reads) both run here, e.g. an
+      activation a fusion folds into a convolution; None where no fusion applies. The
+      saving counts only when placement puts both on this provider.
 
     A node the provider states nothing for costs what the session's fallback provider
     (the CPU provider) costs: an accelerator wins a node only by what it states, and only
@@ -607,6 +611,8 @@ CAPABILITIES: dict[str, str] = {
     "(CostCapability)",
     "partition_overhead": "float: seconds each partition on this provider costs (default "
     "plugrt.costs.DEFAULT_PARTITION_OVERHEAD) (CostCapability)",
+    "fused_cost": "fused_cost(node, producer, ctx) -> float | None: seconds the node costs after producer when "
+    "both run here (a fusion's epilogue) (CostCapability)",
 }
 
 

@@ -198,3 +198,20 @@ def test_the_cpu_fusions_leave_alone_a_node_placed_on_another_provider(relu_add_
     x = np.linspace(-1, 1, 50, dtype=np.float32).reshape(1, 2, 5, 5)
     w = np.arange(1, 7, dtype=np.float32).reshape(3, 2)
     np.testing.assert_allclose(session.run({"x": x})["y"], np.maximum(np.einsum("oc,nchw->nohw", w, x), 0), rtol=1e-6)
+
+
+def test_the_cuda_provider_states_costs_that_win_a_convolution_network_and_lose_a_tiny_graph():
+    pytest.importorskip("plugrt_cuda")
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "cuda"))
+    from cuda_helpers import NumpyCUDA, registry_of
+
+    registry = registry_of(NumpyCUDA())
+    big = plugrt.load(LIGHT["resnet50"].path, registry=registry)
+    on_cuda = {name for part in big.placement.partitions if part.provider == "cuda" for name in part.node_names}
+    convolutions = {node.name for node in big.model.graph if node.op_type == "Conv"}
+    assert convolutions and convolutions <= on_cuda and len(big.placement.partitions) <= 2
+    tiny = plugrt.load(_chain(4), registry=registry)
+    assert set(tiny.placement.nodes_per_provider) == {"cpu"}
+    assert any(fb.declined_by == "cuda" and fb.cause == "estimate" for fb in tiny.placement.fallbacks)

@@ -90,7 +90,7 @@ class SubgraphRunner:
 
 
 #: Ops the CPU fusions fold into the Conv, MatMul or BatchNormalization before them (an
-#: epilogue: no pass of their own over memory).
+#: epilogue: no pass of their own over memory), for placement by estimate.
 _EPILOGUES = frozenset({"Relu", "Add", "Mul", "BatchNormalization"})
 _FUSED_INTO = frozenset({"Conv", "MatMul", "BatchNormalization"})
 
@@ -122,22 +122,12 @@ class CPUProvider:
             )
         return Support.no(f"the CPU provider has no kernel for {domain}::{node.op_type}")
 
-    def estimate_cost(self, node: ir.Node, ctx: protocol.CostContext) -> float | None:
-        """The core's nominal estimate, except for a node the fusions fold into the node
-        before it (a Relu, a bias Add, a BatchNormalization after a Conv whose output only
-        it reads): that costs a call and no pass over memory, as long as both run here."""
-        if node.op_type in _EPILOGUES and node.domain in ("", "ai.onnx") and node.inputs:
-            source = node.inputs[0]
-            producer = source.producer() if source is not None else None
-            if (
-                source is not None
-                and producer is not None
-                and producer.op_type in _FUSED_INTO
-                and producer.domain in ("", "ai.onnx")
-                and not source.is_graph_output()
-                and len(list(source.uses())) == 1
-            ):
-                return 0.0
+    def fused_cost(self, node: ir.Node, producer: ir.Node, ctx: protocol.CostContext) -> float | None:
+        """What ``node`` costs when it runs here right after ``producer`` (the only reader
+        of its output): a Relu, bias Add, Mul or BatchNormalization after a Conv, MatMul or
+        BatchNormalization is folded into it by the fusions, a call and no pass over memory."""
+        if node.op_type in _EPILOGUES and producer.op_type in _FUSED_INTO:
+            return 0.0
         return None
 
     def passes(self, model: ir.Model) -> list:
