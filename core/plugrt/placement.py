@@ -287,7 +287,7 @@ class _Problem:
             source = node.inputs[0] if node.inputs else None
             producer = source.producer() if source is not None else None
             j = index.get(id(producer), -1) if producer is not None else -1
-            if j < 0 or source is None or source.is_graph_output() or len(list(source.uses())) != 1:
+            if producer is None or j < 0 or source is None or source.is_graph_output() or len(list(source.uses())) != 1:
                 continue
             for q, provider in enumerate(self.providers):
                 if not (supported[q][i] and supported[q][j]):
