@@ -269,3 +269,34 @@ class with_template_10:
     @hookimpl
     def plugrt_providers():
         return [_template_at_priority_10()]
+
+
+class SlowCompileProvider(ReluAddProvider):
+    """Relu and Add, stated far faster than the CPU, behind a compile that takes
+    ``compile_seconds``: an accelerator whose first run would wait for its compiler."""
+
+    name = "slowaccel"
+    priority = 20
+    relative_costs = {"*": 0.0}
+    partition_overhead = 0.0
+    compile_seconds = 5.0
+    wrong = False  # True: its Relu is off by one, so the check before the switch fails
+
+    def compile(self, partition):
+        import time
+
+        time.sleep(self.compile_seconds)
+        compiled = super().compile(partition)
+        if self.wrong:
+            for step in compiled.steps:
+                if step.op_type == "Relu":
+                    step.fn = lambda x: np.maximum(x, np.float32(0)) + np.float32(1)
+        compiled.provider = self.name
+        return compiled
+
+
+class with_slow_compile:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [SlowCompileProvider()]

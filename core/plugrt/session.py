@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -15,10 +16,11 @@ from .epcontext import export_context_model
 from .errors import InvalidInputError
 from .intent import Selection, resolve_device
 from .introspection import SessionIntrospection
+from .joining import DeviceJoin, JoinStatus
 from .loader import ModelSource, load_model
 from .options import SessionOptions, parse_options
 from .prepare import context_export_path, load_limits, prepare_model
-from .provider import NotCapturable, memory_of
+from .provider import ExecutionProvider, NotCapturable, memory_of
 from .registry import ProviderRegistry, default_registry
 from .signature import InputSignature, ModelMetadata, TensorInfo, input_specs, model_metadata, tensor_info
 from .stats import session_stats
@@ -74,10 +76,16 @@ class Session(SessionIntrospection, ProfiledSession):
         self._opsets = prepared.opsets
         self.weights: WeightStore | None = share_initializers(self._model, self.options["weights"])
         self._runs = 0  # plan runs, for stats()
+        self._switch_lock = threading.Lock()
+        self._retired_plans: list = []  # plans run before a switch to the device plan (their profiles)
+        self._join: DeviceJoin | None = None
         with tensor_limit(self.options["limits.tensor_bytes"]):  # kernel outputs above it are refused
-            self._built: BuiltGraph = self._build_plan(
-                strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
-            )
+            if self._joins_later(prepared):
+                self._built: BuiltGraph = self._start_on_the_fallback(prepared)
+            else:
+                self._built = self._build_plan(
+                    strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
+                )
         self._plan = self._built.plan
         self.optimization_stats.update(self._built.pass_stats)
         specs = input_specs(self.inputs, self._model.graph.inputs, self._built.input_homes)
@@ -90,26 +98,124 @@ class Session(SessionIntrospection, ProfiledSession):
             self.context_model_path = self._export_context()
         self.build_seconds = time.perf_counter() - started
 
-    def _build_plan(self, **how: Any) -> BuiltGraph:
+    def _build_plan(
+        self,
+        *,
+        providers: Sequence[ExecutionProvider] | None = None,
+        model: Any = None,
+        opsets: dict[str, int] | None = None,
+        **how: Any,
+    ) -> BuiltGraph:
         from .costs import CostModel
         from .provider import CostContext
 
-        costs = CostModel(self.selection.providers, CostContext(dict(self._opsets), self._model.graph))
+        model = self._model if model is None else model
+        providers = list(self.selection.providers if providers is None else providers)
+        opsets = self._opsets if opsets is None else opsets
+        costs = CostModel(providers, CostContext(dict(opsets), model.graph))
         with building(self.weights):  # providers' prepared weights are shared through the store
             return build_graph(
-                self._model.graph,
-                self.selection.providers,
-                self._opsets,
+                model.graph,
+                providers,
+                opsets,
                 registry=self.registry,
                 profile=self.profiling,  # profiling=True, or start_profiling() before a rebuild
                 devices=self.selection.devices,
                 spaces=self._spaces,
                 costs=costs,
-                by_estimate=self.selection.by_estimate and self.options["placement"] == "estimate",
+                by_estimate=self._by_estimate and len(providers) > 1,
                 # the providers' own fusions run on the nodes placed on them
-                passes_model=self._model if self.options["optimization"] == "all" else None,
+                passes_model=model if self.options["optimization"] == "all" else None,
                 **how,
             )
+
+    @property
+    def _by_estimate(self) -> bool:
+        return self.selection.by_estimate and self.options["placement"] == "estimate"
+
+    # -- an accelerator that joins when ready ----------------------------------------------
+
+    def _joins_later(self, prepared: Any) -> bool:
+        """Whether this session starts on its fallback while its device plan builds: placed
+        by estimate, the estimate gives an accelerator nodes, and nothing needs the device
+        plan at once (``wait_for_device``, strict, an EPContext export or restore)."""
+        options = self.options
+        if options["wait_for_device"] or options["strict"] or options["ep.context_enable"] or prepared.restored:
+            return False
+        if not self._by_estimate:
+            return False
+        from .costs import CostModel
+        from .placement import assign_by_estimate
+        from .provider import CostContext, SupportContext
+
+        from .placement import assign
+
+        providers = self.selection.providers
+        graph = self._model.graph
+        try:  # the fallback must be able to run everything alone, and the estimate must want more
+            assign(list(graph), providers[-1:], SupportContext(dict(self._opsets), graph))
+            placed, _, _ = assign_by_estimate(
+                list(graph), providers, SupportContext(dict(self._opsets), graph),
+                CostModel(providers, CostContext(dict(self._opsets), graph)), graph.outputs,
+            )
+        except Exception:  # the build proper says what is wrong
+            return False
+        return any(name != providers[-1].name for name in placed)
+
+    def _start_on_the_fallback(self, prepared: Any) -> BuiltGraph:
+        """Start building the device plan on a copy of the model in the background, and
+        build the plan of the fallback provider alone; the device plan is used at once
+        when it was built first, else it joins when built and checked."""
+        fallback = self.selection.providers[-1]
+        device_model = self._model.clone()
+        device_opsets = dict(self._opsets)
+        limit = self.options["limits.tensor_bytes"]
+
+        def build() -> tuple[BuiltGraph, Any]:
+            with tensor_limit(limit):
+                built = self._build_plan(model=device_model, opsets=device_opsets)
+            used = [p.name for p in self.selection.providers if built.report.nodes_per_provider.get(p.name)]
+            built.plan.label = "+".join(used)
+            return built, device_model
+
+        started = time.perf_counter()
+        join = DeviceJoin(build, self._switch_plan, self._spaces, fallback.name)
+        self._join = join
+        built = self._build_plan(providers=[fallback], restored=prepared.restored)
+        built.plan.label = fallback.name
+        # as long again for the device plan: an accelerator that compiles about as fast as
+        # the CPU provider serves from the first run; a slow one joins when it is ready
+        join.done.wait(time.perf_counter() - started)
+        early = join.fallback_ready()
+        if early is not None:  # the device plan was built first: the fallback's is not needed
+            built, self._model = early
+            self._opsets = device_opsets
+        return built
+
+    def _switch_plan(self, built: BuiltGraph, model: Any) -> int:
+        """Serve from ``built`` (the checked device plan) from the next run on; returns that run's number."""
+        with self._switch_lock:
+            if self._trace is not None and built.plan.profile_records is None:
+                built.plan = built.plan.profiled()  # start_profiling() was called meanwhile
+            self._retired_plans.append(self._plan)
+            specs = input_specs(self.inputs, model.graph.inputs, built.input_homes)
+            self._signature = InputSignature(specs, self._spaces)
+            self._model, self._built, self._plan = model, built, built.plan
+            self.optimization_stats.update(built.pass_stats)
+            if self._trace is not None:
+                self._trace.instant("plan_switch", to=built.plan.label, after_runs=self._runs)
+            return self._runs + 1
+
+    @property
+    def device_join(self) -> JoinStatus | None:
+        """Where the device plan of a session that started on the CPU stands (None when the
+        session was built on its final plan): compiling, checking, switched or kept."""
+        return self._join.status if self._join is not None else None
+
+    def wait_for_device_plan(self, timeout: float | None = None) -> JoinStatus | None:
+        """Block until the device plan is switched in or kept out (at most ``timeout``
+        seconds); the status, or None for a session built on its final plan."""
+        return self._join.wait(timeout) if self._join is not None else None
 
     def _export_context(self) -> str:
         path = context_export_path(self.options, self.model_path)
@@ -174,7 +280,11 @@ class Session(SessionIntrospection, ProfiledSession):
         begin_run(self._intra_op_threads)
         self._runs += 1
         args = self._signature.arguments(feeds)
-        return args, self._plan.run(*protect_inputs(args))
+        values = self._plan.run(*protect_inputs(args))
+        join = self._join
+        if join is not None and join.wants_sample:
+            join.record(args, values)  # what the device plan is checked on before it serves
+        return args, values
 
     def _output_index_of(self, name: str) -> int:
         try:
