@@ -87,11 +87,13 @@ OPTIONS: dict[str, _Option] = {
     ),
     "strict": _Option(_boolean, False, "raise PlacementError instead of falling back to another provider"),
     "placement": _Option(
-        _choice("estimate", "priority"),
+        _choice("estimate", "priority", "measure"),
         "estimate",
         "how device='auto' and the speed policies place nodes: estimate (the fastest assignment the providers' "
-        "costs and measured transfers give) or priority (each node to the highest-priority provider that runs it); "
-        "provider lists, names, devices and strict always place by priority",
+        "costs and measured transfers give), measure (the plan by estimate and the CPU's alone timed on generated "
+        "inputs once, the faster kept; the verdict cached per model, providers, devices and shapes for the "
+        "process) or priority (each node to the highest-priority provider that runs it); provider lists, names, "
+        "devices and strict always place by priority",
     ),
     "wait_for_device": _Option(
         _boolean,

@@ -50,6 +50,7 @@ class PartitionInfo:
     node_names: tuple[str, ...]
     restored: bool = False
     estimated_s: float | None = None  # compute and partition overhead, as placement estimated it
+    measured_s: float | None = None  # its kernels' time per run, where placement="measure" timed it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,9 @@ class PlacementEstimate:
     strategy: str
     total_s: float | None = None
     alternatives: tuple[tuple[str, float], ...] = ()
+    # placement="measure": the median seconds per run of each candidate plan timed (or, from
+    # the cache, of the one chosen when it was timed)
+    measured: tuple[tuple[str, float], ...] = ()
 
 
 @dataclasses.dataclass
@@ -92,6 +96,7 @@ class PlacementReport:
         for part in self.partitions:
             tag = " (restored)" if part.restored else ""
             cost = f", estimated {_ms(part.estimated_s)}" if part.estimated_s is not None else ""
+            cost += f", measured {_ms(part.measured_s)}" if part.measured_s is not None else ""
             lines.append(f"    {part.name}: {part.provider}, {part.nodes} node(s){cost}{tag}")
         if self.fallbacks:
             lines.append(f"  fallbacks: {len(self.fallbacks)}")
@@ -107,6 +112,8 @@ class PlacementReport:
         if self.estimate.total_s is not None:
             weighed = "".join(f"; {label}: {_ms(s)}" for label, s in self.estimate.alternatives)
             lines.append(f"  estimated: {_ms(self.estimate.total_s)} per run{weighed}")
+        if self.estimate.measured:
+            lines.append("  measured: " + "; ".join(f"{label}: {_ms(s)}" for label, s in self.estimate.measured))
         return "\n".join(lines)
 
     def as_dict(self) -> dict:

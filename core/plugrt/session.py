@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any, Iterable, Mapping, Sequence
@@ -80,7 +81,9 @@ class Session(SessionIntrospection, ProfiledSession):
         self._retired_plans: list = []  # plans run before a switch to the device plan (their profiles)
         self._join: DeviceJoin | None = None
         with tensor_limit(self.options["limits.tensor_bytes"]):  # kernel outputs above it are refused
-            if self._joins_later(prepared):
+            if self._measures(prepared):
+                self._built = self._measured_build(model, prepared)
+            elif self._joins_later(prepared):
                 self._built: BuiltGraph = self._start_on_the_fallback(prepared)
             else:
                 self._built = self._build_plan(
@@ -131,7 +134,60 @@ class Session(SessionIntrospection, ProfiledSession):
 
     @property
     def _by_estimate(self) -> bool:
-        return self.selection.by_estimate and self.options["placement"] == "estimate"
+        return self.selection.by_estimate and self.options["placement"] in ("estimate", "measure")
+
+    # -- placement="measure" ----------------------------------------------------------------
+
+    def _measures(self, prepared: Any) -> bool:
+        options = self.options
+        return (
+            options["placement"] == "measure"
+            and self.selection.by_estimate
+            and not options["strict"]
+            and not prepared.restored
+        )
+
+    def _measured_build(self, source: Any, prepared: Any) -> BuiltGraph:
+        """The faster of the plan by estimate and the fallback's alone, timed on generated
+        inputs once per (model, providers, devices, shapes) (``plugrt.calibration``)."""
+        import dataclasses
+
+        from . import calibration
+        from .warmup import warmup_feeds
+
+        providers = self.selection.providers
+        fallback = providers[-1]
+        feeds = warmup_feeds(self.inputs, {}, self.options["limits.tensor_bytes"])
+        shapes = {name: tuple(getattr(value, "shape", ())) for name, value in feeds.items()}
+        key = calibration.verdict_key(
+            source, [p.name for p in providers], [str(self.selection.devices[p.name]) for p in providers], shapes
+        )
+        candidates = {"by estimate": list(providers), f"all on {fallback.name}": [fallback]}
+        cached = calibration.VERDICTS.get(key) if key is not None else None
+        if cached is not None:
+            candidates = {cached[0]: candidates[cached[0]]}
+        results: list[tuple[float, str, BuiltGraph, Any, dict[str, int], list]] = []
+        for label, chosen in candidates.items():
+            model, opsets = (self._model.clone(), dict(self._opsets)) if len(candidates) > 1 else (self._model, self._opsets)
+            built = self._build_plan(providers=chosen, model=model, opsets=opsets)
+            args = InputSignature(input_specs(self.inputs, model.graph.inputs, built.input_homes), self._spaces).arguments(feeds)
+            seconds = calibration.time_runs(functools.partial(built.plan.run, *args)) if cached is None else 0.0
+            results.append((seconds, label, built, model, opsets, args))
+        measured: tuple[tuple[str, float], ...]
+        if cached is None:
+            measured = tuple((label, seconds) for seconds, label, *_ in results)
+            best = min(results, key=lambda r: r[0])
+            if key is not None:
+                calibration.VERDICTS[key] = (best[1], measured)
+        else:
+            measured, best = cached[1], results[0]
+        _, label, built, model, opsets, args = best
+        self._model, self._opsets = model, opsets
+        times = calibration.partition_times(built, args)
+        report = built.report
+        report.partitions = [dataclasses.replace(p, measured_s=t) for p, t in zip(report.partitions, times)]
+        report.estimate = dataclasses.replace(report.estimate, measured=measured)
+        return built
 
     # -- an accelerator that joins when ready ----------------------------------------------
 
@@ -183,9 +239,9 @@ class Session(SessionIntrospection, ProfiledSession):
         self._join = join
         built = self._build_plan(providers=[fallback], restored=prepared.restored)
         built.plan.label = fallback.name
-        # as long again for the device plan: an accelerator that compiles about as fast as
-        # the CPU provider serves from the first run; a slow one joins when it is ready
-        join.done.wait(time.perf_counter() - started)
+        # half as long again for the device plan: an accelerator that compiles about as fast
+        # as the CPU provider serves from the first run; a slow one joins when it is ready
+        join.done.wait((time.perf_counter() - started) / 2)
         early = join.fallback_ready()
         if early is not None:  # the device plan was built first: the fallback's is not needed
             built, self._model = early

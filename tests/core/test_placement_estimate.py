@@ -94,7 +94,7 @@ def test_a_provider_stating_it_is_faster_wins_a_stretch_that_pays(monkeypatch, r
     import fake_plugins
 
     monkeypatch.setattr(fake_plugins.ReluAddProvider, "relative_costs", {"*": 0.1}, raising=False)
-    session = plugrt.load(_chain(1 << 20), registry=relu_add_registry)
+    session = plugrt.load(_chain(1 << 20), registry=relu_add_registry, wait_for_device=True)
     assert session.placement.nodes_per_provider == {"cpu": 2, "reluadd": 2}
     x = np.linspace(-3, 3, 1 << 20, dtype=np.float32)
     s = 1 / (1 + np.exp(-x))
@@ -133,7 +133,7 @@ def test_a_device_far_faster_than_the_cpu_wins_in_spite_of_its_transfers(monkeyp
     monkeypatch.setattr(fake_device.FakeDevice, "relative_costs", {"*": 0.0}, raising=False)
     monkeypatch.setattr(fake_device.FakeDevice, "partition_overhead", 0.0, raising=False)
     model = LIGHT["resnet50"]
-    session = plugrt.load(model.path, registry=registry_with("device.fake_device:full_plugin"))
+    session = plugrt.load(model.path, registry=registry_with("device.fake_device:full_plugin"), wait_for_device=True)
     assert set(session.placement.nodes_per_provider) == {"fakedevice_full"}
     expected = plugrt.load(model.path, device="cpu").run(model.inputs)
     got = session.run(model.inputs)
@@ -146,7 +146,7 @@ def test_a_tie_goes_to_the_higher_priority_provider(monkeypatch, relu_add_regist
 
     # free partitions and the CPU's costs: moving the stretch changes nothing, priority decides
     monkeypatch.setattr(fake_plugins.ReluAddProvider, "partition_overhead", 0.0, raising=False)
-    session = plugrt.load(_chain(4), registry=relu_add_registry)
+    session = plugrt.load(_chain(4), registry=relu_add_registry, wait_for_device=True)
     assert session.placement.nodes_per_provider == {"cpu": 2, "reluadd": 2}
 
 
@@ -208,10 +208,51 @@ def test_the_cuda_provider_states_costs_that_win_a_convolution_network_and_lose_
     from cuda_helpers import NumpyCUDA, registry_of
 
     registry = registry_of(NumpyCUDA())
-    big = plugrt.load(LIGHT["resnet50"].path, registry=registry)
+    big = plugrt.load(LIGHT["resnet50"].path, registry=registry, wait_for_device=True)
     on_cuda = {name for part in big.placement.partitions if part.provider == "cuda" for name in part.node_names}
     convolutions = {node.name for node in big.model.graph if node.op_type == "Conv"}
     assert convolutions and convolutions <= on_cuda and len(big.placement.partitions) <= 2
     tiny = plugrt.load(_chain(4), registry=registry)
     assert set(tiny.placement.nodes_per_provider) == {"cpu"}
     assert any(fb.declined_by == "cuda" and fb.cause == "estimate" for fb in tiny.placement.fallbacks)
+
+
+# -- placement="measure" ---------------------------------------------------------------------
+
+
+def test_measuring_keeps_the_cpu_plan_when_a_provider_that_claims_speed_is_slow(monkeypatch, relu_add_registry):
+    import time
+
+    import fake_plugins
+
+    monkeypatch.setattr(fake_plugins.ReluAddProvider, "relative_costs", {"*": 0.0}, raising=False)
+    monkeypatch.setattr(fake_plugins.ReluAddProvider, "partition_overhead", 0.0, raising=False)
+    real = fake_plugins.ReluAddProvider.compile
+
+    def slow_compile(self, partition):
+        compiled = real(self, partition)
+        for step in compiled.steps:
+            fn = step.fn
+            step.fn = lambda *a, fn=fn: (time.sleep(0.02), fn(*a))[1]
+        return compiled
+
+    monkeypatch.setattr(fake_plugins.ReluAddProvider, "compile", slow_compile)
+    model = _chain(1 << 10)
+    estimated = plugrt.load(model, registry=relu_add_registry, wait_for_device=True)
+    assert estimated.placement.nodes_per_provider.get("reluadd") == 2
+    measured = plugrt.load(model, registry=relu_add_registry, placement="measure")
+    assert set(measured.placement.nodes_per_provider) == {"cpu"}
+    timed = dict(measured.placement.estimate.measured)
+    assert set(timed) == {"by estimate", "all on cpu"} and timed["all on cpu"] < timed["by estimate"]
+    assert all(p.measured_s is not None for p in measured.placement.partitions)
+
+
+def test_a_measured_verdict_is_reused_for_the_same_model_and_providers(relu_add_registry):
+    from plugrt import calibration
+
+    model = _chain(1 << 10)
+    first = plugrt.load(model, registry=relu_add_registry, placement="measure")
+    before = dict(calibration.VERDICTS)
+    second = plugrt.load(model, registry=relu_add_registry, placement="measure")
+    assert calibration.VERDICTS == before
+    assert second.placement.estimate.measured == first.placement.estimate.measured
