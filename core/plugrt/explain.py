@@ -486,13 +486,19 @@ def add_parser(sub: Any) -> None:
         help="do not try a capture on the inputs 'plugrt run' generates (no seams shown)",
     )
     explain.add_argument("--optimization", default="all", choices=["none", "basic", "all"])
+    explain.add_argument(
+        "--placement", default="estimate", choices=["estimate", "priority", "measure"],
+        help="how 'auto' and the speed policies place nodes; measure times the candidate plans on generated "
+        "inputs and shows measured time per partition",
+    )
     explain.set_defaults(func=_cmd_explain)
 
 
 def _cmd_explain(args: Any) -> int:
     from .session import load
 
-    options = {"optimization": args.optimization}
+    # the placement explained is the final one: the device plan, not the CPU's while it compiles
+    options = {"optimization": args.optimization, "placement": args.placement, "wait_for_device": True}
     capture = not args.no_capture
     if args.html:
         session, result = write_explain(args.model, args.html, device=args.device, capture=capture, options=options)

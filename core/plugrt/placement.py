@@ -65,8 +65,9 @@ class Transfer:
 @dataclasses.dataclass(frozen=True)
 class PlacementEstimate:
     """How the placement was chosen: ``strategy`` "estimate" (the fastest assignment the
-    estimates found) or "priority" (each node to the highest-priority provider that says
-    yes: provider lists, names, devices, strict), the estimated seconds of the chosen
+    estimates found), "measure" (the faster of the candidate plans timed) or "priority"
+    (each node to the highest-priority provider that says yes: provider lists, names,
+    devices, strict), the estimated seconds of the chosen
     assignment, and of the alternatives weighed (``"all on cpu"``, ``"priority order"``)."""
 
     strategy: str

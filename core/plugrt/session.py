@@ -186,7 +186,7 @@ class Session(SessionIntrospection, ProfiledSession):
         times = calibration.partition_times(built, args)
         report = built.report
         report.partitions = [dataclasses.replace(p, measured_s=t) for p, t in zip(report.partitions, times)]
-        report.estimate = dataclasses.replace(report.estimate, measured=measured)
+        report.estimate = dataclasses.replace(report.estimate, strategy="measure", measured=measured)
         return built
 
     # -- an accelerator that joins when ready ----------------------------------------------

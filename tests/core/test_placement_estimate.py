@@ -256,3 +256,19 @@ def test_a_measured_verdict_is_reused_for_the_same_model_and_providers(relu_add_
     second = plugrt.load(model, registry=relu_add_registry, placement="measure")
     assert calibration.VERDICTS == before
     assert second.placement.estimate.measured == first.placement.estimate.measured
+
+
+def test_explain_shows_measured_time_per_partition(monkeypatch, capsys):
+    from helpers import fake_entry_points
+    from plugrt import registry as registry_module
+    from plugrt.cli import main
+
+    fake_entry_points(monkeypatch, ("reluadd", "fake_plugins:with_relu_add"))
+    registry_module.reset_default_registry()
+    try:
+        assert main(["explain", LIGHT["squeezenet"].path, "--placement", "measure", "--no-capture"]) == 0
+    finally:
+        registry_module.reset_default_registry()
+    printed = capsys.readouterr().out
+    assert "chosen by: measure" in printed and "measured: by estimate:" in printed
+    assert "cpu_0: cpu, 40 node(s), estimated" in printed and ", measured " in printed
