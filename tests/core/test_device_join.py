@@ -73,3 +73,15 @@ def test_a_provider_named_by_the_user_is_waited_for(slow):
     session = plugrt.load(_chain(1 << 12), registry=slow, providers=["slowaccel", "cpu"])
     assert session.device_join is None
     assert _providers_used(session) == {"cpu", "slowaccel"}
+
+
+def test_a_session_restored_from_an_epcontext_uses_its_device_partitions_at_once(tmp_path):
+    from helpers import NEG_ADD
+
+    registry = registry_with("fake_plugins:with_context")
+    source = tmp_path / "m.onnx"
+    source.write_bytes(NEG_ADD)
+    exported = plugrt.load(source, device="ctxaccel", registry=registry, **{"ep.context_enable": 1, "ep.context_embed_mode": 1})
+    restored = plugrt.load(exported.context_model_path, registry=registry)
+    assert restored.device_join is None
+    assert [(p.provider, p.restored) for p in restored.placement.partitions] == [("ctxaccel", True), ("cpu", False)]
