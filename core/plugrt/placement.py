@@ -149,6 +149,19 @@ def _ask(
     return answer
 
 
+def _no_provider(
+    node: ir.Node, providers: Sequence[ExecutionProvider], ctx: SupportContext, reasons: dict[str, str]
+) -> UnsupportedOpError:
+    return UnsupportedOpError(
+        node.domain,
+        node.op_type,
+        ctx.opset(node.domain),
+        node=node_label(node),
+        providers_consulted=[p.name for p in providers],
+        reasons=reasons,
+    )
+
+
 def assign(
     nodes: Sequence[ir.Node],
     providers: Sequence[ExecutionProvider],
@@ -171,14 +184,7 @@ def assign(
                 break
             declined.append((provider.name, answer.reason))
         if chosen is None:
-            raise UnsupportedOpError(
-                node.domain,
-                node.op_type,
-                ctx.opset(node.domain),
-                node=node_label(node),
-                providers_consulted=[p.name for p in providers],
-                reasons=dict(declined),
-            )
+            raise _no_provider(node, providers, ctx, dict(declined))
         for name, reason in declined:
             fallbacks.append(Fallback(node_label(node), node.op_type, name, reason, chosen))
         placed.append(chosen)
@@ -431,14 +437,7 @@ def assign_by_estimate(
     supported = [[a.supported for a in row] for row in answers]
     for i, node in enumerate(nodes):
         if not any(row[i] for row in supported):
-            raise UnsupportedOpError(
-                node.domain,
-                node.op_type,
-                ctx.opset(node.domain),
-                node=node_label(node),
-                providers_consulted=[p.name for p in providers],
-                reasons={p.name: row[i].reason for p, row in zip(providers, answers)},
-            )
+            raise _no_provider(node, providers, ctx, {p.name: row[i].reason for p, row in zip(providers, answers)})
     problem = _Problem(nodes, providers, supported, costs, graph_outputs)
     candidates = [("priority order", problem.first_supported([]))]
     candidates += [(f"all on {p.name}", problem.first_supported([q])) for q, p in enumerate(providers)]
