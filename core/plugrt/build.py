@@ -157,8 +157,7 @@ def _compile_all(
         if costs is not None:
             by_name = {p.name: p for p in active}
             estimates = [
-                None if name.startswith(_RESTORED) else sum(costs.node_cost(by_name[name], n) for n in part.nodes)
-                + costs.partition_overhead(by_name[name])
+                None if name.startswith(_RESTORED) else costs.partition_cost(by_name[name], part.nodes)
                 for name, part in make_partitions(nodes, placed, graph.outputs, opset_imports)
             ]
         if passes_model is not None:

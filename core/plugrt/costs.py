@@ -152,6 +152,27 @@ class CostModel:
             return float(stated)
         return None
 
+    def partition_cost(self, provider: ExecutionProvider, nodes: Sequence["ir.Node"]) -> float:
+        """Seconds a partition of ``nodes`` costs on ``provider``: its nodes (a fused
+        epilogue at its ``fused_cost`` where its producer is in the partition too) and its
+        overhead."""
+        members = set(map(id, nodes))
+        total = self.partition_overhead(provider)
+        for node in nodes:
+            source = node.inputs[0] if node.inputs else None
+            producer = source.producer() if source is not None else None
+            fused = None
+            if (
+                source is not None
+                and producer is not None
+                and id(producer) in members
+                and not source.is_graph_output()
+                and len(list(source.uses())) == 1
+            ):
+                fused = self.fused_cost(provider, node, producer)
+            total += self.node_cost(provider, node) if fused is None else fused
+        return total
+
     def partition_overhead(self, provider: ExecutionProvider) -> float:
         stated = getattr(provider, "partition_overhead", None)
         if isinstance(stated, (int, float)) and not isinstance(stated, bool) and stated >= 0:
