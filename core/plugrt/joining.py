@@ -14,6 +14,7 @@ import contextvars
 import dataclasses
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -83,8 +84,9 @@ class DeviceJoin:
         spaces: "MemorySpaces",
         fallback: str,
     ) -> None:
-        self._build = build
-        self._switch = switch
+        self._build: "Callable[[], tuple[BuiltGraph, ir.Model]] | None" = build
+        # weakly: a session dropped before its first run is not kept alive by the thread
+        self._switch = weakref.WeakMethod(switch) if hasattr(switch, "__self__") else (lambda: switch)
         self._spaces = spaces
         self._fallback = fallback
         self._status = JoinStatus("compiling")
@@ -131,8 +133,10 @@ class DeviceJoin:
 
     def _work(self) -> None:
         started = time.perf_counter()
+        build, self._build = self._build, None  # the build closure holds the session: drop it once built
+        assert build is not None
         try:
-            built, model = self._build()
+            built, model = build()
         except Exception as exc:  # the CPU plan goes on serving: say why
             self._finish(JoinStatus("kept", f"the device plan failed to build: {type(exc).__name__}: {exc}"))
             return
@@ -147,7 +151,10 @@ class DeviceJoin:
             self._finish(JoinStatus("kept", f"placement by estimate put every node on {self._fallback}", seconds))
             return
         self._status = JoinStatus("checking", "", seconds)
-        self._sampled.wait()
+        del build
+        while not self._sampled.wait(1.0):
+            if self._switch() is None:  # the session is gone, unrun
+                return
         assert self._sample is not None
         args, expected = self._sample
         records = built.plan.profile_records
@@ -164,5 +171,8 @@ class DeviceJoin:
         if problem:
             self._finish(JoinStatus("kept", f"checked against the CPU plan: {problem}", seconds))
             return
-        at = self._switch(built, model)
+        switch = self._switch()
+        if switch is None:
+            return
+        at = switch(built, model)
         self._finish(JoinStatus("switched", "", seconds, at))

@@ -289,6 +289,7 @@ class Session(SessionIntrospection, ProfiledSession):
         clone._plan = clone._built.plan
         clone._signature = InputSignature(self._signature.specs, self._spaces)
         clone._captures = CaptureSlots(self._trace)
+        clone._join = None  # the original's device plan would switch the original in
         return clone
 
     @property
