@@ -80,11 +80,12 @@ class Session(SessionIntrospection, ProfiledSession):
         self._switch_lock = threading.Lock()
         self._retired_plans: list = []  # plans run before a switch to the device plan (their profiles)
         self._join: DeviceJoin | None = None
+        self._built: BuiltGraph
         with tensor_limit(self.options["limits.tensor_bytes"]):  # kernel outputs above it are refused
             if self._measures(prepared):
                 self._built = self._measured_build(model, prepared)
             elif self._joins_later(prepared):
-                self._built: BuiltGraph = self._start_on_the_fallback(prepared)
+                self._built = self._start_on_the_fallback(prepared)
             else:
                 self._built = self._build_plan(
                     strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
@@ -201,10 +202,8 @@ class Session(SessionIntrospection, ProfiledSession):
         if not self._by_estimate:
             return False
         from .costs import CostModel
-        from .placement import assign_by_estimate
+        from .placement import assign, assign_by_estimate
         from .provider import CostContext, SupportContext
-
-        from .placement import assign
 
         providers = self.selection.providers
         graph = self._model.graph
