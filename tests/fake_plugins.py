@@ -9,10 +9,14 @@ from plugrt.provider import CompiledPartition, Device, DeviceKind, Step, Support
 
 
 class NegProvider:
-    """A tiny accelerator stand-in: claims Neg only, runs it with numpy."""
+    """A tiny accelerator stand-in: claims Neg only, runs it with numpy. It states that its
+    Neg and its partitions cost nothing, so placement by estimate (device="auto") gives it
+    every Neg."""
 
     name = "fakeaccel"
     priority = 50
+    relative_costs = {"Neg": 0.0}
+    partition_overhead = 0.0
 
     def __init__(self, *, fail_in: str | None = None):
         self.fail_in = fail_in
@@ -212,3 +216,90 @@ class driverless_cuda:
     @hookimpl
     def plugrt_providers():
         return [DriverlessCudaProvider()]
+
+
+class ReluAddProvider:
+    """A small vendor provider as the provider guide describes one: Relu and Add on float32
+    (numpy on the host), at a positive priority, stating no costs."""
+
+    name = "reluadd"
+    priority = 10
+
+    def devices(self):
+        return [Device(DeviceKind.NPU, 0, "Relu and Add")]
+
+    def supports_op(self, node, ctx):
+        if node.domain in ("", "ai.onnx") and node.op_type in ("Relu", "Add"):
+            if all(v is None or v.dtype is None or v.dtype.name == "FLOAT" for v in node.inputs):
+                return Support.yes()
+            return Support.no("reluadd runs float32 only")
+        return Support.no(f"reluadd runs Relu and Add only, not {node.op_type}")
+
+    def compile(self, partition):
+        kernels = {"Relu": lambda x: np.maximum(x, np.float32(0)), "Add": np.add}
+        steps = [
+            Step(kernels[n.op_type], list(n.inputs), list(n.outputs), name=n.name, op_type=n.op_type, nodes=(n.name,))
+            for n in partition.nodes
+        ]
+        return CompiledPartition(partition, steps, self.name)
+
+
+class with_relu_add:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [ReluAddProvider()]
+
+
+def _template_at_priority_10():
+    from plugrt_provider_template import TemplateProvider
+
+    class PositiveTemplate(TemplateProvider):
+        """The template provider at the positive priority the guide advises a vendor's."""
+
+        name = "template10"
+        priority = 10
+        context_source_keys = ("template10",)
+
+    return PositiveTemplate()
+
+
+class with_template_10:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [_template_at_priority_10()]
+
+
+class SlowCompileProvider(ReluAddProvider):
+    """Relu and Add, stated far faster than the CPU, behind a compiler that takes
+    ``compile_seconds`` to start (in its first ``compile``): an accelerator whose first
+    run would wait for its compiler."""
+
+    name = "slowaccel"
+    priority = 20
+    relative_costs = {"*": 0.0}
+    partition_overhead = 0.0
+    compile_seconds = 5.0
+    wrong = False  # True: its Relu is off by one, so the check before the switch fails
+
+    def compile(self, partition):
+        import time
+
+        if not getattr(self, "_started", False):
+            time.sleep(self.compile_seconds)
+            self._started = True
+        compiled = super().compile(partition)
+        if self.wrong:
+            for step in compiled.steps:
+                if step.op_type == "Relu":
+                    step.fn = lambda x: np.maximum(x, np.float32(0)) + np.float32(1)
+        compiled.provider = self.name
+        return compiled
+
+
+class with_slow_compile:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [SlowCompileProvider()]

@@ -11,13 +11,24 @@ import onnx_ir as ir
 from ._guard import check_compiled, guard_step
 from .errors import PlugrtError, ProviderNameMismatchError, ProviderUnavailableError
 from .ir_utils import tensor_array
-from .placement import Fallback, PartitionInfo, PlacementReport, Transfer, assign, make_partitions, node_label
+from .placement import (
+    Fallback,
+    PartitionInfo,
+    PlacementEstimate,
+    PlacementReport,
+    Transfer,
+    assign,
+    assign_by_estimate,
+    make_partitions,
+    node_label,
+)
 from .plan import Plan, StepInfo
 from .provider import (
     HOST_MEMORY,
     CompiledPartition,
     ExecutionProvider,
     MemoryCapability,
+    PassesCapability,
     Step,
     SupportContext,
     memory_of,
@@ -27,6 +38,7 @@ from .transfers import MemorySpaces
 from .weights import shared_transform
 
 if TYPE_CHECKING:
+    from .costs import CostModel
     from .intent import Selection
     from .registry import ProviderRegistry
 
@@ -69,29 +81,100 @@ class BuiltGraph:
     spaces: MemorySpaces
     # plan inputs read only by partitions of one device memory (their defaults move there once)
     input_homes: dict[ir.Value, MemoryCapability]
+    # what each provider's own passes did to the nodes placed on it: pass name -> count
+    pass_stats: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Placed:
+    """What _compile_all hands back: the compiled partitions, every fallback, how the
+    placement was chosen, each partition's estimate and what the providers' passes did."""
+
+    compiled: list[CompiledPartition]
+    fallbacks: list[Fallback]
+    estimate: PlacementEstimate
+    partition_estimates: list[float | None] | None
+    pass_stats: dict[str, int]
+
+
+def _run_provider_passes(
+    model: ir.Model, providers: Sequence[ExecutionProvider], placed: dict[ir.Node, str], stats: dict[str, int]
+) -> None:
+    """Each provider's own passes (fusions) over the nodes placed on it: every node is
+    marked with its provider (``plugrt.passes.CLAIMED_BY``) first, and a node a provider's
+    pass writes without a mark is that provider's."""
+    from .passes import CLAIMED_BY
+
+    for node, name in placed.items():
+        node.meta[CLAIMED_BY] = name
+    used = set(placed.values())
+    for provider in providers:
+        make = provider.passes if isinstance(provider, PassesCapability) and provider.name in used else None
+        if make is None:
+            continue
+        for graph_pass in make(model):
+            with span(f"pass:{type(graph_pass).__name__}", provider=provider.name) as args:
+                result = graph_pass(model)
+                args["modified"] = bool(result.modified)
+            stats[type(graph_pass).__name__] = stats.get(type(graph_pass).__name__, 0) + int(result.modified)
+        for node in model.graph:
+            node.meta.setdefault(CLAIMED_BY, provider.name)
 
 
 def _compile_all(
-    nodes: list[ir.Node],
-    providers: list[ExecutionProvider],
     graph: ir.Graph,
+    providers: list[ExecutionProvider],
     opset_imports: dict[str, int],
     registry: "ProviderRegistry | None",
     strict: bool,
     pinned: frozenset[str],
     devices: dict,
     restored: dict,
-) -> tuple[list[CompiledPartition], list[Fallback]]:
+    costs: "CostModel | None",
+    by_estimate: bool,
+    passes_model: ir.Model | None,
+) -> _Placed:
     ctx = SupportContext(dict(opset_imports), graph)
     active = list(providers)
     compile_fallbacks: list[Fallback] = []
-    placeable = [n for n in nodes if n not in restored]
+    stats: dict[str, int] = {}
     while True:
-        with span("placement", nodes=len(placeable), providers=[p.name for p in active]):
-            placed_some, fallbacks = assign(placeable, active, ctx, registry=registry, strict=strict, pinned=pinned)
+        nodes = list(graph)  # the providers' passes of an earlier round may have rewritten it
+        placeable = [n for n in nodes if n not in restored]
+        with span("placement", nodes=len(placeable), providers=[p.name for p in active]) as args:
+            if costs is not None and by_estimate and not strict and len(active) > 1:
+                placed_some, fallbacks, estimate = assign_by_estimate(
+                    placeable, active, ctx, costs, graph.outputs, registry=registry
+                )
+            else:
+                placed_some, fallbacks = assign(placeable, active, ctx, registry=registry, strict=strict, pinned=pinned)
+                estimate = PlacementEstimate("priority")
+            args["strategy"] = estimate.strategy
         by_node = dict(zip(placeable, placed_some))
         # each restored EPContext node is a partition of its own
         placed = [by_node[n] if n in by_node else f"{_RESTORED}{i}" for i, n in enumerate(nodes)]
+        estimates: list[float | None] | None = None
+        if costs is not None:
+            by_name = {p.name: p for p in active}
+            estimates = [
+                None if name.startswith(_RESTORED) else costs.partition_cost(by_name[name], part.nodes)
+                for name, part in make_partitions(nodes, placed, graph.outputs, opset_imports)
+            ]
+        if passes_model is not None:
+            # the providers' own fusions, after placement: each sees only the nodes placed on it
+            from .passes import CLAIMED_BY
+
+            _run_provider_passes(passes_model, active, by_node, stats)
+            opset_imports.update({("" if d == "ai.onnx" else d): v for d, v in passes_model.opset_imports.items()})
+            before = len(nodes)
+            nodes = list(graph)
+            placed = [
+                f"{_RESTORED}{i}" if n in restored else str(n.meta[CLAIMED_BY]) for i, n in enumerate(nodes)
+            ]
+            if len(nodes) != before and estimates is not None:
+                regrouped = make_partitions(nodes, placed, graph.outputs, opset_imports)
+                if len(regrouped) != len(estimates):
+                    estimates = None  # a fusion merged partitions: their estimates no longer line up
         by_name = {p.name: p for p in active}
         compiled: list[CompiledPartition] = []
         failed: tuple[str, BaseException, list[ir.Node]] | None = None
@@ -126,13 +209,13 @@ def _compile_all(
             result.provider = provider_name  # filled in here: a provider need not repeat its name
             compiled.append(result)
         if failed is None:
-            return compiled, compile_fallbacks + fallbacks
+            return _Placed(compiled, compile_fallbacks + fallbacks, estimate, estimates, stats)
         name, error, failed_nodes = failed
         if registry is not None and not isinstance(error, PlugrtError):
             registry.record_failure(name, "compile", error)
         reason = f"compile raised {type(error).__name__}: {error}"
         compile_fallbacks.extend(
-            Fallback(node_label(n), n.op_type, name, reason, "?") for n in failed_nodes
+            Fallback(node_label(n), n.op_type, name, reason, "?", "compile") for n in failed_nodes
         )
         active = [p for p in active if p.name != name]
 
@@ -166,21 +249,30 @@ def build_graph(
     devices: dict | None = None,
     restored: dict | None = None,
     spaces: MemorySpaces | None = None,
+    costs: "CostModel | None" = None,
+    by_estimate: bool = False,
+    passes_model: ir.Model | None = None,
 ) -> BuiltGraph:
     """Place, partition and compile ``graph`` on ``providers`` (priority order, fallback
     last) and return its plan. ``extra_inputs`` are outer-scope values a subgraph reads;
     the plan takes them after the graph's own inputs. ``spaces`` counts the transfers
-    (one is made from the providers when not given)."""
-    nodes = list(graph)
+    (one is made from the providers when not given).
+
+    ``costs`` puts estimates in the report; with ``by_estimate`` (and not ``strict``) the
+    placement is the fastest the estimates find, else each node goes to the first provider
+    that supports it. ``passes_model`` (the model whose graph this is, at optimisation
+    level "all") runs each provider's own passes on the nodes placed on it."""
     providers = list(providers)
     if spaces is None:
         spaces = MemorySpaces([m for m in map(memory_of, providers) if m is not None])
     if precompiled is not None:
-        compiled, fallbacks = list(precompiled), list[Fallback]()
+        outcome = _Placed(list(precompiled), [], PlacementEstimate("priority"), None, {})
     else:
-        compiled, fallbacks = _compile_all(
-            nodes, providers, graph, opset_imports, registry, strict, pinned, devices or {}, restored or {}
+        outcome = _compile_all(
+            graph, providers, opset_imports, registry, strict, pinned, devices or {}, restored or {},
+            costs, by_estimate, passes_model,
         )
+    compiled, fallbacks = outcome.compiled, outcome.fallbacks
     by_name = {p.name: p for p in providers}
     declared_outputs = frozenset(graph.outputs)
     inputs = list(graph.inputs) + [v for v in extra_inputs if v not in graph.inputs]
@@ -234,7 +326,7 @@ def build_graph(
                     Step(spaces.mover(target), [value], [moved], name=f"transfer:{value.name}", op_type="Transfer")
                 )
                 infos.append(StepInfo(f"transfer:{value.name}", "Transfer", part.provider))
-                transfers.append(Transfer(value.name or "", producer_of.get(value, "input"), part.provider))
+                transfers.append(_transfer(value, producer_of.get(value, "input"), part.provider, by_name, costs))
             remap[value] = moved
         if moves:
             steps.extend(moves)
@@ -269,7 +361,8 @@ def build_graph(
         plan = Plan(inputs, outputs, steps, constants, infos, profile=profile)
     counts: dict[str, int] = {}
     partitions = []
-    for part in compiled:
+    estimates: list[float | None] = outcome.partition_estimates or [None] * len(compiled)
+    for part, estimated in zip(compiled, estimates):
         counts[part.provider] = counts.get(part.provider, 0) + len(part.partition.nodes)
         partitions.append(
             PartitionInfo(
@@ -278,13 +371,18 @@ def build_graph(
                 len(part.partition.nodes),
                 tuple(node_label(n) for n in part.partition.nodes),
                 part.restored,
+                estimated,
             )
         )
     for index, fb in enumerate(fallbacks):
         if fb.placed_on == "?":
             placed = next((p.provider for p in compiled if any(node_label(n) == fb.node for n in p.partition.nodes)), "?")
             fallbacks[index] = dataclasses.replace(fb, placed_on=placed)
-    report = PlacementReport([p.name for p in providers], counts, partitions, fallbacks, transfers)
+    estimate = outcome.estimate
+    if costs is not None and estimate.total_s is None and outcome.partition_estimates is not None:
+        staged = sum(t.estimated_s or 0.0 for t in transfers)
+        estimate = dataclasses.replace(estimate, total_s=sum(e or 0.0 for e in outcome.partition_estimates) + staged)
+    report = PlacementReport([p.name for p in providers], counts, partitions, fallbacks, transfers, estimate)
     for fb in fallbacks:
         instant("fallback", **vars(fb))  # node, op_type, declined_by, reason, placed_on (vars: no deep copy)
     by_memory = {m.memory: m for m in spaces.memories}
@@ -293,4 +391,17 @@ def build_graph(
         (place, *others) = places
         if not others and place in by_memory:
             homes[value] = by_memory[place]
-    return BuiltGraph(plan, report, compiled, stages, spaces, homes)
+    return BuiltGraph(plan, report, compiled, stages, spaces, homes, outcome.pass_stats)
+
+
+def _transfer(
+    value: ir.Value, source: str, target: str, by_name: dict[str, ExecutionProvider], costs: "CostModel | None"
+) -> Transfer:
+    """The report's entry of a transfer step, with its estimate when there are costs."""
+    from .costs import value_bytes
+
+    nbytes = value_bytes(value)
+    if costs is None:
+        return Transfer(value.name or "", source, target, None, nbytes)
+    source_memory = costs.memory(source) if source in by_name else HOST_MEMORY
+    return Transfer(value.name or "", source, target, costs.transfer_cost(source_memory, costs.memory(target), nbytes), nbytes)

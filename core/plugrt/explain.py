@@ -75,7 +75,14 @@ def explain_data(session: "Session", capture: Any = None) -> dict[str, Any]:
     return {
         "nodes": nodes,
         "partitions": [
-            {"name": p.name, "provider": p.provider, "nodes": list(p.node_names), "restored": p.restored}
+            {
+                "name": p.name,
+                "provider": p.provider,
+                "nodes": list(p.node_names),
+                "restored": p.restored,
+                "estimated_ms": None if p.estimated_s is None else p.estimated_s * 1e3,
+                "measured_ms": None if p.measured_s is None else p.measured_s * 1e3,
+            }
             for p in report.partitions
         ],
         "graph_inputs": [v.name for v in graph.inputs if v.name and not v.const_value],
@@ -84,12 +91,51 @@ def explain_data(session: "Session", capture: Any = None) -> dict[str, Any]:
         "colours": _colours(providers),
         "nodes_per_provider": dict(report.nodes_per_provider),
         "fallbacks": fallbacks,
-        "transfers": [[t.value, t.source, t.target] for t in report.transfers],
+        "transfers": [
+            [t.value, t.source, t.target, None if t.estimated_s is None else t.estimated_s * 1e3]
+            for t in report.transfers
+        ],
+        "strategy": report.estimate.strategy,
+        "estimated_ms": None if report.estimate.total_s is None else report.estimate.total_s * 1e3,
+        "alternatives_ms": {label: s * 1e3 for label, s in report.estimate.alternatives},
+        "measured_ms": {label: s * 1e3 for label, s in report.estimate.measured},
         "seams": {k: v for k, v in seams.items() if k not in part_names},
         "partition_seams": {k: v for k, v in seams.items() if k in part_names},
         "captured_segments": captured[0] if captured is not None else None,
         "collapsed": len(nodes) > COLLAPSE_ABOVE,
     }
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _times_html(data: dict[str, Any]) -> list[str]:
+    """Estimated (and, after placement="measure", measured) time per partition and transfer."""
+    esc = html.escape
+    if data["estimated_ms"] is None and not data["measured_ms"]:
+        return []
+    weighed = "; ".join(f"{esc(label)}: {value:.3f} ms" for label, value in data["alternatives_ms"].items())
+    measured = "; ".join(f"{esc(label)}: {value:.3f} ms" for label, value in data["measured_ms"].items())
+    out = [
+        f"<details open><summary>time per run: placed by {esc(data['strategy'])}, estimated "
+        f"{_ms(data['estimated_ms'])} ms</summary>",
+        f"<p>estimates weighed: {weighed or '-'}" + (f"; measured: {measured}" if measured else "") + "</p>",
+        '<table class="times"><tr><th>partition or transfer</th><th>provider</th><th>estimated ms</th>'
+        "<th>measured ms</th></tr>",
+    ]
+    for part in data["partitions"]:
+        out.append(
+            f"<tr><td>{esc(part['name'])}</td><td>{esc(part['provider'])}</td><td>{_ms(part['estimated_ms'])}</td>"
+            f"<td>{_ms(part['measured_ms'])}</td></tr>"
+        )
+    for value, source, target, estimated in data["transfers"]:
+        out.append(
+            f"<tr><td>transfer {esc(value)}</td><td>{esc(source)} &rarr; {esc(target)}</td><td>{_ms(estimated)}</td>"
+            "<td></td></tr>"
+        )
+    out.append("</table></details>")
+    return out
 
 
 def _summary_html(data: dict[str, Any], title: str) -> str:
@@ -132,9 +178,10 @@ def _summary_html(data: dict[str, Any], title: str) -> str:
                 f"<td>{esc(placed_on)}</td><td>{count}</td></tr>"
             )
         out.append("</table></details>")
+    out.extend(_times_html(data))
     if data["transfers"]:
         out.append("<details><summary>transfers</summary><ul>")
-        out.extend(f"<li>{esc(v)}: {esc(s)} &rarr; {esc(t)}</li>" for v, s, t in data["transfers"])
+        out.extend(f"<li>{esc(v)}: {esc(s)} &rarr; {esc(t)}</li>" for v, s, t, *_ in data["transfers"])
         out.append("</ul></details>")
     return "\n".join(out)
 
@@ -439,13 +486,19 @@ def add_parser(sub: Any) -> None:
         help="do not try a capture on the inputs 'plugrt run' generates (no seams shown)",
     )
     explain.add_argument("--optimization", default="all", choices=["none", "basic", "all"])
+    explain.add_argument(
+        "--placement", default="estimate", choices=["estimate", "priority", "measure"],
+        help="how 'auto' and the speed policies place nodes; measure times the candidate plans on generated "
+        "inputs and shows measured time per partition",
+    )
     explain.set_defaults(func=_cmd_explain)
 
 
 def _cmd_explain(args: Any) -> int:
     from .session import load
 
-    options = {"optimization": args.optimization}
+    # the placement explained is the final one: the device plan, not the CPU's while it compiles
+    options = {"optimization": args.optimization, "placement": args.placement, "wait_for_device": True}
     capture = not args.no_capture
     if args.html:
         session, result = write_explain(args.model, args.html, device=args.device, capture=capture, options=options)

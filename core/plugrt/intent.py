@@ -12,7 +12,7 @@ from .provider import Device, DeviceKind, ExecutionProvider
 if TYPE_CHECKING:
     from .registry import ProviderRegistry
 
-__all__ = ["Selection", "resolve_device", "POLICIES"]
+__all__ = ["Selection", "resolve_device", "POLICIES", "ESTIMATED_INTENTS"]
 
 #: Policies, named as onnxruntime's provider selection policies are.
 POLICIES = ("prefer_cpu", "prefer_gpu", "prefer_npu", "max_performance", "min_power")
@@ -22,6 +22,10 @@ _KIND_ORDER = {
     "prefer_npu": (DeviceKind.NPU, DeviceKind.GPU, DeviceKind.OTHER, DeviceKind.CPU),
     "min_power": (DeviceKind.NPU, DeviceKind.CPU, DeviceKind.OTHER, DeviceKind.GPU),
 }
+#: Intents placed by estimate (the fastest assignment the estimates find): those that ask
+#: for speed and name no provider or device. The others (a provider list or name, a
+#: device such as "gpu:1", "prefer_cpu", "min_power") place by priority.
+ESTIMATED_INTENTS = frozenset({"auto", "max_performance", "prefer_gpu", "prefer_npu"})
 _DEVICE_RE = re.compile(r"^(gpu|npu|cuda|cpu)(?::(\d+))?$")
 
 
@@ -33,6 +37,11 @@ class Selection:
     devices: dict[str, Device]
     pinned: frozenset[str]  # providers the user asked for by name: their failures are errors
     intent: str
+
+    @property
+    def by_estimate(self) -> bool:
+        """Whether this selection is placed by estimate rather than by priority."""
+        return not self.pinned and self.intent in ESTIMATED_INTENTS and len(self.providers) > 1
 
 
 def _may_offer(provider: ExecutionProvider, kind: DeviceKind) -> bool:

@@ -86,6 +86,22 @@ OPTIONS: dict[str, _Option] = {
         "graph optimisation level: none, basic (fold constants, drop dead nodes) or all (+ fusions)",
     ),
     "strict": _Option(_boolean, False, "raise PlacementError instead of falling back to another provider"),
+    "placement": _Option(
+        _choice("estimate", "priority", "measure"),
+        "estimate",
+        "how device='auto' and the speed policies place nodes: estimate (the fastest assignment the providers' "
+        "costs and measured transfers give), measure (the plan by estimate and the CPU's alone timed on generated "
+        "inputs once, the faster kept; the verdict cached per model, providers, devices and shapes for the "
+        "process) or priority (each node to the highest-priority provider that runs it); provider lists, names, "
+        "devices and strict always place by priority",
+    ),
+    "wait_for_device": _Option(
+        _boolean,
+        False,
+        "with placement by estimate, build the device plan before load returns; when false a session whose "
+        "plan puts nodes on an accelerator serves on the CPU provider until the device plan is built in the "
+        "background and checked equal on the first run's inputs (EPContext restores and exports always wait)",
+    ),
     "disabled_providers": _Option(_names, (), "provider names to ignore, as if not installed"),
     "profiling": _Option(_boolean, False, "record a span per node (Chrome trace JSON via session.profile())"),
     "intra_op_num_threads": _Option(_non_negative_int, 0, "host threads for this session's BLAS calls (0: every usable core other processes leave free)"),

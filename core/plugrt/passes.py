@@ -14,8 +14,8 @@ from ._guard import planned_output_bytes
 from .errors import ModelLimitError
 from .ir_utils import is_constant, subgraphs, tensor_array
 from .loader import map_types_erased
-from .provider import ExecutionProvider, FunctionCapability, Partition, PassesCapability, SupportContext
-from .tracing import span, traced
+from .provider import ExecutionProvider, FunctionCapability, Partition, SupportContext
+from .tracing import traced
 
 __all__ = ["name_nodes", "infer_types", "inline_functions", "expand_unsupported_functions", "fold_constants", "remove_dead_nodes", "optimize"]
 
@@ -254,21 +254,9 @@ def fold_constants(
     return folded
 
 
-#: Node metadata key: the name of the highest-priority provider that claims the node.
+#: Node metadata key: the provider a node is placed on, set after placement for the
+#: providers' own passes (which rewrite only the nodes that name them).
 CLAIMED_BY = "plugrt.claimed_by"
-
-
-def _mark_claims(model: ir.Model, providers: Sequence[ExecutionProvider]) -> None:
-    """Mark each node with the first provider (priority order) that supports it, so a
-    provider's own passes (fusions) only rewrite nodes that will run on that provider."""
-    if len(providers) < 2:
-        return
-    ctx = SupportContext({d or "": v for d, v in model.opset_imports.items()}, model.graph)
-    for node in model.graph:
-        for provider in providers:
-            if _supported(provider, node, ctx):
-                node.meta[CLAIMED_BY] = provider.name
-                break
 
 
 def optimize(
@@ -279,7 +267,9 @@ def optimize(
     *,
     max_fold_bytes: int = 1 << 34,
 ) -> dict[str, int]:
-    """Run the passes of optimisation ``level`` ("none", "basic", "all"); return counts."""
+    """Run the core's passes of optimisation ``level`` ("none", "basic", "all"); return
+    counts. They do not depend on a provider; each provider's own passes run after
+    placement on the nodes placed on it (``plugrt.build``)."""
     stats: dict[str, int] = {}
     if level == "none":
         return stats
@@ -287,17 +277,6 @@ def optimize(
     if fold_provider is not None:
         stats["folded"] = traced("pass:fold_constants", fold_constants, model, fold_provider, max_bytes=max_fold_bytes)
     stats["dead_removed"] = int(traced("pass:remove_dead_nodes", remove_dead_nodes, model))
-    if level == "all":
-        _mark_claims(model, providers)
-        for provider in providers:
-            make = provider.passes if isinstance(provider, PassesCapability) else None
-            if make is None:
-                continue
-            for graph_pass in make(model):
-                with span(f"pass:{type(graph_pass).__name__}", provider=provider.name) as args:
-                    result = graph_pass(model)
-                    args["modified"] = bool(result.modified)
-                stats[type(graph_pass).__name__] = stats.get(type(graph_pass).__name__, 0) + int(result.modified)
     return stats
 
 

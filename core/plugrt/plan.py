@@ -139,12 +139,17 @@ class Plan:
         # per step, whether each of its present inputs is a constant (a parameter), when profiling
         self.parameter_inputs: list[tuple[bool, ...]] = []
         self._constants = constants
+        # which of a session's plans this is, named in its profile's model_run events (a
+        # session that starts on the CPU while its device plan compiles has two)
+        self.label = ""
         self._fn, self._line_to_step, self.source = self._generate(profile)
 
     def profiled(self) -> "Plan":
         """The same steps generated again with the recording lines of a profiled plan (an
         unprofiled plan carries none, so that its runs pay nothing for profiling)."""
-        return Plan(self.inputs, self.outputs, self.steps, self._constants, self.infos, profile=True)
+        plan = Plan(self.inputs, self.outputs, self.steps, self._constants, self.infos, profile=True)
+        plan.label = self.label
+        return plan
 
     @property
     def constants(self) -> dict[ir.Value, Any]:
@@ -270,7 +275,8 @@ class Plan:
         for record in records:
             index, start, end, tid = record[:4]
             if index < 0:
-                events.append(complete_event("model_run", "Session", pid, tid, start, end, origin, {}))
+                args = {"plan": self.label} if self.label else {}
+                events.append(complete_event("model_run", "Session", pid, tid, start, end, origin, args))
                 continue
             info = infos[index]
             events.append(node_event(origin, pid, info.name, info.op_type, info.provider, record, parameters[index]))

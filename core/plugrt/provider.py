@@ -72,6 +72,8 @@ __all__ = [
     "FunctionCapability",
     "AvailabilityCapability",
     "CountersCapability",
+    "CostCapability",
+    "CostContext",
     "CAPABILITIES",
     "CAPABILITY_PROTOCOLS",
     "SUPPORTED_PROTOCOL_VERSIONS",
@@ -150,6 +152,31 @@ class SupportContext:
     def opset(self, domain: str) -> int:
         key = "" if domain in ("", "ai.onnx") else domain
         return self.opset_imports.get(key, 1 if key else 0)
+
+
+@dataclasses.dataclass
+class CostContext(SupportContext):
+    """What a provider may consult when estimating a node's cost: the support context,
+    and the core's work counts and nominal estimate of the node (see ``plugrt.costs``)."""
+
+    def nominal(self, node: "ir.Node") -> float:
+        """The core's estimate, in seconds, of ``node`` on the nominal host (the same on
+        every machine): a kernel call plus the larger of arithmetic and memory traffic."""
+        from ._nominal import nominal_cost
+
+        return nominal_cost(node)
+
+    def flops(self, node: "ir.Node") -> float:
+        """Arithmetic of ``node`` from its inferred shapes (multiply-adds count two)."""
+        from ._nominal import node_flops
+
+        return node_flops(node)
+
+    def bytes(self, node: "ir.Node") -> float:
+        """Bytes ``node`` reads and writes, from its inferred shapes and types."""
+        from ._nominal import node_bytes
+
+        return node_bytes(node)
 
 
 @dataclasses.dataclass
@@ -461,10 +488,14 @@ class ContextCompatibilityCapability(Protocol):
 
 @runtime_checkable
 class PassesCapability(Protocol):
-    """Graph passes the provider runs before placement (optimisation level "all").
+    """Graph passes (the provider's own fusions) run on the nodes placed on it, after
+    placement and before ``compile`` (optimisation level "all").
 
-    ``passes(model)`` returns onnx_ir passes. They must leave alone nodes whose
-    ``meta["plugrt.claimed_by"]`` names a higher-priority provider.
+    ``passes(model)`` returns onnx_ir passes. Every node then carries
+    ``meta["plugrt.claimed_by"]``, the provider it was placed on; the passes must rewrite
+    only nodes that name this provider and mark what they write with it, so that no other
+    provider is ever asked about a node they invented. Rewrites that do not depend on a
+    provider belong in the core's passes (``plugrt.passes``).
     """
 
     def passes(self, model: "ir.Model") -> list: ...
@@ -507,6 +538,35 @@ class CountersCapability(Protocol):
     def counters(self, compiled: CompiledPartition) -> "Mapping[str, int]": ...
 
 
+@runtime_checkable
+class CostCapability(Protocol):
+    """What a node costs on this provider, for placement by estimate (``device="auto"``,
+    ``"max_performance"``, ``"prefer_gpu"``, ``"prefer_npu"``).
+
+    ``estimate_cost(node, ctx)`` returns the seconds ``node`` takes on this provider, or
+    None to state nothing for it (a function of shapes and dtypes: ``node.inputs`` carry
+    the inferred ones; ``ctx`` is a :class:`CostContext` with the core's nominal estimate,
+    arithmetic and bytes of the node). Two optional attributes go with it, or alone:
+
+    - ``relative_costs``: ``{op_type: factor}``, the op's seconds as a multiple of the
+      core's nominal estimate (``"*"``: every other op); used where ``estimate_cost`` is
+      absent or returns None.
+    - ``partition_overhead``: seconds each partition placed on this provider costs
+      (launch, synchronisation, what its boundary prevents); default
+      ``plugrt.costs.DEFAULT_PARTITION_OVERHEAD``.
+    - ``fused_cost(node, producer, ctx)``: seconds ``node`` costs when it and ``producer``
+      (the node making its first input, which only it reads) both run here, e.g. an
+      activation a fusion folds into a convolution; None where no fusion applies. The
+      saving counts only when placement puts both on this provider.
+
+    A node the provider states nothing for costs what the session's fallback provider
+    (the CPU provider) costs: an accelerator wins a node only by what it states, and only
+    where the gain pays for the partition and its transfers (measured by the core).
+    """
+
+    def estimate_cost(self, node: "ir.Node", ctx: CostContext) -> float | None: ...
+
+
 #: The protocol versions this core can load. A provider declares ``protocol_version``
 #: (an int; a provider without one is taken as version 1); any other version is listed by
 #: ``plugrt providers`` with the reason and never loaded.
@@ -522,6 +582,7 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
     "functions": FunctionCapability,
     "availability": AvailabilityCapability,
     "counters": CountersCapability,
+    "costs": CostCapability,
 }
 
 #: Every optional member a provider may implement, with what it is for (the Protocols
@@ -539,10 +600,19 @@ CAPABILITIES: dict[str, str] = {
     "context_source_keys": "tuple[str, ...]: EPContext 'source' values this provider restores (ContextCapability)",
     "check_context": "check_context(meta) -> Support: a saved context fits (ContextCompatibilityCapability)",
     "sdk_version": "str: written as ep_sdk_version in exported EPContext nodes",
-    "passes": "passes(model) -> onnx_ir passes run before placement at optimization='all' (PassesCapability)",
+    "passes": "passes(model) -> onnx_ir passes run on the nodes placed on the provider, after placement, at "
+    "optimization='all' (PassesCapability)",
     "supports_function": "supports_function(domain, name, ctx) -> Support (FunctionCapability)",
     "counters": "counters(compiled) -> {name: int}: kernel-cache, control-flow counters for Session.stats() "
     "(CountersCapability)",
+    "estimate_cost": "estimate_cost(node, ctx: CostContext) -> float | None: seconds the node takes here, for "
+    "placement by estimate (CostCapability)",
+    "relative_costs": "{op_type: factor}: seconds as a multiple of the core's nominal estimate ('*': other ops) "
+    "(CostCapability)",
+    "partition_overhead": "float: seconds each partition on this provider costs (default "
+    "plugrt.costs.DEFAULT_PARTITION_OVERHEAD) (CostCapability)",
+    "fused_cost": "fused_cost(node, producer, ctx) -> float | None: seconds the node costs after producer when "
+    "both run here (a fusion's epilogue) (CostCapability)",
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -15,10 +17,11 @@ from .epcontext import export_context_model
 from .errors import InvalidInputError
 from .intent import Selection, resolve_device
 from .introspection import SessionIntrospection
+from .joining import DeviceJoin, JoinStatus
 from .loader import ModelSource, load_model
 from .options import SessionOptions, parse_options
 from .prepare import context_export_path, load_limits, prepare_model
-from .provider import NotCapturable, memory_of
+from .provider import ExecutionProvider, NotCapturable, memory_of
 from .registry import ProviderRegistry, default_registry
 from .signature import InputSignature, ModelMetadata, TensorInfo, input_specs, model_metadata, tensor_info
 from .stats import session_stats
@@ -68,17 +71,27 @@ class Session(SessionIntrospection, ProfiledSession):
         self.metadata: ModelMetadata = model_metadata(self._model)
 
         prepared = prepare_model(self._model, self.selection, registry, self.options, loaded.base_dir)
-        self.optimization_stats = prepared.optimization_stats
+        self.optimization_stats = dict(prepared.optimization_stats)
         chosen = self.selection.providers
         self._spaces = MemorySpaces([m for m in map(memory_of, chosen) if m is not None])
         self._opsets = prepared.opsets
         self.weights: WeightStore | None = share_initializers(self._model, self.options["weights"])
         self._runs = 0  # plan runs, for stats()
+        self._switch_lock = threading.Lock()
+        self._retired_plans: list = []  # plans run before a switch to the device plan (their profiles)
+        self._join: DeviceJoin | None = None
+        self._built: BuiltGraph
         with tensor_limit(self.options["limits.tensor_bytes"]):  # kernel outputs above it are refused
-            self._built: BuiltGraph = self._build_plan(
-                strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
-            )
+            if self._measures(prepared):
+                self._built = self._measured_build(model, prepared)
+            elif self._joins_later(prepared):
+                self._built = self._start_on_the_fallback(prepared)
+            else:
+                self._built = self._build_plan(
+                    strict=self.options["strict"], pinned=self.selection.pinned, restored=prepared.restored
+                )
         self._plan = self._built.plan
+        self.optimization_stats.update(self._built.pass_stats)
         specs = input_specs(self.inputs, self._model.graph.inputs, self._built.input_homes)
         self._signature = InputSignature(specs, self._spaces)
         self._output_names = [info.name for info in self.outputs]
@@ -89,18 +102,175 @@ class Session(SessionIntrospection, ProfiledSession):
             self.context_model_path = self._export_context()
         self.build_seconds = time.perf_counter() - started
 
-    def _build_plan(self, **how: Any) -> BuiltGraph:
+    def _build_plan(
+        self,
+        *,
+        providers: Sequence[ExecutionProvider] | None = None,
+        model: Any = None,
+        opsets: dict[str, int] | None = None,
+        **how: Any,
+    ) -> BuiltGraph:
+        from .costs import CostModel
+        from .provider import CostContext
+
+        model = self._model if model is None else model
+        providers = list(self.selection.providers if providers is None else providers)
+        opsets = self._opsets if opsets is None else opsets
+        costs = CostModel(providers, CostContext(dict(opsets), model.graph))
         with building(self.weights):  # providers' prepared weights are shared through the store
             return build_graph(
-                self._model.graph,
-                self.selection.providers,
-                self._opsets,
+                model.graph,
+                providers,
+                opsets,
                 registry=self.registry,
                 profile=self.profiling,  # profiling=True, or start_profiling() before a rebuild
                 devices=self.selection.devices,
                 spaces=self._spaces,
+                costs=costs,
+                by_estimate=self._by_estimate and len(providers) > 1,
+                # the providers' own fusions run on the nodes placed on them
+                passes_model=model if self.options["optimization"] == "all" else None,
                 **how,
             )
+
+    @property
+    def _by_estimate(self) -> bool:
+        return self.selection.by_estimate and self.options["placement"] in ("estimate", "measure")
+
+    # -- placement="measure" ----------------------------------------------------------------
+
+    def _measures(self, prepared: Any) -> bool:
+        options = self.options
+        return (
+            options["placement"] == "measure"
+            and self.selection.by_estimate
+            and not options["strict"]
+            and not prepared.restored
+        )
+
+    def _measured_build(self, source: Any, prepared: Any) -> BuiltGraph:
+        """The faster of the plan by estimate and the fallback's alone, timed on generated
+        inputs once per (model, providers, devices, shapes) (``plugrt.calibration``)."""
+        import dataclasses
+
+        from . import calibration
+        from .warmup import warmup_feeds
+
+        providers = self.selection.providers
+        fallback = providers[-1]
+        feeds = warmup_feeds(self.inputs, {}, self.options["limits.tensor_bytes"])
+        shapes = {name: tuple(getattr(value, "shape", ())) for name, value in feeds.items()}
+        key = calibration.verdict_key(
+            source, [p.name for p in providers], [str(self.selection.devices[p.name]) for p in providers], shapes
+        )
+        candidates = {"by estimate": list(providers), f"all on {fallback.name}": [fallback]}
+        cached = calibration.VERDICTS.get(key) if key is not None else None
+        if cached is not None:
+            candidates = {cached[0]: candidates[cached[0]]}
+        results: list[tuple[float, str, BuiltGraph, Any, dict[str, int], list]] = []
+        for label, chosen in candidates.items():
+            model, opsets = (self._model.clone(), dict(self._opsets)) if len(candidates) > 1 else (self._model, self._opsets)
+            built = self._build_plan(providers=chosen, model=model, opsets=opsets)
+            args = InputSignature(input_specs(self.inputs, model.graph.inputs, built.input_homes), self._spaces).arguments(feeds)
+            seconds = calibration.time_runs(functools.partial(built.plan.run, *args)) if cached is None else 0.0
+            results.append((seconds, label, built, model, opsets, args))
+        measured: tuple[tuple[str, float], ...]
+        if cached is None:
+            measured = tuple((label, seconds) for seconds, label, *_ in results)
+            best = min(results, key=lambda r: r[0])
+            if key is not None:
+                calibration.VERDICTS[key] = (best[1], measured)
+        else:
+            measured, best = cached[1], results[0]
+        _, label, built, model, opsets, args = best
+        self._model, self._opsets = model, opsets
+        times = calibration.partition_times(built, args)
+        report = built.report
+        report.partitions = [dataclasses.replace(p, measured_s=t) for p, t in zip(report.partitions, times)]
+        report.estimate = dataclasses.replace(report.estimate, strategy="measure", measured=measured)
+        return built
+
+    # -- an accelerator that joins when ready ----------------------------------------------
+
+    def _joins_later(self, prepared: Any) -> bool:
+        """Whether this session starts on its fallback while its device plan builds: placed
+        by estimate, the estimate gives an accelerator nodes, and nothing needs the device
+        plan at once (``wait_for_device``, strict, an EPContext export or restore)."""
+        options = self.options
+        if options["wait_for_device"] or options["strict"] or options["ep.context_enable"] or prepared.restored:
+            return False
+        if not self._by_estimate:
+            return False
+        from .costs import CostModel
+        from .placement import assign, assign_by_estimate
+        from .provider import CostContext, SupportContext
+
+        providers = self.selection.providers
+        graph = self._model.graph
+        try:  # the fallback must be able to run everything alone, and the estimate must want more
+            assign(list(graph), providers[-1:], SupportContext(dict(self._opsets), graph))
+            placed, _, _ = assign_by_estimate(
+                list(graph), providers, SupportContext(dict(self._opsets), graph),
+                CostModel(providers, CostContext(dict(self._opsets), graph)), graph.outputs,
+            )
+        except Exception:  # the build proper says what is wrong
+            return False
+        return any(name != providers[-1].name for name in placed)
+
+    def _start_on_the_fallback(self, prepared: Any) -> BuiltGraph:
+        """Start building the device plan on a copy of the model in the background, and
+        build the plan of the fallback provider alone; the device plan is used at once
+        when it was built first, else it joins when built and checked."""
+        fallback = self.selection.providers[-1]
+        device_model = self._model.clone()
+        device_opsets = dict(self._opsets)
+        limit = self.options["limits.tensor_bytes"]
+
+        def build() -> tuple[BuiltGraph, Any]:
+            with tensor_limit(limit):
+                built = self._build_plan(model=device_model, opsets=device_opsets)
+            used = [p.name for p in self.selection.providers if built.report.nodes_per_provider.get(p.name)]
+            built.plan.label = "+".join(used)
+            return built, device_model
+
+        started = time.perf_counter()
+        join = DeviceJoin(build, self._switch_plan, self._spaces, fallback.name)
+        self._join = join
+        built = self._build_plan(providers=[fallback], restored=prepared.restored)
+        built.plan.label = fallback.name
+        # half as long again for the device plan: an accelerator that compiles about as fast
+        # as the CPU provider serves from the first run; a slow one joins when it is ready
+        join.done.wait((time.perf_counter() - started) / 2)
+        early = join.fallback_ready()
+        if early is not None:  # the device plan was built first: the fallback's is not needed
+            built, self._model = early
+            self._opsets = device_opsets
+        return built
+
+    def _switch_plan(self, built: BuiltGraph, model: Any) -> int:
+        """Serve from ``built`` (the checked device plan) from the next run on; returns that run's number."""
+        with self._switch_lock:
+            if self._trace is not None and built.plan.profile_records is None:
+                built.plan = built.plan.profiled()  # start_profiling() was called meanwhile
+            self._retired_plans.append(self._plan)
+            specs = input_specs(self.inputs, model.graph.inputs, built.input_homes)
+            self._signature = InputSignature(specs, self._spaces)
+            self._model, self._built, self._plan = model, built, built.plan
+            self.optimization_stats.update(built.pass_stats)
+            if self._trace is not None:
+                self._trace.instant("plan_switch", to=built.plan.label, after_runs=self._runs)
+            return self._runs + 1
+
+    @property
+    def device_join(self) -> JoinStatus | None:
+        """Where the device plan of a session that started on the CPU stands (None when the
+        session was built on its final plan): compiling, checking, switched or kept."""
+        return self._join.status if self._join is not None else None
+
+    def wait_for_device_plan(self, timeout: float | None = None) -> JoinStatus | None:
+        """Block until the device plan is switched in or kept out (at most ``timeout``
+        seconds); the status, or None for a session built on its final plan."""
+        return self._join.wait(timeout) if self._join is not None else None
 
     def _export_context(self) -> str:
         path = context_export_path(self.options, self.model_path)
@@ -118,6 +288,7 @@ class Session(SessionIntrospection, ProfiledSession):
         clone._plan = clone._built.plan
         clone._signature = InputSignature(self._signature.specs, self._spaces)
         clone._captures = CaptureSlots(self._trace)
+        clone._join = None  # the original's device plan would switch the original in
         return clone
 
     @property
@@ -165,7 +336,11 @@ class Session(SessionIntrospection, ProfiledSession):
         begin_run(self._intra_op_threads)
         self._runs += 1
         args = self._signature.arguments(feeds)
-        return args, self._plan.run(*protect_inputs(args))
+        values = self._plan.run(*protect_inputs(args))
+        join = self._join
+        if join is not None and join.wants_sample:
+            join.record(args, values)  # what the device plan is checked on before it serves
+        return args, values
 
     def _output_index_of(self, name: str) -> int:
         try:

@@ -362,6 +362,7 @@ class ProfiledSession:
     _plan: Any  # the session's Plan (plan.py imports this module)
     _built: Any  # the session's BuiltGraph, which holds the plan too
     _captures: Any  # the session's CaptureSlots
+    _retired_plans: Any = ()  # plans the session ran before it switched to its device plan
 
     @property
     def profiling(self) -> bool:
@@ -387,7 +388,9 @@ class ProfiledSession:
         recorder = self._trace
         if recorder is None:
             raise OptionError(PROFILING_OFF, key="profiling")
-        events = list(recorder.events) + self._plan.chrome_trace(recorder.origin)
+        events = list(recorder.events)
+        for plan in [*self._retired_plans, self._plan]:  # a plan switched out keeps its runs
+            events += plan.chrome_trace(recorder.origin)
         if recorder.tracer is not None:
             _export_runs(recorder, self._plan)
         events.sort(key=lambda e: e["ts"])

@@ -54,7 +54,7 @@ def test_provider_whose_supports_op_raises_falls_back_with_the_reason(monkeypatc
 
 def test_provider_whose_compile_raises_falls_back_with_the_reason(monkeypatch):
     registry = _registry(monkeypatch, "failing_compile")
-    session = plugrt.load(NEG_ADD, registry=registry)
+    session = plugrt.load(NEG_ADD, registry=registry, wait_for_device=True)
     _runs_on_cpu_alone(session)
     (fallback,) = [fb for fb in session.placement.fallbacks if fb.declined_by == "fakeaccel"]
     assert fallback.op_type == "Neg" and "compiler exploded" in fallback.reason and fallback.placed_on == "cpu"
@@ -130,7 +130,7 @@ def test_strict_placement_turns_fallback_into_an_error(monkeypatch):
 
 def test_placement_report_lists_partitions_and_fallbacks(monkeypatch):
     registry = _registry(monkeypatch, "good")
-    session = plugrt.load(NEG_ADD, registry=registry)
+    session = plugrt.load(NEG_ADD, registry=registry, wait_for_device=True)
     report = session.placement
     assert [(p.provider, p.nodes) for p in report.partitions] == [("fakeaccel", 1), ("cpu", 1)]
     assert "fakeaccel only runs Neg, not Add" in report.summary()

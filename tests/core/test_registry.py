@@ -32,7 +32,7 @@ def test_provider_from_a_faked_distribution_is_discovered(monkeypatch):
     registry = ProviderRegistry()
     names = list(registry.providers())
     assert names.index("fakeaccel") < names.index("cpu")  # priority order
-    session = plugrt.load(NEG_ADD, registry=registry)
+    session = plugrt.load(NEG_ADD, registry=registry, wait_for_device=True)
     assert session.providers == ["fakeaccel", "cpu"]
     assert session.placement.nodes_per_provider == {"fakeaccel": 1, "cpu": 1}
     out = session.run({"x": np.array([1, 2, 3], np.float32)})["y"]

@@ -9,10 +9,13 @@ from plugrt.provider import CompiledPartition, Device, DeviceKind, Step, Support
 
 
 class _Neg:
-    """Claims Neg only; ``kernel`` is what it runs (numpy's negative unless overridden)."""
+    """Claims Neg only; ``kernel`` is what it runs (numpy's negative unless overridden).
+    It states its Neg and partitions free, so placement by estimate gives it the Neg."""
 
     name = "careless"
     priority = 50
+    relative_costs = {"Neg": 0.0}
+    partition_overhead = 0.0
 
     def __init__(self, kernel=np.negative, *, garbage=None):
         self.kernel = kernel

@@ -22,7 +22,7 @@ def _registry(monkeypatch, plugin: str, name: str = "careless") -> ProviderRegis
 
 @pytest.mark.parametrize("plugin", ["garbage_compile", "garbage_steps"])
 def test_compile_returning_garbage_falls_back_to_cpu_with_the_reason(monkeypatch, plugin):
-    session = plugrt.load(NEG_ADD, registry=_registry(monkeypatch, plugin))
+    session = plugrt.load(NEG_ADD, registry=_registry(monkeypatch, plugin), wait_for_device=True)
     np.testing.assert_array_equal(session.run({"x": X})["y"], np.zeros(3, np.float32))
     assert session.placement.nodes_per_provider == {"cpu": 2}
     (fallback,) = [fb for fb in session.placement.fallbacks if fb.declined_by == "careless"]
@@ -31,7 +31,7 @@ def test_compile_returning_garbage_falls_back_to_cpu_with_the_reason(monkeypatch
 
 @pytest.mark.parametrize("plugin, problem", [("wrong_dtype", "dtype float64"), ("wrong_shape", "shape [1]")])
 def test_output_contradicting_its_declared_type_is_a_kernel_error_naming_provider_and_node(monkeypatch, plugin, problem):
-    session = plugrt.load(NEG_ADD, registry=_registry(monkeypatch, plugin))
+    session = plugrt.load(NEG_ADD, registry=_registry(monkeypatch, plugin), wait_for_device=True)
     assert session.placement.nodes_per_provider.get("careless") == 1
     with pytest.raises(KernelError) as info:
         session.run({"x": X})
@@ -40,7 +40,7 @@ def test_output_contradicting_its_declared_type_is_a_kernel_error_naming_provide
 
 
 def test_kernel_writing_into_its_input_cannot_change_the_callers_array(monkeypatch):
-    session = plugrt.load(NEG_ADD, registry=_registry(monkeypatch, "writes_into_input"))
+    session = plugrt.load(NEG_ADD, registry=_registry(monkeypatch, "writes_into_input"), wait_for_device=True)
     x = X.copy()
     with pytest.raises(KernelError) as info:
         session.run({"x": x})

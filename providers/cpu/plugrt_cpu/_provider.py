@@ -89,6 +89,12 @@ class SubgraphRunner:
         return self._plan.run(*inputs, *[outer[name] for name in self.outer_names])
 
 
+#: Ops the CPU fusions fold into the Conv, MatMul or BatchNormalization before them (an
+#: epilogue: no pass of their own over memory), for placement by estimate.
+_EPILOGUES = frozenset({"Relu", "Add", "Mul", "BatchNormalization"})
+_FUSED_INTO = frozenset({"Conv", "MatMul", "BatchNormalization"})
+
+
 class CPUProvider:
     """numpy kernels; the fallback for every other provider."""
 
@@ -96,6 +102,8 @@ class CPUProvider:
     priority = 0
     memory = "host"
     device_kinds = (DeviceKind.CPU,)
+    # a CPU partition is more steps of the same plan: nothing to enter or leave
+    partition_overhead = 0.0
 
     def devices(self) -> list[Device]:
         return [Device(DeviceKind.CPU, 0, _cpu_name())]
@@ -114,8 +122,17 @@ class CPUProvider:
             )
         return Support.no(f"the CPU provider has no kernel for {domain}::{node.op_type}")
 
+    def fused_cost(self, node: ir.Node, producer: ir.Node, ctx: protocol.CostContext) -> float | None:
+        """What ``node`` costs when it runs here right after ``producer`` (the only reader
+        of its output): a Relu, bias Add, Mul or BatchNormalization after a Conv, MatMul or
+        BatchNormalization is folded into it by the fusions, a call and no pass over memory."""
+        if node.op_type in _EPILOGUES and producer.op_type in _FUSED_INTO:
+            return 0.0
+        return None
+
     def passes(self, model: ir.Model) -> list:
-        """The CPU fusions (onnx_ir passes), run at optimisation level "all" before placement.
+        """The CPU fusions (onnx_ir passes), run at optimisation level "all" after placement,
+        on the nodes placed on this provider.
 
         Importing ``fusions`` registers the kernels of the ``plugrt.cpu`` nodes they write.
         """

@@ -1,8 +1,9 @@
 """The CPU provider's fusions: onnx_ir passes that merge node patterns into one step each.
 
-``CPUProvider.passes`` returns :func:`fusion_passes`; ``plugrt.passes.optimize`` runs them
-at optimisation level "all", after constant folding and before placement, so a session
-built at "none" or "basic" never sees a fused node. The nodes they write live in the
+``CPUProvider.passes`` returns :func:`fusion_passes`; ``plugrt.build`` runs them at
+optimisation level "all", after placement, on the nodes placed on the CPU provider, so no
+other provider is ever asked about a fused node, and a session built at "none" or
+"basic" never sees one. The nodes they write live in the
 private domain ``plugrt.cpu`` (version 1, added to the model's opset imports by the pass
 that writes one); their kernels are registered at the end of this module and reuse the
 standard kernels (Conv from kernels/conv.py, BatchNormalization's per-channel affine pass,
@@ -10,7 +11,7 @@ LayerNormalization, Gelu).
 
 Every pass fuses only where each intermediate value is read by the next node of the
 pattern alone and is not a graph output, so no value anyone else can see disappears, and
-only nodes no higher-priority provider claims (``node.meta[plugrt.passes.CLAIMED_BY]``).
+only nodes placed on the CPU provider (``node.meta[plugrt.passes.CLAIMED_BY]``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def fusion_passes() -> list[InPlacePass]:
 
 
 def _ours(node: ir.Node) -> bool:
-    """Whether the CPU provider will run ``node`` (no higher-priority provider claims it)."""
+    """Whether ``node`` is placed on the CPU provider (unmarked: nothing else to run it)."""
     return node.meta.get(CLAIMED_BY, PROVIDER_NAME) == PROVIDER_NAME
 
 

@@ -107,6 +107,17 @@ class CUDAProvider:
 
     # -- placement ---------------------------------------------------------------------
 
+    #: Seconds a partition costs here (placement by estimate): a synchronisation with the
+    #: host at its end, and the launches of its first kernels.
+    partition_overhead = 30e-6
+
+    def estimate_cost(self, node: ir.Node, ctx: Any) -> float:
+        """Seconds for ``node`` (placement by estimate, ``device="auto"``): a kernel launch,
+        then its arithmetic and memory traffic at the rates of a modest GPU (10 TFLOP/s,
+        500 GB/s), so that only work big enough to pay for its transfers comes here."""
+        return 10e-6 + ctx.flops(node) / 10e12 + ctx.bytes(node) / 500e9
+
+
     def supports_op(self, node: ir.Node, ctx: SupportContext) -> Support:
         from plugrt.ir_utils import constant_array
 
