@@ -9,13 +9,13 @@ import numpy as np
 
 from ._dtypes import numpy_dtype
 from .bindings import DeviceBinding
-from .errors import InvalidInputError, NotSupportedError, ProviderUnavailableError, RunTerminatedError
+from .errors import ConfigEntryMissingError, InvalidInputError, NotSupportedError, ProviderUnavailableError, RunTerminatedError
 from .provider import MemoryCapability, memory_of
 
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["OrtValue", "IOBinding", "RunOptions", "guarded_run"]
+__all__ = ["OrtValue", "OrtValueVector", "IOBinding", "RunOptions", "guarded_run"]
 
 #: onnxruntime's device names and the plugrt providers whose memory they mean.
 _DEVICE_PROVIDERS = {"cuda": "cuda", "gpu": "cuda"}
@@ -181,6 +181,22 @@ class OrtValue:
             device=self._memory.default_device, memory=self._memory,
         )
 
+    @classmethod
+    def ortvalue_from_numpy_with_onnx_type(cls, data: np.ndarray, /, onnx_element_type: int) -> "OrtValue":
+        """Wrap ``data`` (no copy) as a tensor of ONNX element type ``onnx_element_type``,
+        reinterpreting its bytes when the types differ in name only (e.g. uint16 as bfloat16)."""
+        dtype = _element_dtype(int(onnx_element_type))
+        array = np.asarray(data)
+        if array.dtype != dtype:
+            if array.dtype.itemsize != dtype.itemsize:
+                raise InvalidInputError(f"a {array.dtype} array cannot hold ONNX element type {onnx_element_type} ({dtype})")
+            array = array.view(dtype)
+        return cls(array)
+
+    def _get_c_value(self) -> "OrtValue":
+        """onnxruntime's native value behind this one; plugrt has one object for both."""
+        return self
+
     def __getattr__(self, name: str) -> Any:
         raise NotSupportedError(
             f"OrtValue.{name}", "plugrt OrtValues hold dense tensors; use numpy() for the array"
@@ -188,6 +204,10 @@ class OrtValue:
 
     def __repr__(self) -> str:
         return f"OrtValue({self.data_type()}, shape={self.shape()}, device={self._device!r})"
+
+
+class OrtValueVector(list):
+    """A list of OrtValues (what onnxruntime's native ``run_with_ort_values`` returns)."""
 
 
 def host_value(value: Any) -> Any:
@@ -225,8 +245,7 @@ class RunOptions:
         try:
             return self._configs[key]
         except KeyError:
-            # onnxruntime raises RuntimeError here; a KeyError with its message is kinder
-            raise InvalidInputError(f"RunOptions does not have configuration with key: {key}") from None
+            raise ConfigEntryMissingError("RunOptions", key) from None
 
     def add_active_adapter(self, adapter: Any) -> None:
         raise NotSupportedError("RunOptions.add_active_adapter", "plugrt has no LoRA adapters; merge them into the model")
@@ -270,8 +289,9 @@ class IOBinding:
     """Inputs and outputs bound to memory for ``run_with_iobinding``: host arrays without a
     copy, device values (OrtValues on a device) left on the device."""
 
-    def __init__(self, session: "Session") -> None:
-        self._session = session
+    def __init__(self, session: Any) -> None:
+        # an InferenceSession (as optimum constructs it) or a plugrt Session
+        self._session: "Session" = getattr(session, "session", session)
         self._inputs: dict[str, DeviceBinding] = {}
         self._outputs: dict[str, tuple[str, DeviceBinding | None]] = {}  # name -> (device, binding)
         self._results: list[OrtValue] = []

@@ -25,8 +25,19 @@ import time
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from ._ort_values import IOBinding, OrtValue, RunOptions, guarded_run, host_value
-from .errors import KernelError, NotSupportedError, OptionError, ProviderUnavailableError, UnknownOptionError
+from .errors import (
+    ConfigEntryMissingError,
+    ConfigEntryRequiredError,
+    KernelError,
+    MissingInputError,
+    NotSupportedError,
+    OptionError,
+    ProviderUnavailableError,
+    UnknownOptionError,
+)
 from .options import OPTIONS
 from .session import Session, TensorInfo
 from .weights import WeightStore
@@ -56,6 +67,24 @@ _ORT_NAMES = {
     "TensorrtExecutionProvider": "cuda",
 }
 _PLUGRT_TO_ORT = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+#: Every provider name onnxruntime knows, highest default priority first (as its
+#: ``get_all_providers()`` lists them); plugrt runs those its installed providers stand for.
+ORT_PROVIDER_NAMES = (
+    "TensorrtExecutionProvider", "CUDAExecutionProvider", "MIGraphXExecutionProvider", "ROCMExecutionProvider",
+    "OpenVINOExecutionProvider", "DnnlExecutionProvider", "TvmExecutionProvider", "VitisAIExecutionProvider",
+    "QNNExecutionProvider", "NnapiExecutionProvider", "VSINPUExecutionProvider", "JsExecutionProvider",
+    "CoreMLExecutionProvider", "ArmNNExecutionProvider", "ACLExecutionProvider", "DmlExecutionProvider",
+    "RknpuExecutionProvider", "WebNNExecutionProvider", "WebGpuExecutionProvider", "XnnpackExecutionProvider",
+    "CANNExecutionProvider", "AzureExecutionProvider", "CPUExecutionProvider",
+)
+
+#: Set by plugrt.install_as_onnxruntime(): standing in, plugrt takes what onnxruntime takes
+#: where plugrt's own API is stricter on purpose (an unknown config key warns, not raises).
+_STANDING_IN = False
+
+#: The model metadata key holding an onnxruntime config (read when ORT_LOAD_CONFIG_FROM_MODEL=1).
+_ORT_CONFIG_KEY = "ort_config"
 
 
 class GraphOptimizationLevel(enum.IntEnum):
@@ -137,8 +166,6 @@ _LOG_LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging
 #: onnxruntime APIs plugrt does not offer, and what to use instead.
 _ALTERNATIVES = {
     "register_custom_ops_library": "write an execution provider package (docs/writing-a-provider.md)",
-    "add_free_dimension_override_by_name": "pass inputs of the size you want: symbolic dims bind per run",
-    "add_free_dimension_override_by_denotation": "pass inputs of the size you want: symbolic dims bind per run",
     "add_provider_for_devices": "pass providers=[...] or plugrt.load(model, device=...)",
     "set_provider_selection_policy": "plugrt.load(model, device='prefer_gpu') (or another policy)",
     "release_captured_graph": "session.session.reset() drops the capture",
@@ -173,6 +200,16 @@ class SessionOptions:
         self.use_per_session_threads = True
         self._configs: dict[str, str] = {}
         self._weights: WeightStore | None = None
+        self._free_dims_by_name: dict[str, int] = {}
+        self._free_dims_by_denotation: dict[str, int] = {}
+
+    def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
+        """Fix the symbolic dimension ``dim_name`` to ``dim_value`` in the model's inputs."""
+        self._free_dims_by_name[str(dim_name)] = int(dim_value)
+
+    def add_free_dimension_override_by_denotation(self, dim_denotation: str, dim_value: int) -> None:
+        """Fix every input dimension denoted ``dim_denotation`` (e.g. DATA_BATCH) to ``dim_value``."""
+        self._free_dims_by_denotation[str(dim_denotation)] = int(dim_value)
 
     def add_initializer(self, name: str, value: Any) -> None:
         """Use ``value`` (an OrtValue or a numpy array, kept without a copy) for the model's
@@ -190,6 +227,10 @@ class SessionOptions:
     def add_session_config_entry(self, key: str, value: str) -> None:
         """Set an onnxruntime config key or a plugrt option; an unknown key raises now."""
         if key not in MAPPED_CONFIG_KEYS and key not in IGNORED_CONFIG_KEYS and key not in OPTIONS:
+            if _STANDING_IN:  # onnxruntime's clients set keys of newer releases freely
+                warnings.warn(f"session config key {key!r} is unknown to plugrt; it is kept and has no effect", stacklevel=2)
+                self._configs[key] = str(value)
+                return
             raise UnknownOptionError(
                 key,
                 [*MAPPED_CONFIG_KEYS, *IGNORED_CONFIG_KEYS, *OPTIONS],
@@ -202,7 +243,7 @@ class SessionOptions:
         try:
             return self._configs[key]
         except KeyError:
-            raise OptionError(f"SessionOptions does not have configuration with key: {key}", key=key) from None
+            raise ConfigEntryMissingError("SessionOptions", key) from None
 
     def has_providers(self) -> bool:
         return False
@@ -216,7 +257,7 @@ class SessionOptions:
             "intra_op_num_threads": int(self.intra_op_num_threads),
         }
         for key, value in self._configs.items():
-            if key in IGNORED_CONFIG_KEYS:
+            if key in IGNORED_CONFIG_KEYS or (key not in MAPPED_CONFIG_KEYS and key not in OPTIONS):
                 continue
             options[MAPPED_CONFIG_KEYS.get(key, key)] = value
         if self._weights is not None:
@@ -301,6 +342,13 @@ def _available_names() -> dict[str, str]:
     return names
 
 
+def _installed(name: str) -> bool:
+    """Whether a plugrt provider of that name is installed (available or not)."""
+    from .registry import default_registry
+
+    return name in default_registry().providers()
+
+
 def _resolve_providers(entries: list[tuple[str, dict]], strict: bool) -> list[str] | None:
     """The plugrt providers for onnxruntime-style entries: an unavailable one warns and is
     skipped (as onnxruntime does) unless ``strict``; none left raises."""
@@ -310,6 +358,17 @@ def _resolve_providers(entries: list[tuple[str, dict]], strict: bool) -> list[st
     chosen = []
     for name, _ in entries:
         plugrt_name = _ORT_NAMES.get(name, name)
+        if name not in ORT_PROVIDER_NAMES and name not in available and not _installed(plugrt_name):
+            # as onnxruntime: a warning for the name, then an error, since no provider has it
+            warnings.warn(
+                f"Specified provider '{name}' is not in available provider names. "
+                f"Available providers: '{', '.join(get_available_providers())}'",
+                stacklevel=4,
+            )
+            raise ProviderUnavailableError(
+                name, f"Unknown Provider Type: {name}",
+                hint=f"onnxruntime's names are in plugrt.ort.ORT_PROVIDER_NAMES; available: {', '.join(get_available_providers())}",
+            )
         if available.get(name) or available.get(plugrt_name):
             chosen.append(available.get(name) or available[plugrt_name])
             continue
@@ -364,10 +423,17 @@ class InferenceSession:
                 what="InferenceSession keyword",
                 listed_in="InferenceSession's signature and plugrt.options.OPTIONS",
             )
-        self._model = path_or_bytes
+        # what onnxruntime's own InferenceSession keeps, and clients read (optimum: _model_path)
+        is_path = isinstance(path_or_bytes, (str, os.PathLike))
+        self._model_path: str | None = str(os.fspath(path_or_bytes)) if is_path else None  # type: ignore[arg-type]
+        self._model_bytes: bytes | None = None if is_path else bytes(path_or_bytes)  # type: ignore[arg-type]
+        if os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1":
+            sess_options = _options_from_model(path_or_bytes, sess_options)
         self._sess_options = sess_options
+        self._model: Any = _with_free_dimensions(path_or_bytes, sess_options)
         self._options = sess_options.to_options() if sess_options is not None else {}
         self._options.update(kwargs)
+        self._sess = _NativeSession(self)
         self._build(providers, provider_options)
 
     def _build(self, providers: Any, provider_options: Sequence[Mapping[str, Any]] | None) -> None:
@@ -397,7 +463,14 @@ class InferenceSession:
 
         # the graph after the optimisation passes, before placement; at level "all" it may
         # hold fused com.microsoft ops, as onnxruntime's own optimised files do
-        ir.save(self._session.model, os.fspath(path))
+        configs = self._sess_options._configs if self._sess_options is not None else {}
+        data_file = configs.get("session.optimized_model_external_initializers_file_name")
+        if not data_file:
+            ir.save(self._session.model, os.fspath(path))
+            return
+        # initializers of at least min_size bytes go to data_file, beside the model (as onnxruntime)
+        threshold = int(configs.get("session.optimized_model_external_initializers_min_size_in_bytes", "1024"))
+        ir.save(self._session.model, os.fspath(path), external_data=data_file, size_threshold_bytes=threshold)
 
     @property
     def session(self) -> Session:
@@ -407,7 +480,9 @@ class InferenceSession:
     # -- running -----------------------------------------------------------------------
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: RunOptions | None = None) -> list:
-        feeds = {name: host_value(value) for name, value in input_feed.items()}
+        self._check_required(input_feed)
+        strings = self._string_inputs
+        feeds = {name: _as_strings(value) if name in strings else host_value(value) for name, value in input_feed.items()}
         try:
             return guarded_run(run_options, lambda: self._session.run_list(output_names, feeds))
         except KernelError as exc:
@@ -423,6 +498,17 @@ class InferenceSession:
             self._build([self._session.providers[-1]], None)
             self._enable_fallback = False
             return guarded_run(run_options, lambda: self._session.run_list(output_names, feeds))
+
+    @property
+    def _string_inputs(self) -> frozenset[str]:
+        return frozenset(i.name for i in self._session.inputs if i.type_string == "tensor(string)")
+
+    def _check_required(self, input_feed: Mapping[str, Any]) -> None:
+        """onnxruntime's check before a run: every input without a default is fed."""
+        required = [i.name for i in self.get_inputs() if not i.type.startswith("optional(")]
+        missing = [name for name in required if name not in input_feed]
+        if missing:
+            raise MissingInputError(missing[0], required, missing=missing, fed=list(input_feed))
 
     def run_with_ort_values(
         self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, OrtValue], run_options: RunOptions | None = None
@@ -472,6 +558,36 @@ class InferenceSession:
     def get_overridable_initializers(self) -> list[NodeArg]:
         initializers = {v.name for v in self._session.model.graph.inputs if v.const_value is not None}
         return [_node_arg(i) for i in self._session.inputs if i.name in initializers]
+
+    def get_input_memory_infos(self) -> list[Any]:
+        """Where each input is read from (plugrt: host memory, or the provider's that reads it)."""
+        return [self._memory_info(i.name, True) for i in self.get_inputs()]
+
+    def get_output_memory_infos(self) -> list[Any]:
+        return [self._memory_info(o.name, False) for o in self.get_outputs()]
+
+    def get_input_epdevices(self) -> list[Any]:
+        """One entry per input; None: plugrt does not expose onnxruntime's EP devices."""
+        return [None for _ in self.get_inputs()]
+
+    def _memory_info(self, name: str, is_input: bool) -> Any:
+        from ._ort_env import OrtAllocatorType, OrtMemoryInfo, OrtMemType
+
+        return OrtMemoryInfo("Cpu", OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, OrtMemType.DEFAULT)
+
+    def get_provider_graph_assignment_info(self) -> list["EpAssignedSubgraph"]:
+        """The nodes each provider runs, one entry per node (as onnxruntime's CPU provider
+        reports them); needs ``session.record_ep_graph_assignment_info`` set to "1"."""
+        configs = self._sess_options._configs if self._sess_options is not None else {}
+        if configs.get("session.record_ep_graph_assignment_info") != "1":
+            raise ConfigEntryRequiredError("session.record_ep_graph_assignment_info", "1", "get the provider graph assignment info")
+        by_name = {p.name: p.provider for p in self._session.placement.partitions}
+        result = []
+        for compiled in self._session.compiled_partitions:
+            provider = by_name.get(compiled.partition.name, "")
+            for node in compiled.partition.nodes:
+                result.append(EpAssignedSubgraph(_PLUGRT_TO_ORT.get(provider, provider), [EpAssignedNode(node.domain, node.op_type, node.name or "")]))
+        return result
 
     def get_providers(self) -> list[str]:
         return [_PLUGRT_TO_ORT.get(p, p) for p in self._session.providers]
@@ -542,9 +658,12 @@ def get_available_providers() -> list[str]:
 
 
 def get_all_providers() -> list[str]:
+    """Every provider name onnxruntime knows (CPUExecutionProvider last), then plugrt
+    providers that stand for none of them."""
     from .registry import default_registry
 
-    return [_PLUGRT_TO_ORT.get(name, name) for name in default_registry().providers()]
+    extra = [name for name in default_registry().providers() if _PLUGRT_TO_ORT.get(name, name) not in ORT_PROVIDER_NAMES]
+    return [*ORT_PROVIDER_NAMES[:-1], *extra, ORT_PROVIDER_NAMES[-1]]
 
 
 def get_device() -> str:
@@ -557,3 +676,91 @@ def get_device() -> str:
         if any(d.kind == DeviceKind.GPU for d in registry.devices(provider.name)):
             return "GPU"
     return "CPU"
+
+
+@dataclasses.dataclass(frozen=True)
+class EpAssignedNode:
+    """A node as ``get_provider_graph_assignment_info`` reports it."""
+
+    domain: str
+    op_type: str
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EpAssignedSubgraph:
+    """Nodes one provider runs: ``ep_name`` and ``get_nodes()``."""
+
+    ep_name: str
+    nodes: list
+
+    def get_nodes(self) -> list[EpAssignedNode]:
+        return list(self.nodes)
+
+
+class _NativeSession:
+    """``InferenceSession._sess``: onnxruntime's native session, whose
+    ``run_with_ort_values(feeds, output_names, run_options)`` some clients call."""
+
+    def __init__(self, owner: InferenceSession) -> None:
+        self._owner = owner
+
+    def run_with_ort_values(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None, run_options: RunOptions | None = None) -> Any:
+        from ._ort_values import OrtValueVector
+
+        return OrtValueVector(self._owner.run_with_ort_values(output_names, feeds, run_options))
+
+
+def _as_strings(value: Any) -> Any:
+    """A string input as plugrt's kernels take it: bytes (``S``) and void (``V``) arrays, as
+    onnxruntime accepts them, become arrays of str."""
+    value = host_value(value)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "SV":
+        flat = [bytes(v.tobytes() if value.dtype.kind == "V" else v).rstrip(b"\0").decode("utf-8") for v in value.ravel()]
+        return np.array(flat, dtype=object).reshape(value.shape)
+    return value
+
+
+def _model_proto(source: Any, load_external_data: bool) -> Any:
+    import onnx
+
+    if isinstance(source, (str, os.PathLike)):
+        return onnx.load(os.fspath(source), load_external_data=load_external_data)
+    return onnx.load_from_string(bytes(source))
+
+
+def _options_from_model(source: Any, sess_options: SessionOptions | None) -> SessionOptions:
+    """onnxruntime's ``ORT_LOAD_CONFIG_FROM_MODEL=1``: the ``session_options`` of the JSON in
+    the model's ``ort_config`` metadata override the given options."""
+    import json
+
+    options = sess_options if sess_options is not None else SessionOptions()
+    props = {p.key: p.value for p in _model_proto(source, load_external_data=False).metadata_props}
+    if _ORT_CONFIG_KEY not in props:
+        return options
+    settings = json.loads(props[_ORT_CONFIG_KEY]).get("session_options", {})
+    for key, value in settings.items():
+        if key == "enable_profiling":
+            value = bool(value)
+        if key not in vars(options) or key.startswith("_"):
+            raise UnknownOptionError(key, [k for k in vars(options) if not k.startswith("_")], what="session option in the model's ort_config")
+        setattr(options, key, value)
+    return options
+
+
+def _with_free_dimensions(source: Any, sess_options: SessionOptions | None) -> Any:
+    """The model with the options' free-dimension overrides applied to its inputs (a
+    ModelProto), or the source unchanged when there are none."""
+    if sess_options is None or not (sess_options._free_dims_by_name or sess_options._free_dims_by_denotation):
+        return source
+    model = _model_proto(source, load_external_data=True)
+    for value in model.graph.input:
+        if not value.type.HasField("tensor_type"):
+            continue
+        for dim in value.type.tensor_type.shape.dim:
+            size = sess_options._free_dims_by_denotation.get(dim.denotation) if dim.denotation else None
+            if size is None and dim.HasField("dim_param"):
+                size = sess_options._free_dims_by_name.get(dim.dim_param)
+            if size is not None:
+                dim.dim_value = size  # clears dim_param (a oneof)
+    return model
