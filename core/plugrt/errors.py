@@ -255,7 +255,7 @@ class SymbolConflictError(InvalidInputError):
         super().__init__(
             f"dimension {symbol!r} is bound to two sizes: {first[2]} (input {first[0]!r} axis "
             f"{first[1]}) and {second[2]} (input {second[0]!r} axis {second[1]}); inputs that "
-            f"share a dimension name must agree on its size",
+            f"share a dimension name must agree on its size (an input empty along it may differ)",
             input_name=second[0],
         )
 
