@@ -446,6 +446,8 @@ class InferenceSession:
             logger.setLevel(_LOG_LEVELS.get(int(self._sess_options.log_severity_level), logging.WARNING))
         try:
             self._session = Session(self._model, device="auto", providers=names, options=self._options)
+            # onnxruntime logs its session's creation at verbose level; so does plugrt
+            logger.debug("InferenceSession created on %s", ", ".join(self._session.providers))
         finally:
             logger.setLevel(previous)
         options_by_name = {_ORT_NAMES.get(name, name): opts for name, opts in entries}
