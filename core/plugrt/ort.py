@@ -202,6 +202,8 @@ class SessionOptions:
         self._weights: WeightStore | None = None
         self._free_dims_by_name: dict[str, int] = {}
         self._free_dims_by_denotation: dict[str, int] = {}
+        self._external_arrays: dict[str, np.ndarray] = {}  # add_external_initializers
+        self._files_in_memory: dict[str, memoryview] = {}  # add_external_initializers_from_files_in_memory
 
     def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
         """Fix the symbolic dimension ``dim_name`` to ``dim_value`` in the model's inputs."""
@@ -220,9 +222,17 @@ class SessionOptions:
         self._weights.add_initializer(name, value.numpy() if isinstance(value, OrtValue) else value)
 
     def add_external_initializers(self, names: Sequence[str], values: Sequence[Any]) -> None:
-        """:meth:`add_initializer` for each name and value."""
+        """:meth:`add_initializer` for each name and value; an initializer the model keeps in
+        an external file is taken from these values (the file need not exist)."""
         for name, value in zip(names, values, strict=True):
             self.add_initializer(name, value)
+            self._external_arrays[name] = value.numpy() if isinstance(value, OrtValue) else np.asarray(value)
+
+    def add_external_initializers_from_files_in_memory(self, names: Sequence[str], buffers: Sequence[Any], lengths: Sequence[int]) -> None:
+        """The contents of the model's external data files ``names`` (the first ``lengths``
+        bytes of each buffer): initializers stored there are read from memory, not disk."""
+        for name, buffer, length in zip(names, buffers, lengths, strict=True):
+            self._files_in_memory[str(name)] = memoryview(buffer).cast("B")[: int(length)]
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         """Set an onnxruntime config key or a plugrt option; an unknown key raises now."""
@@ -430,7 +440,7 @@ class InferenceSession:
         if os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1":
             sess_options = _options_from_model(path_or_bytes, sess_options)
         self._sess_options = sess_options
-        self._model: Any = _with_free_dimensions(path_or_bytes, sess_options)
+        self._model: Any = _model_source(path_or_bytes, sess_options)
         self._options = sess_options.to_options() if sess_options is not None else {}
         self._options.update(kwargs)
         self._sess = _NativeSession(self)
@@ -750,19 +760,54 @@ def _options_from_model(source: Any, sess_options: SessionOptions | None) -> Ses
     return options
 
 
-def _with_free_dimensions(source: Any, sess_options: SessionOptions | None) -> Any:
-    """The model with the options' free-dimension overrides applied to its inputs (a
-    ModelProto), or the source unchanged when there are none."""
-    if sess_options is None or not (sess_options._free_dims_by_name or sess_options._free_dims_by_denotation):
+def _model_source(source: Any, sess_options: SessionOptions | None) -> Any:
+    """The model as the session loads it: the source itself, or, when the options override
+    free dimensions or supply external initializers (as arrays or in-memory files), a
+    ModelProto with those applied."""
+    if sess_options is None:
         return source
-    model = _model_proto(source, load_external_data=True)
+    options = sess_options
+    if not (options._free_dims_by_name or options._free_dims_by_denotation or options._external_arrays or options._files_in_memory):
+        return source
+    model = _model_proto(source, load_external_data=False)
+    is_path = isinstance(source, (str, os.PathLike))
+    _resolve_external_data(model, os.path.dirname(os.path.abspath(os.fspath(source))) if is_path else "", str(source) if is_path else "<bytes>", options)
     for value in model.graph.input:
         if not value.type.HasField("tensor_type"):
             continue
         for dim in value.type.tensor_type.shape.dim:
-            size = sess_options._free_dims_by_denotation.get(dim.denotation) if dim.denotation else None
+            size = options._free_dims_by_denotation.get(dim.denotation) if dim.denotation else None
             if size is None and dim.HasField("dim_param"):
-                size = sess_options._free_dims_by_name.get(dim.dim_param)
+                size = options._free_dims_by_name.get(dim.dim_param)
             if size is not None:
                 dim.dim_value = size  # clears dim_param (a oneof)
     return model
+
+
+def _resolve_external_data(model: Any, base_dir: str, label: str, options: SessionOptions) -> None:
+    """Fill each external initializer of ``model`` in place: from the options' arrays or
+    in-memory files when they have it, else from its file beside the model, through the
+    loader's own containment checks (no path outside the model's folder is read)."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    from .loader import contained_path
+
+    for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        if tensor.name in options._external_arrays:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(options._external_arrays[tensor.name], tensor.name))
+            continue
+        if location in options._files_in_memory:
+            data = options._files_in_memory[location]
+            offset = int(info.get("offset", 0))
+            end = offset + int(info["length"]) if "length" in info else len(data)
+            tensor.raw_data = bytes(data[offset:end])
+        else:
+            contained_path(tensor.name, location, base_dir, label)  # raises ModelLoadError if missing or unsafe
+            load_external_data_for_tensor(tensor, base_dir)
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
