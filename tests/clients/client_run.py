@@ -113,7 +113,9 @@ def run(task: str, work: str) -> dict:
             config = T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
             T5ForConditionalGeneration(config).save_pretrained(path)
         src = _once(os.path.join(work, "t5-src"), make)
-        model = ORTModelForSeq2SeqLM.from_pretrained(_export(ORTModelForSeq2SeqLM, src, os.path.join(work, "t5-onnx")))
+        # the merged decoder (one graph with an If on use_cache_branch), whose first step feeds empty past tensors
+        model = ORTModelForSeq2SeqLM.from_pretrained(_export(ORTModelForSeq2SeqLM, src, os.path.join(work, "t5-onnx"), use_merged=True))
+        assert model.decoder.is_merged
         ids = torch.tensor([[5, 7, 9, 11, 13, 1]])
         out["tokens"] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False).numpy()
         decoder = torch.tensor([[0, 5, 7]])
@@ -129,7 +131,8 @@ def run(task: str, work: str) -> dict:
                                    eos_token_id=2, bos_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
             WhisperForConditionalGeneration(config).save_pretrained(path)
         src = _once(os.path.join(work, "whisper-src"), make)
-        model = ORTModelForSpeechSeq2Seq.from_pretrained(_export(ORTModelForSpeechSeq2Seq, src, os.path.join(work, "whisper-onnx")))
+        model = ORTModelForSpeechSeq2Seq.from_pretrained(_export(ORTModelForSpeechSeq2Seq, src, os.path.join(work, "whisper-onnx"), use_merged=True))
+        assert model.decoder.is_merged
         features = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 8, 3000)).astype(np.float32))
         out["tokens"] = model.generate(input_features=features, max_new_tokens=6, do_sample=False).numpy()
         out["logits"] = model(input_features=features, decoder_input_ids=torch.tensor([[1, 5, 7]])).logits.detach().numpy()
