@@ -15,7 +15,7 @@ from .provider import MemoryCapability, memory_of
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["OrtValue", "OrtValueVector", "IOBinding", "RunOptions", "guarded_run"]
+__all__ = ["OrtValue", "OrtValueVector", "IOBinding", "RunOptions", "guarded_run", "is_dlpack_uint8_tensor"]
 
 #: onnxruntime's device names and the plugrt providers whose memory they mean.
 _DEVICE_PROVIDERS = {"cuda": "cuda", "gpu": "cuda"}
@@ -139,7 +139,9 @@ class OrtValue:
         return self._data is not None and hasattr(self._data, "shape")
 
     def is_sparse_tensor(self) -> bool:
-        return False
+        from ._ort_sparse import SparseTensor
+
+        return isinstance(self._data, SparseTensor)
 
     def is_tensor_sequence(self) -> bool:
         return isinstance(self._data, list)
@@ -193,6 +195,47 @@ class OrtValue:
             array = array.view(dtype)
         return cls(array)
 
+    # -- DLPack ----------------------------------------------------------------------
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """This value's memory as a DLPack capsule (no copy; numpy's or the device array's)."""
+        return self._data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        device_type, device_id = self._data.__dlpack_device__()
+        return int(device_type), int(device_id)
+
+    def to_dlpack(self) -> Any:
+        return self.__dlpack__()
+
+    @classmethod
+    def from_dlpack(cls, data: Any, is_bool_tensor: bool = False) -> "OrtValue":
+        """A host value sharing the memory of ``data``: an object with ``__dlpack__`` or a
+        DLPack capsule. ``is_bool_tensor`` reads a uint8 tensor as bool (DLPack versions
+        before bool had their own code)."""
+        source = data if hasattr(data, "__dlpack__") else _Capsule(data)
+        array = np.from_dlpack(source)
+        if is_bool_tensor and array.dtype == np.uint8:
+            array = array.view(np.bool_)
+        return cls(array)
+
+    @classmethod
+    def ort_value_from_sparse_tensor(cls, sparse_tensor: Any) -> "OrtValue":
+        """A value holding a :class:`plugrt._ort_sparse.SparseTensor` (host only)."""
+        return cls(sparse_tensor)
+
+    def as_sparse_tensor(self) -> Any:
+        from ._ort_sparse import SparseTensor
+
+        if not isinstance(self._data, SparseTensor):
+            raise InvalidInputError("this OrtValue holds a dense tensor, not a sparse one")
+        return self._data
+
+    @property
+    def _ortvalue(self) -> "OrtValue":
+        """onnxruntime's native value behind this one; plugrt has one object for both."""
+        return self
+
     def _get_c_value(self) -> "OrtValue":
         """onnxruntime's native value behind this one; plugrt has one object for both."""
         return self
@@ -204,6 +247,49 @@ class OrtValue:
 
     def __repr__(self) -> str:
         return f"OrtValue({self.data_type()}, shape={self.shape()}, device={self._device!r})"
+
+
+class _Capsule:
+    """A bare DLPack capsule, given the protocol so numpy can take it."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return _capsule_tensor(self._capsule)[1]
+
+
+#: DLPack's DLDataType codes.
+_DLPACK_UINT = 1
+
+
+def _capsule_tensor(capsule: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((type code, bits), (device type, device id)) of the DLTensor a capsule holds,
+    read without consuming it."""
+    import ctypes
+
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    name = get_name(capsule)
+    if name not in (b"dltensor", b"dltensor_versioned"):
+        raise InvalidInputError(f"not an unused DLPack capsule (its name is {name!r})")
+    pointer = get_pointer(capsule, name)
+    if name == b"dltensor_versioned":  # DLManagedTensorVersioned: version, manager_ctx, deleter, flags, then the tensor
+        pointer += 8 + 8 + 8 + 8
+    # DLTensor: void* data; int32 device_type, device_id; int32 ndim; uint8 code, bits; uint16 lanes
+    device = (ctypes.c_int32 * 2).from_address(pointer + 8)
+    dtype = (ctypes.c_uint8 * 2).from_address(pointer + 20)
+    return (int(dtype[0]), int(dtype[1])), (int(device[0]), int(device[1]))
+
+
+def is_dlpack_uint8_tensor(capsule: Any) -> bool:
+    """Whether a DLPack capsule holds uint8 values (the capsule stays unused)."""
+    return _capsule_tensor(capsule)[0] == (_DLPACK_UINT, 8)
 
 
 class OrtValueVector(list):

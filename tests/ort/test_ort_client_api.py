@@ -190,3 +190,38 @@ def test_get_all_providers_ends_with_the_cpu_and_knows_the_cuda_names():
     plugrt_only = set(names) - set(plugrt_ort.ORT_PROVIDER_NAMES)
     assert {"CUDAExecutionProvider", "TensorrtExecutionProvider"} <= set(names)
     assert plugrt_only <= set(plugrt.default_registry().providers())
+
+
+def test_an_ortvalue_round_trips_through_dlpack_without_a_copy():
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    value = plugrt.OrtValue.ortvalue_from_numpy(array)
+    back = plugrt.OrtValue.from_dlpack(value.to_dlpack())
+    assert back.data_ptr() == array.ctypes.data
+    np.testing.assert_array_equal(back.numpy(), array)
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [(np.uint8, True), (np.bool_, False), (np.float32, False)])
+def test_a_dlpack_capsule_says_whether_it_holds_uint8(dtype, expected):
+    from plugrt._ort_values import is_dlpack_uint8_tensor
+
+    capsule = np.zeros(3, dtype=dtype).__dlpack__()
+    assert is_dlpack_uint8_tensor(capsule) is expected
+    assert plugrt.OrtValue.from_dlpack(capsule).numpy().dtype == dtype  # the capsule was not used up
+
+
+def test_a_coo_sparse_tensor_keeps_its_values_and_indices_read_only():
+    from plugrt._ort_sparse import OrtSparseFormat, SparseTensor
+
+    values, indices = np.array([1.0, 2.0], np.float32), np.array([3, 5], np.int64)
+    sparse = SparseTensor.sparse_coo_from_numpy([9, 9], values, indices, None)
+    assert (sparse.format(), sparse.dense_shape(), sparse.data_type()) == (OrtSparseFormat.ORT_SPARSE_COO, [9, 9], "sparse_tensor(float)")
+    assert not sparse.values().flags.writeable and not sparse.as_coo_view().indices().flags.writeable
+    np.testing.assert_array_equal(plugrt.OrtValue.ort_value_from_sparse_tensor(sparse).as_sparse_tensor().as_coo_view().indices(), indices)
+
+
+def test_a_sparse_tensor_stays_on_the_host():
+    from plugrt._ort_sparse import SparseTensor
+
+    sparse = SparseTensor.sparse_csr_from_numpy([2, 2], np.ones(1, np.float32), np.array([1]), np.array([0, 1, 1]), None)
+    with pytest.raises(RuntimeError, match="on the host"):
+        sparse.to_cuda(None)

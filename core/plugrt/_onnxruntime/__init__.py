@@ -42,6 +42,7 @@ from ..ort import (
     get_available_providers,
     get_device,
 )
+from .._ort_sparse import OrtSparseFormat, SparseTensor
 from ..ort_shim import ORT_API_VERSION as __version__
 from . import capi
 
@@ -54,5 +55,5 @@ __all__ = [
     "set_default_logger_severity", "set_default_logger_verbosity", "set_default_logger_callback",
     "disable_telemetry_events", "enable_telemetry_events", "preload_dlls", "set_seed",
     "OrtDevice", "OrtDeviceVendorId", "OrtMemoryInfo", "OrtMemoryInfoDeviceType", "OrtDeviceMemoryType",
-    "OrtAllocatorType", "OrtMemType", "OrtArenaCfg", "create_and_register_allocator", "create_and_register_allocator_v2",
+    "OrtAllocatorType", "OrtMemType", "OrtArenaCfg", "SparseTensor", "OrtSparseFormat", "create_and_register_allocator", "create_and_register_allocator_v2",
 ]

@@ -31,7 +31,7 @@ from ..._ort_errors import (
     NotImplemented,
     RuntimeException,
 )
-from ..._ort_values import OrtValue, OrtValueVector, RunOptions
+from ..._ort_values import OrtValue, OrtValueVector, RunOptions, is_dlpack_uint8_tensor
 from ...ort import (
     ExecutionMode,
     ExecutionOrder,
@@ -56,5 +56,5 @@ __all__ = [
     "OrtValue", "OrtValueVector", "RunOptions", "SessionOptions", "ModelMetadata", "NodeArg",
     "GraphOptimizationLevel", "ExecutionMode", "ExecutionOrder", "OrtDevice", "OrtMemoryInfo", "OrtAllocatorType",
     "OrtMemType", "OrtArenaCfg", "get_all_providers", "get_available_providers", "get_device",
-    "get_default_session_options", "get_version_string", "get_build_info", "set_default_logger_severity",
+    "get_default_session_options", "is_dlpack_uint8_tensor", "get_version_string", "get_build_info", "set_default_logger_severity",
 ]
