@@ -9,6 +9,8 @@ Where plugrt departs from onnxruntime on purpose, it says so here:
 - An unknown session config key raises UnknownOptionError; onnxruntime accepts any key.
   onnxruntime's documented keys are accepted: those in ``MAPPED_CONFIG_KEYS`` have a
   plugrt meaning, those in ``IGNORED_CONFIG_KEYS`` are accepted and have no effect.
+  Standing in for onnxruntime (plugrt.install_as_onnxruntime), an unknown key warns and is
+  kept instead, as its clients expect.
 - ``inter_op_num_threads`` and ``execution_mode``: plugrt runs steps in order on the
   calling thread, so ``ORT_PARALLEL`` runs sequentially (the results are the same).
 - ``log_severity_level`` sets the level of the ``plugrt`` logger while the session builds.
@@ -436,7 +438,7 @@ class InferenceSession:
         # what onnxruntime's own InferenceSession keeps, and clients read (optimum: _model_path)
         is_path = isinstance(path_or_bytes, (str, os.PathLike))
         self._model_path: str | None = str(os.fspath(path_or_bytes)) if is_path else None  # type: ignore[arg-type]
-        self._model_bytes: bytes | None = None if is_path else bytes(path_or_bytes)  # type: ignore[arg-type]
+        self._model_bytes: Any = None if is_path else path_or_bytes  # kept as given, not copied
         if os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1":
             sess_options = _options_from_model(path_or_bytes, sess_options)
         self._sess_options = sess_options
@@ -460,6 +462,9 @@ class InferenceSession:
             logger.debug("InferenceSession created on %s", ", ".join(self._session.providers))
         finally:
             logger.setLevel(previous)
+        # what each run checks and converts, found once
+        self._required_inputs = [i.name for i in self.get_inputs() if not i.type.startswith("optional(")]
+        self._string_inputs = frozenset(i.name for i in self._session.inputs if i.type_string == "tensor(string)")
         options_by_name = {_ORT_NAMES.get(name, name): opts for name, opts in entries}
         self._provider_options = {
             ort_name: dict(options_by_name.get(plugrt_name, {}))
@@ -511,16 +516,11 @@ class InferenceSession:
             self._enable_fallback = False
             return guarded_run(run_options, lambda: self._session.run_list(output_names, feeds))
 
-    @property
-    def _string_inputs(self) -> frozenset[str]:
-        return frozenset(i.name for i in self._session.inputs if i.type_string == "tensor(string)")
-
     def _check_required(self, input_feed: Mapping[str, Any]) -> None:
         """onnxruntime's check before a run: every input without a default is fed."""
-        required = [i.name for i in self.get_inputs() if not i.type.startswith("optional(")]
-        missing = [name for name in required if name not in input_feed]
+        missing = [name for name in self._required_inputs if name not in input_feed]
         if missing:
-            raise MissingInputError(missing[0], required, missing=missing, fed=list(input_feed))
+            raise MissingInputError(missing[0], self._required_inputs, missing=missing, fed=list(input_feed))
 
     def run_with_ort_values(
         self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, OrtValue], run_options: RunOptions | None = None
@@ -572,20 +572,17 @@ class InferenceSession:
         return [_node_arg(i) for i in self._session.inputs if i.name in initializers]
 
     def get_input_memory_infos(self) -> list[Any]:
-        """Where each input is read from (plugrt: host memory, or the provider's that reads it)."""
-        return [self._memory_info(i.name, True) for i in self.get_inputs()]
+        """Host memory for each input: ``run`` takes host arrays (device values go through
+        IOBinding)."""
+        return [_host_memory_info() for _ in self.get_inputs()]
 
     def get_output_memory_infos(self) -> list[Any]:
-        return [self._memory_info(o.name, False) for o in self.get_outputs()]
+        """Host memory for each output: ``run`` returns host arrays."""
+        return [_host_memory_info() for _ in self.get_outputs()]
 
     def get_input_epdevices(self) -> list[Any]:
         """One entry per input; None: plugrt does not expose onnxruntime's EP devices."""
         return [None for _ in self.get_inputs()]
-
-    def _memory_info(self, name: str, is_input: bool) -> Any:
-        from ._ort_env import OrtAllocatorType, OrtMemoryInfo, OrtMemType
-
-        return OrtMemoryInfo("Cpu", OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, OrtMemType.DEFAULT)
 
     def get_provider_graph_assignment_info(self) -> list["EpAssignedSubgraph"]:
         """The nodes each provider runs, one entry per node (as onnxruntime's CPU provider
@@ -733,11 +730,18 @@ def _as_strings(value: Any) -> Any:
     return value
 
 
-def _model_proto(source: Any, load_external_data: bool) -> Any:
+def _host_memory_info() -> Any:
+    from ._ort_env import OrtAllocatorType, OrtMemoryInfo, OrtMemType
+
+    return OrtMemoryInfo("Cpu", OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, OrtMemType.DEFAULT)
+
+
+def _model_proto(source: Any) -> Any:
+    """The model's proto without its external data (read later through the loader's checks)."""
     import onnx
 
     if isinstance(source, (str, os.PathLike)):
-        return onnx.load(os.fspath(source), load_external_data=load_external_data)
+        return onnx.load(os.fspath(source), load_external_data=False)
     return onnx.load_from_string(bytes(source))
 
 
@@ -747,7 +751,7 @@ def _options_from_model(source: Any, sess_options: SessionOptions | None) -> Ses
     import json
 
     options = sess_options if sess_options is not None else SessionOptions()
-    props = {p.key: p.value for p in _model_proto(source, load_external_data=False).metadata_props}
+    props = {p.key: p.value for p in _model_proto(source).metadata_props}
     if _ORT_CONFIG_KEY not in props:
         return options
     settings = json.loads(props[_ORT_CONFIG_KEY]).get("session_options", {})
@@ -769,7 +773,7 @@ def _model_source(source: Any, sess_options: SessionOptions | None) -> Any:
     options = sess_options
     if not (options._free_dims_by_name or options._free_dims_by_denotation or options._external_arrays or options._files_in_memory):
         return source
-    model = _model_proto(source, load_external_data=False)
+    model = _model_proto(source)
     is_path = isinstance(source, (str, os.PathLike))
     _resolve_external_data(model, os.path.dirname(os.path.abspath(os.fspath(source))) if is_path else "", str(source) if is_path else "<bytes>", options)
     for value in model.graph.input:

@@ -22,22 +22,23 @@ _TORCH_NAMES = {
 }
 
 
+def _type_of(values: Any, name: str, what: str) -> str:
+    for value in values:
+        if value.name == name:
+            return value.type
+    raise ValueError(f"{what} {name!r} not found; the session's are {[v.name for v in values]}")
+
+
 class TypeHelper:
     """ONNX type strings (``tensor(float)``) as numpy and torch types."""
 
     @staticmethod
     def get_input_type(ort_session: Any, name: str) -> str:
-        for value in ort_session.get_inputs():
-            if value.name == name:
-                return value.type
-        raise ValueError(f"input {name!r} not found")
+        return _type_of(ort_session.get_inputs(), name, "input")
 
     @staticmethod
     def get_output_type(ort_session: Any, name: str) -> str:
-        for value in ort_session.get_outputs():
-            if value.name == name:
-                return value.type
-        raise ValueError(f"output {name!r} not found")
+        return _type_of(ort_session.get_outputs(), name, "output")
 
     @staticmethod
     def ort_type_to_numpy_type(ort_type: str) -> Any:
