@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 from .errors import InvalidInputError, OptionError
 
 __all__ = [
+    "ORT_API_VERSION",
     "get_version_string",
     "get_build_info",
     "set_default_logger_severity",
@@ -34,10 +35,13 @@ _LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERR
 _SEVERITY_OF = {logging.DEBUG: 0, logging.INFO: 1, logging.WARNING: 2, logging.ERROR: 3, logging.CRITICAL: 4}
 
 
+#: The onnxruntime release whose Python API plugrt answers for (``onnxruntime.__version__``
+#: and ``importlib.metadata.version("onnxruntime")`` when plugrt stands in).
+ORT_API_VERSION = "1.22.0"
+
+
 def get_version_string() -> str:
     """The onnxruntime version the API answers for (``onnxruntime.__version__``)."""
-    from .ort_shim import ORT_API_VERSION
-
     return ORT_API_VERSION
 
 

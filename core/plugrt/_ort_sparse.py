@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ._dtypes import onnx_type_name
 from .errors import InvalidInputError, ProviderUnavailableError
 
 __all__ = ["SparseTensor", "OrtSparseFormat"]
@@ -81,9 +82,7 @@ class SparseTensor:
         return list(self._shape)
 
     def data_type(self) -> str:
-        from ._ort_values import _onnx_type_name
-
-        return "sparse_" + _onnx_type_name(self._values.dtype)
+        return "sparse_" + onnx_type_name(self._values.dtype)
 
     def device_name(self) -> str:
         return "cpu"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ._dtypes import numpy_dtype
+from ._dtypes import numpy_dtype, onnx_type_name
 from .bindings import DeviceBinding
 from .errors import ConfigEntryMissingError, InvalidInputError, NotSupportedError, ProviderUnavailableError, RunTerminatedError
 from .provider import MemoryCapability, memory_of
@@ -20,16 +20,6 @@ __all__ = ["OrtValue", "OrtValueVector", "IOBinding", "RunOptions", "guarded_run
 #: onnxruntime's device names and the plugrt providers whose memory they mean.
 _DEVICE_PROVIDERS = {"cuda": "cuda", "gpu": "cuda"}
 _GPU_GRAPH_ID = "gpu_graph_id"
-
-
-def _onnx_type_name(dtype: np.dtype) -> str:
-    """onnxruntime's spelling of a tensor type, e.g. ``tensor(float)``."""
-    import onnx
-
-    if dtype.kind in "OUS":
-        return "tensor(string)"
-    enum = onnx.helper.np_dtype_to_tensor_dtype(dtype)
-    return f"tensor({onnx.TensorProto.DataType.Name(enum).lower()})"
 
 
 def _element_dtype(element_type: Any) -> np.dtype:
@@ -122,7 +112,7 @@ class OrtValue:
         return [int(d) for d in self._data.shape]
 
     def data_type(self) -> str:
-        return _onnx_type_name(np.dtype(self._data.dtype))
+        return onnx_type_name(np.dtype(self._data.dtype))
 
     def element_type(self) -> int:
         import onnx

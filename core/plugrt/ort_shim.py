@@ -31,12 +31,11 @@ import sys
 from types import ModuleType
 from typing import Any, Sequence
 
+from ._ort_env import ORT_API_VERSION
 from .errors import StandInError
 
 __all__ = ["install_as_onnxruntime", "uninstall", "is_installed", "ORT_API_VERSION", "main"]
 
-#: The onnxruntime release whose Python API the stand-in answers for (``onnxruntime.__version__``).
-ORT_API_VERSION = "1.22.0"
 
 _ORT = "onnxruntime"
 _TARGET = "plugrt._onnxruntime"

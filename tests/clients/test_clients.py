@@ -8,6 +8,7 @@ torch); the tiny models are built and exported once per test session.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,8 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-for _module in ("torch", "transformers", "optimum.onnxruntime", "sentence_transformers", "onnxruntime"):
-    pytest.importorskip(_module, reason="the clients extra is not installed (pip install -e '.[clients]')")
+# found, not imported: torch would load its own BLAS into this process (the clients run in subprocesses)
+_MISSING = [m for m in ("torch", "transformers", "optimum", "sentence_transformers", "onnxruntime") if importlib.util.find_spec(m) is None]
+if not _MISSING and importlib.util.find_spec("optimum.onnxruntime") is None:
+    _MISSING = ["optimum.onnxruntime (optimum-onnx)"]
+if _MISSING:
+    pytest.skip(f"the clients extra is not installed (pip install -e '.[clients]'): no {', '.join(_MISSING)}", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
 
