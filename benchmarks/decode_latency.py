@@ -1,6 +1,14 @@
 """Per-token decode latency: plugrt replaying captured steps, plugrt eager, onnxruntime-genai and onnxruntime.
 
 usage: python benchmarks/decode_latency.py [--precisions fp32,int4] [--tokens 64] [--rounds 7]
+       python benchmarks/decode_latency.py --shape smollm2-135m [--precisions int4,int4-acc1,fp32]
+
+``--shape`` other than ``tiny`` measures a decoder of the size people run (SmolLM2-135M,
+Qwen2.5-0.5B; random weights, built by ``scripts/make_decoder_models.py`` under
+``--models`` when missing, which needs torch, transformers and onnxruntime-genai): each
+runtime runs in a process of its own, so that its peak RSS is its own, and prints the time
+to first token after a ``--prompt``-token prompt, the median ms per token over ``--tokens``
+new tokens, tokens/s and peak RSS, side by side with onnxruntime-genai.
 
 On the model builder's tiny Llama decoders (``tests/genai/assets/tiny_llama``), in one
 process: each round generates ``--tokens`` greedy tokens after a 7-token prompt with every
@@ -27,6 +35,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -213,15 +222,112 @@ def measure(precision: str, tokens: int, rounds: int, threads: int, scratch: Pat
     return same
 
 
+# -- decoders of the size people run: each runtime in a process of its own -----------------
+
+
+def _child(runtime: str, folder: Path, prompt: int, tokens: int) -> dict:
+    """One generation in this process: time to first token, decode step times, peak RSS."""
+    import resource
+
+    ids = [3 + i for i in range(prompt)]
+    started = time.perf_counter()
+    if runtime == "plugrt":
+        generator = genai.Generator(genai.Model(folder), max_length=prompt + tokens, capture=True)
+        generator.append_tokens(ids)
+        generated = [generator.generate_next_token()]
+        step = generator.generate_next_token
+    else:
+        import onnxruntime_genai as og
+
+        model = og.Model(str(folder))
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=prompt + tokens)
+        og_generator = og.Generator(model, params)
+        og_generator.append_tokens(np.array([ids], np.int32))
+
+        def step() -> int:
+            og_generator.generate_next_token()
+            return int(og_generator.get_next_tokens()[0])
+
+        generated = [step()]
+    first = time.perf_counter() - started  # load, prefill and the first token
+    times = []
+    for _ in range(tokens - 1):
+        begin = time.perf_counter()
+        generated.append(step())
+        times.append(time.perf_counter() - begin)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"first_ms": first * 1e3, "ms_per_token": statistics.median(times) * 1e3, "peak_rss_mib": rss,
+            "tokens": generated}
+
+
+def _build(models: Path, shape: str, precision: str) -> Path:
+    folder = models / shape / precision
+    if not (folder / "model.onnx").is_file():
+        print(f"building {shape} {precision} under {models / shape} (scripts/make_decoder_models.py)", flush=True)
+        script = Path(__file__).resolve().parents[1] / "scripts" / "make_decoder_models.py"
+        subprocess.run([sys.executable, str(script), "--shape", shape, "--precision", precision,
+                        "--output", str(models / shape)], check=True)
+    return folder
+
+
+def measure_shape(shape: str, precisions: list[str], models: Path, prompt: int, tokens: int, rounds: int) -> bool:
+    ok = True
+    for precision in precisions:
+        folder = _build(models, shape, precision)
+        results: dict[str, list[dict]] = {"onnxruntime-genai": [], "plugrt": []}
+        for round_index in range(rounds):
+            order = list(results) if round_index % 2 == 0 else list(results)[::-1]
+            for runtime in order:
+                done = subprocess.run(
+                    [sys.executable, __file__, "--child", runtime, str(folder), "--prompt", str(prompt),
+                     "--tokens", str(tokens)], capture_output=True, text=True,
+                )
+                if done.returncode != 0:
+                    print(f"{runtime} failed:\n{done.stderr[-2000:]}")
+                    return False
+                results[runtime].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"\n{shape} {precision}: {prompt}-token prompt, {tokens} new tokens, median of {rounds} processes each "
+              f"(load average {os.getloadavg()[0]:.2f}, numba {'off' if os.environ.get('PLUGRT_NUMBA') == '0' else 'if installed'})")
+        print(f"{'runtime':<18} {'first token ms':>15} {'ms/token':>9} {'tokens/s':>9} {'peak RSS MiB':>13}")
+        summary = {}
+        for runtime, runs in results.items():
+            row = {key: statistics.median(r[key] for r in runs) for key in ("first_ms", "ms_per_token", "peak_rss_mib")}
+            summary[runtime] = row
+            print(f"{runtime:<18} {row['first_ms']:>15.0f} {row['ms_per_token']:>9.2f} "
+                  f"{1e3 / row['ms_per_token']:>9.1f} {row['peak_rss_mib']:>13.0f}")
+        plugrt, peer = summary["plugrt"], summary["onnxruntime-genai"]
+        print(f"  plugrt / onnxruntime-genai: ms/token {plugrt['ms_per_token'] / peer['ms_per_token']:.2f}x, "
+              f"first token {plugrt['first_ms'] / peer['first_ms']:.2f}x, peak RSS "
+              f"{plugrt['peak_rss_mib'] / peer['peak_rss_mib']:.2f}x")
+        same = results["plugrt"][0]["tokens"] == results["onnxruntime-genai"][0]["tokens"]
+        agree = sum(a == b for a, b in zip(results["plugrt"][0]["tokens"], results["onnxruntime-genai"][0]["tokens"]))
+        print(f"  greedy tokens: {'the same' if same else f'{agree} of {tokens} the same'}")
+        ok &= same or precision == "int4"  # int8 activations (accuracy_level 4) may move a close call
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--precisions", default="fp32,int4")
+    parser.add_argument("--precisions", default=None, help="default: fp32,int4 (tiny); int4,int4-acc1,fp32 (others)")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=None, help="default: 7 (tiny), 3 processes each (others)")
     parser.add_argument("--turns", choices=("generation", "step"), default="generation")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime's intra-op threads")
+    parser.add_argument("--shape", default="tiny", help="tiny, smollm2-135m or qwen2.5-0.5b")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens for the shapes people run")
+    parser.add_argument("--models", type=Path, default=Path("build/decoder_models"), help="where built shapes are kept")
+    parser.add_argument("--child", nargs=2, metavar=("RUNTIME", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.child[0], Path(args.child[1]), args.prompt, args.tokens)))
+        return 0
     print(f"cores usable: {len(os.sched_getaffinity(0))}, load average: {os.getloadavg()}")
+    if args.shape != "tiny":
+        precisions = (args.precisions or "int4,int4-acc1,fp32").split(",")
+        return 0 if measure_shape(args.shape, precisions, args.models, args.prompt, args.tokens, args.rounds or 3) else 1
+    args.precisions = args.precisions or "fp32,int4"
+    args.rounds = args.rounds or 7
     ok = True
     with tempfile.TemporaryDirectory() as scratch:
         for precision in args.precisions.split(","):

@@ -11,6 +11,7 @@ SkipLayerNormalization, BiasGelu, FastGelu).
 Needs ``torch`` (a CPU build), ``transformers`` and ``onnxruntime-genai``::
 
     python scripts/make_decoder_models.py --output build/decoder_models
+    python scripts/make_decoder_models.py --shape smollm2-135m --precision int4 --output build/smollm2-135m
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 PRECISIONS = ("fp32", "int4")
+#: every precision the builder is asked for: int4 is its default MatMulNBits (4 bits, block
+#: 32, accuracy_level 4: int8 activations); int4-acc1 multiplies in float32 (accuracy_level 1)
+ALL_PRECISIONS = ("fp32", "int4", "int4-acc1")
 VOCAB_SIZE = 256
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 
@@ -47,53 +51,93 @@ LLAMA_CONFIG = dict(
 )
 
 
-def _write_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer over tokens "t3".."t255" plus the special tokens."""
+#: the shapes people run on a CPU, from their published configs (random weights, nothing
+#: downloaded): (transformers architecture, config fields over LLAMA_CONFIG's)
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("llama", {}),
+    "smollm2-135m": ("llama", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=2048, rope_theta=100000.0, tie_word_embeddings=True,
+        initializer_range=0.02,
+    )),
+    "qwen2.5-0.5b": ("qwen2", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, initializer_range=0.02,
+    )),
+}
+
+
+def _write_tokenizer(folder: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    """A word-level tokenizer over tokens "t3".."t<vocab_size - 1>" plus the special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), VOCAB_SIZE)})
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(folder)
 
 
-def make_hf_model(folder: Path, seed: int = 0) -> Path:
-    """Save a random-weight LlamaForCausalLM and its tokenizer under ``folder``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def shape_config(shape: str = "tiny") -> tuple[str, dict[str, Any]]:
+    """(architecture, config fields) of a named shape."""
+    try:
+        architecture, changes = SHAPES[shape]
+    except KeyError:
+        raise ValueError(f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}") from None
+    return architecture, {**LLAMA_CONFIG, **changes}
 
+
+def make_hf_model(folder: Path, seed: int = 0, shape: str = "tiny") -> Path:
+    """Save a random-weight causal LM of ``shape`` and its tokenizer under ``folder``."""
+    import torch
+    import transformers
+
+    architecture, fields = shape_config(shape)
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[architecture]
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG)).eval()
+    model = model_class(config_class(**fields)).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    _write_tokenizer(folder)
+    _write_tokenizer(folder, fields["vocab_size"])
     return folder
 
 
 def export(hf_folder: Path, output: Path, precision: str, cache: Path) -> Path:
     """Run onnxruntime-genai's model builder for ``precision`` on the CPU execution provider."""
     target = output / precision
+    base, _, level = precision.partition("-acc")
     command = [
         sys.executable, "-m", "onnxruntime_genai.models.builder",
-        "-i", str(hf_folder), "-o", str(target), "-p", precision, "-e", "cpu", "-c", str(cache),
+        "-i", str(hf_folder), "-o", str(target), "-p", base, "-e", "cpu", "-c", str(cache),
     ]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    if level:
+        command += ["--extra_options", f"accuracy_level={level}"]
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the model builder failed for {precision}:\n{done.stderr[-3000:]}")
     if not (target / "model.onnx").is_file():
         raise RuntimeError(f"the model builder wrote no {target / 'model.onnx'}")
     return target
 
 
-def make_decoder_models(output: Path, precisions: tuple[str, ...] = PRECISIONS, seed: int = 0) -> dict[str, Path]:
+def make_decoder_models(
+    output: Path, precisions: tuple[str, ...] = PRECISIONS, seed: int = 0, shape: str = "tiny"
+) -> dict[str, Path]:
     """Build the Hugging Face model once and export every precision; returns precision -> folder."""
     output.mkdir(parents=True, exist_ok=True)
-    hf_folder = make_hf_model(output / "hf", seed)
+    hf_folder = make_hf_model(output / "hf", seed, shape)
     folders = {precision: export(hf_folder, output, precision, output / "cache") for precision in precisions}
-    (output / "manifest.json").write_text(
-        json.dumps({"config": LLAMA_CONFIG, "seed": seed, "precisions": list(folders)}, indent=2)
-    )
+    architecture, fields = shape_config(shape)
+    (output / "manifest.json").write_text(json.dumps(
+        {"shape": shape, "architecture": architecture, "config": fields, "seed": seed, "precisions": list(folders)},
+        indent=2,
+    ))
     return folders
 
 
@@ -159,13 +203,15 @@ def export_fused(output: Path, seed: int = 0) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=Path("build/decoder_models"))
-    parser.add_argument("--precision", choices=PRECISIONS, action="append", help="default: all")
+    parser.add_argument("--precision", choices=ALL_PRECISIONS, action="append", help="default: fp32 and int4")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                        help="tiny (the tests' 2-layer Llama) or a shape people run: smollm2-135m, qwen2.5-0.5b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fused", action="store_true", help="also export the fused BERT and GPT-2 models")
     parser.add_argument("--fused-only", action="store_true", help="export only the fused BERT and GPT-2 models")
     args = parser.parse_args(argv)
     if not args.fused_only:
-        folders = make_decoder_models(args.output, tuple(args.precision or PRECISIONS), args.seed)
+        folders = make_decoder_models(args.output, tuple(args.precision or PRECISIONS), args.seed, args.shape)
         for precision, folder in folders.items():
             print(f"{precision}: {folder / 'model.onnx'}")
     if args.fused or args.fused_only:

@@ -30,7 +30,7 @@ from .errors import (
 )
 from .ir_utils import is_constant
 from .tracing import span, spanned
-from .loader import DEFAULT_CONTEXT_BYTES, contained_path, read_regular_file
+from .loader import DEFAULT_CONTEXT_BYTES, contained_path, read_regular_file, write_declared_types
 from .provider import (
     CompiledPartition,
     ContextCapability,
@@ -110,6 +110,7 @@ def export_context_model(
     _refuse_overwrite(path, source)
     providers = {p.name: p for p in session.selection.providers}
     proto = ir.serde.serialize_model(session.model)
+    write_declared_types(proto, session.model)
     folder = os.path.dirname(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     blobs: list[tuple[str, bytes]] = []

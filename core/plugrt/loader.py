@@ -19,7 +19,8 @@ from .ir_utils import subgraphs
 
 __all__ = [
     "ModelSource", "LoadLimits", "LoadedModel", "load_model", "KNOWN_DOMAINS", "DEFAULT_CONTEXT_BYTES",
-    "all_tensors", "contained_path", "read_regular_file",
+    "all_tensors", "contained_path", "read_regular_file", "DECLARED_TYPE_KEY",
+    "map_types_erased", "write_declared_types",
 ]
 
 ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto]
@@ -439,6 +440,86 @@ def _validate_proto(proto: onnx.ModelProto, limits: LoadLimits, label: str, base
                 )
 
 
+#: Key in a graph input's or output's ``meta`` holding the ``onnx.TypeProto`` it declares
+#: when onnx_ir cannot represent that type (maps, sequences of maps: ZipMap's output,
+#: DictVectorizer's input). The value itself is left untyped in the IR.
+DECLARED_TYPE_KEY = "plugrt.declared_type"
+
+
+def _holds_map(type_proto: onnx.TypeProto) -> bool:
+    kind = type_proto.WhichOneof("value")
+    if kind == "map_type":
+        return True
+    if kind == "sequence_type":
+        return _holds_map(type_proto.sequence_type.elem_type)
+    if kind == "optional_type":
+        return _holds_map(type_proto.optional_type.elem_type)
+    return False
+
+
+def _value_infos(proto: onnx.ModelProto, limits: LoadLimits, label: str) -> Iterator[tuple[bool, onnx.ValueInfoProto]]:
+    """Every declared value of the model, with whether it is a main graph input or output."""
+    for graph in _walk_protos(proto.graph, 0, limits, label):
+        top = graph is proto.graph
+        yield from ((top, v) for v in (*graph.input, *graph.output))
+        yield from ((False, v) for v in graph.value_info)
+    for function in proto.functions:
+        yield from ((False, v) for v in function.value_info)
+        for graph in _function_graphs(function, limits, label):
+            yield from ((False, v) for v in (*graph.input, *graph.output, *graph.value_info))
+
+
+def _without_map_types(
+    proto: onnx.ModelProto, copy: bool, limits: LoadLimits, label: str
+) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto] | None]:
+    """``proto`` with every map-holding type erased, since onnx_ir's deserializer refuses
+    map types, and the main graph's declared types by value name so the session can
+    report them (None when the model holds no map type). ``copy``: the proto is the
+    caller's, so a changed one is a copy."""
+    if not any(_holds_map(v.type) for _, v in _value_infos(proto, limits, label)):
+        return proto, None
+    if copy:
+        original, proto = proto, onnx.ModelProto()
+        proto.CopyFrom(original)
+    declared: dict[str, onnx.TypeProto] = {}
+    for top, value in _value_infos(proto, limits, label):
+        if _holds_map(value.type):
+            if top:
+                declared[value.name] = onnx.TypeProto()
+                declared[value.name].CopyFrom(value.type)
+            value.ClearField("type")
+    return proto, declared
+
+
+_MAP_TYPES_ERASED_KEY = "plugrt.map_types_erased"
+
+
+def _remember_declared_types(model: ir.Model, declared: dict[str, onnx.TypeProto]) -> None:
+    model.meta[_MAP_TYPES_ERASED_KEY] = True
+    for value in (*model.graph.inputs, *model.graph.outputs):
+        if value.name in declared:
+            value.meta[DECLARED_TYPE_KEY] = declared[value.name]
+
+
+def write_declared_types(proto: onnx.ModelProto, model: ir.Model) -> None:
+    """Give the graph inputs and outputs of ``proto``, serialized from ``model``, the map
+    types the loader erased, so that a model plugrt writes (an optimised model, an
+    EPContext model) declares what the model it loaded declared."""
+    declared = {
+        v.name: v.meta[DECLARED_TYPE_KEY] for v in (*model.graph.inputs, *model.graph.outputs) if DECLARED_TYPE_KEY in v.meta
+    }
+    for value in (*proto.graph.input, *proto.graph.output):
+        if value.name in declared:
+            value.type.CopyFrom(declared[value.name])
+
+
+def map_types_erased(model: ir.Model) -> bool:
+    """Whether the loader erased map types from ``model``. onnx's shape inference must not
+    see such a model: it dereferences the missing type of a map-reading op's input (a crash
+    of the process), and where it does not, it infers map types onnx_ir cannot read back."""
+    return bool(model.meta.get(_MAP_TYPES_ERASED_KEY))
+
+
 def _validate_ir(model: ir.Model, label: str) -> None:
     graphs = [model.graph]
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
@@ -534,6 +615,7 @@ def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedM
     limits = limits or LoadLimits()
     proto, base_dir, label = _read_proto(source, limits)
     _validate_proto(proto, limits, label, base_dir)
+    proto, declared = _without_map_types(proto, isinstance(source, onnx.ModelProto), limits, label)
     ir_logger = logging.getLogger("onnx_ir")
     previous = ir_logger.level
     ir_logger.setLevel(logging.ERROR)  # we report dangling values ourselves, with the node
@@ -546,6 +628,8 @@ def load_model(source: ModelSource, limits: LoadLimits | None = None) -> LoadedM
         raise ModelLoadError(f"the model is malformed: {type(exc).__name__}: {detail}", source=label) from exc
     finally:
         ir_logger.setLevel(previous)
+    if declared is not None:
+        _remember_declared_types(model, declared)
     if base_dir:
         _set_base_dir(model, base_dir)
     _own_tensors(model)

@@ -40,6 +40,7 @@ from .errors import (
     ProviderUnavailableError,
     UnknownOptionError,
 )
+from .loader import map_types_erased, write_declared_types
 from .options import OPTIONS
 from .session import Session, TensorInfo
 from .weights import WeightStore
@@ -309,7 +310,9 @@ def _node_arg(info: TensorInfo) -> NodeArg:
 def _inferred_outputs(session: Session) -> list[TensorInfo]:
     """The outputs with the shapes inference found where the model declares none."""
     inferred = {v.name: v for v in session.model.graph.outputs}
-    if any(inferred[o.name].shape is None for o in session.outputs if o.shape is None and o.name in inferred):
+    unknown = [o for o in session.outputs if o.shape is None and o.name in inferred]
+    # a model holding maps (ZipMap's output) keeps its declared shapes: see map_types_erased
+    if any(inferred[o.name].shape is None for o in unknown) and not map_types_erased(session.model):
         import onnx_ir as ir
         from onnx_ir.passes.common import ShapeInferencePass
 
@@ -480,14 +483,25 @@ class InferenceSession:
 
         # the graph after the optimisation passes, before placement; at level "all" it may
         # hold fused com.microsoft ops, as onnxruntime's own optimised files do
+        model = self._session.model
         configs = self._sess_options._configs if self._sess_options is not None else {}
-        data_file = configs.get("session.optimized_model_external_initializers_file_name")
-        if not data_file:
-            ir.save(self._session.model, os.fspath(path))
-            return
         # initializers of at least min_size bytes go to data_file, beside the model (as onnxruntime)
+        data_file = configs.get("session.optimized_model_external_initializers_file_name")
         threshold = int(configs.get("session.optimized_model_external_initializers_min_size_in_bytes", "1024"))
-        ir.save(self._session.model, os.fspath(path), external_data=data_file, size_threshold_bytes=threshold)
+        if map_types_erased(model):  # written with the map types it declares (ZipMap's output)
+            import onnx
+
+            proto = ir.serde.serialize_model(model)
+            write_declared_types(proto, model)
+            if data_file:
+                onnx.save(proto, os.fspath(path), save_as_external_data=True, location=data_file, size_threshold=threshold)
+            else:
+                onnx.save(proto, os.fspath(path))
+            return
+        if data_file:
+            ir.save(model, os.fspath(path), external_data=data_file, size_threshold_bytes=threshold)
+        else:
+            ir.save(model, os.fspath(path))
 
     @property
     def session(self) -> Session:

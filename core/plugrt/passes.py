@@ -13,6 +13,7 @@ from onnx_ir.passes import common as common_passes
 from ._guard import planned_output_bytes
 from .errors import ModelLimitError
 from .ir_utils import is_constant, subgraphs, tensor_array
+from .loader import map_types_erased
 from .provider import ExecutionProvider, FunctionCapability, Partition, PassesCapability, SupportContext
 from .tracing import span, traced
 
@@ -99,7 +100,10 @@ class _FailureOfShapeInference(logging.Filter):
 
 def infer_types(model: ir.Model) -> bool:
     """Record value types and shapes with onnx's shape inference (best effort: a model onnx
-    cannot infer still runs, its providers see fewer types)."""
+    cannot infer still runs, its providers see fewer types; a model holding maps is not
+    inferred at all)."""
+    if map_types_erased(model):
+        return False
     quiet = _FailureOfShapeInference()
     pass_logger = logging.getLogger(common_passes.ShapeInferencePass.__module__)
     pass_logger.addFilter(quiet)

@@ -6,10 +6,12 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from ._dtypes import numpy_dtype
 from .ir_utils import tensor_array
+from .loader import DECLARED_TYPE_KEY
 from .errors import (
     InputDtypeError,
     InputRankError,
@@ -79,7 +81,26 @@ def _type_string(type_: ir.TypeProtocol | None) -> tuple[str, str, np.dtype | No
     return "tensor", f"tensor({dtype_enum.name.lower()})", dtype
 
 
+def _declared_type_string(type_proto: onnx.TypeProto) -> tuple[str, str]:
+    """(kind, onnxruntime's spelling) of a type onnx_ir cannot hold, e.g. ZipMap's
+    ``seq(map(int64,tensor(float)))``."""
+    kind = type_proto.WhichOneof("value")
+    if kind == "map_type":
+        key = onnx.TensorProto.DataType.Name(type_proto.map_type.key_type).lower()
+        return "map", f"map({key},{_declared_type_string(type_proto.map_type.value_type)[1]})"
+    if kind == "sequence_type":
+        return "sequence", f"seq({_declared_type_string(type_proto.sequence_type.elem_type)[1]})"
+    if kind == "optional_type":
+        return "optional", f"optional({_declared_type_string(type_proto.optional_type.elem_type)[1]})"
+    name = onnx.TensorProto.DataType.Name(type_proto.tensor_type.elem_type).lower()
+    return "tensor", f"tensor({name})"
+
+
 def tensor_info(value: ir.Value) -> TensorInfo:
+    declared = value.meta.get(DECLARED_TYPE_KEY)
+    if declared is not None:
+        kind, type_string = _declared_type_string(declared)
+        return TensorInfo(value.name or "", None, None, kind, type_string)
     kind, type_string, dtype = _type_string(value.type)
     shape = None
     if value.shape is not None:

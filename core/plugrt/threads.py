@@ -165,10 +165,18 @@ class _Blas:
         return self.set_local
 
 
+def _numpy_first(paths: list[str], numpy_dir: str) -> list[str]:
+    """``paths`` with the libraries numpy's wheel bundles (in ``numpy/`` or ``numpy.libs/``)
+    first: another package's OpenBLAS (scipy's, which scikit-learn loads) may lie at a lower
+    address, and only numpy's runs numpy's products."""
+    roots = (numpy_dir + os.sep, numpy_dir + ".libs" + os.sep)
+    return sorted(paths, key=lambda path: not path.startswith(roots))
+
+
 def openblas_libraries() -> list[str]:
-    """Paths of the OpenBLAS shared libraries mapped into this process (numpy's, once it is
-    imported), from /proc/self/maps; empty without /proc or another BLAS."""
-    import numpy  # noqa: F401  (loads its BLAS)
+    """Paths of the OpenBLAS shared libraries mapped into this process (numpy's first, once
+    it is imported), from /proc/self/maps; empty without /proc or another BLAS."""
+    import numpy  # (loads its BLAS)
 
     paths: list[str] = []
     try:
@@ -180,7 +188,7 @@ def openblas_libraries() -> list[str]:
                     paths.append(path)
     except OSError:
         return []
-    return paths
+    return _numpy_first(paths, os.path.dirname(os.path.realpath(numpy.__file__)))
 
 
 def _find_set_local() -> Any:

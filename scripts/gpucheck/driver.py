@@ -25,7 +25,6 @@ against its reference); it exits 0 when all of that holds.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -162,6 +161,8 @@ def _section(stage: str, rows: list[dict]) -> list[str]:
                            f"{r.get('status')} ({len(r.get('compiled', []))} modules) {r.get('detail', '')}")
             elif r.get("kind") == "discovery":
                 out.append(f"- discovery: cuda {r.get('cuda')}; {r.get('detail', '')}")
+            elif r.get("kind") == "cubin load":
+                out.append(f"- loading a cubin: {r.get('status')}: {r.get('detail', '')}")
     elif stage == "references":
         for r in rows:
             out.append(f"- {r.get('kind')}: {r.get('status')} {r.get('detail', '')}")
@@ -260,14 +261,6 @@ def light_inputs(name: str) -> dict:
     from plugrt.conformance.light_models import light_models
 
     return next(m for m in light_models() if m.name == name).inputs
-
-
-def _digest(arrays: dict) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(arrays):
-        digest.update(name.encode())
-        digest.update(arrays[name].tobytes())
-    return digest.hexdigest()
 
 
 def compare(got: Any, want: Any) -> tuple[float, float]:
@@ -403,8 +396,25 @@ def stage_environment() -> bool:
         record("environment", kind="discovery", status=status, cuda="available" if cuda_reason is None else "unavailable",
                detail=f"reason: {cuda_reason}" if cuda_reason else f"devices: {registry.devices('cuda')}")
         ok &= status == "ok"
+        if status == "ok":
+            ok &= _cubin_load_check(registry.get("cuda"))
     ok &= _nvrtc_check()
     return ok
+
+
+def _cubin_load_check(provider: Any) -> bool:
+    """Whether the driver loads the cubins NVRTC makes here (else cupy compiles each module)."""
+    try:
+        backend = provider.backend()
+        backend.kernel("gemm", "float32", "gemm")
+        refused = dict(getattr(backend, "cubins_refused", {}))
+        record("environment", kind="cubin load", status="ok" if not refused else "fallback",
+               detail=f"architecture {getattr(backend, 'arch', '?')}: "
+               + ("the driver loads NVRTC's cubins" if not refused else f"refused, cupy compiles instead: {refused}"))
+        return True
+    except Exception as exc:
+        record("environment", kind="cubin load", status="fail", detail=f"{type(exc).__name__}: {exc}"[:1500])
+        return False
 
 
 def _cuda_text(version: int) -> str:
@@ -433,13 +443,14 @@ def stage_references() -> bool:
     import numpy as np
 
     import plugrt
+    from plugrt.conformance.light_models import arrays_digest
 
     manifest = _manifest()
     references = np.load(os.path.join(HERE, "references.npz"))
     ok = True
     mismatched = []
     for entry in manifest["models"]:
-        if _digest(light_inputs(entry["name"])) != entry["inputs_sha256"]:
+        if arrays_digest(light_inputs(entry["name"])) != entry["inputs_sha256"]:
             mismatched.append(f"{entry['name']} inputs")
         for variant, info in entry["variants"].items():
             for output in entry["outputs"]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -127,14 +126,6 @@ def build_wheels(wheels: str) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(wheels, "*.whl")))
 
 
-def _digest(arrays: dict) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(arrays):
-        digest.update(name.encode())
-        digest.update(arrays[name].tobytes())
-    return digest.hexdigest()
-
-
 def write_models_and_references(out: str) -> dict:
     """Light models with logits outputs, and the CPU provider's references for them and for
     their random-weight variants. Returns the manifest's ``models`` entries."""
@@ -142,7 +133,7 @@ def write_models_and_references(out: str) -> dict:
     import onnx
 
     import plugrt
-    from plugrt.conformance.light_models import light_models, with_logits, with_random_weights
+    from plugrt.conformance.light_models import arrays_digest, light_models, with_logits, with_random_weights
 
     os.makedirs(os.path.join(out, "models"), exist_ok=True)
     references: dict[str, np.ndarray] = {}
@@ -154,7 +145,7 @@ def write_models_and_references(out: str) -> dict:
         onnx.save(model, os.path.join(out, file))
         entry = {
             "name": light.name, "file": file, "logits": logits, "outputs": [o.name for o in model.graph.output],
-            "inputs_sha256": _digest(light.inputs), "variants": {},
+            "inputs_sha256": arrays_digest(light.inputs), "variants": {},
         }
         variants = {"constant": (model, "")}
         random_model, weights_digest = with_random_weights(model, seed=0)

@@ -14,10 +14,11 @@
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 cd "$HERE/.."
-# the image's python3 on the GPU machine; for a dry run elsewhere, the stand-in for that image
-# which prep makes beside the checkout (CPython 3.12 with the image's versions, no plugrt)
+# the image's python3 on the GPU machine; for a dry run or a rehearsal elsewhere, the stand-in
+# for that image which prep makes beside the checkout (CPython 3.12 with its versions, no plugrt)
 PYTHON=${GPU_CHECK_PYTHON:-python3}
-if [ -z "${GPU_CHECK_PYTHON:-}" ] && [ -n "${GPU_CHECK_DRY:-}" ] && [ -x "$HERE/../.venv-gpu-image/bin/python" ]; then
+REHEARSAL=${GPU_CHECK_DRY:-}${GPU_CHECK_DEVICE:+rehearsal}
+if [ -z "${GPU_CHECK_PYTHON:-}" ] && [ -n "$REHEARSAL" ] && [ -x "$HERE/../.venv-gpu-image/bin/python" ]; then
     PYTHON="$HERE/../.venv-gpu-image/bin/python"
 fi
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then

@@ -237,3 +237,42 @@ def test_a_model_onnx_cannot_infer_loads_without_a_warning_traceback(caplog):
         plugrt.load(str(model))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("shape inference failed" in r.getMessage() for r in caplog.records if r.name == "plugrt.passes")
+
+
+def _zip_map_model() -> onnx.ModelProto:
+    """Probabilities through ZipMap, as skl2onnx exports every classifier by default."""
+    probabilities = helper.make_sequence_type_proto(
+        helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, []))
+    )
+    graph = helper.make_graph(
+        [helper.make_node("ZipMap", ["p"], ["probabilities"], domain="ai.onnx.ml", classlabels_int64s=[0, 1])],
+        "g",
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, [None, 2])],
+        [helper.make_value_info("probabilities", probabilities)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
+
+
+def test_a_sequence_of_maps_output_loads_and_keeps_its_declared_type():
+    session = plugrt.load(_zip_map_model().SerializeToString())
+    (output,) = session.outputs
+    assert (output.kind, output.type_string) == ("sequence", "seq(map(int64,tensor(float)))")
+
+
+def test_loading_leaves_the_callers_model_proto_with_its_map_types():
+    model = _zip_map_model()
+    before = model.SerializeToString()
+    plugrt.load(model)
+    assert model.SerializeToString() == before
+
+
+def test_a_map_input_is_reported_as_onnxruntime_spells_it():
+    graph = helper.make_graph(
+        [helper.make_node("DictVectorizer", ["x"], ["y"], domain="ai.onnx.ml", string_vocabulary=["a", "b"])],
+        "g",
+        [helper.make_value_info("x", helper.make_map_type_proto(TensorProto.STRING, helper.make_tensor_type_proto(TensorProto.FLOAT, [])))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
+    (info,) = plugrt.InferenceSession(model.SerializeToString()).get_inputs()
+    assert (info.type, info.shape) == ("map(string,tensor(float))", [])

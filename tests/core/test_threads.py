@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx.parser
 import pytest
@@ -51,12 +53,24 @@ def test_blas_threads_sets_openblas_per_thread(monitor):
         pytest.skip("numpy's BLAS has no per-thread thread count")
     threads.begin_run(0)
     monitor["others"] = 2.0  # two cores free
+    numpys = os.path.realpath(threads.openblas_libraries()[0])
+
+    def numpys_count():
+        # scipy's OpenBLAS may be loaded too (scikit-learn's tests import it)
+        (entry,) = [i for i in threadpoolctl.threadpool_info() if os.path.realpath(i["filepath"]) == numpys]
+        return entry["num_threads"]
+
     assert threads.blas_threads(BIG) == 2
-    blas = [i for i in threadpoolctl.threadpool_info() if i["internal_api"] == "openblas"]
-    assert blas and blas[0]["num_threads"] == 2
+    assert numpys_count() == 2
     assert threads.blas_threads(1) == 1
-    blas = [i for i in threadpoolctl.threadpool_info() if i["internal_api"] == "openblas"]
-    assert blas[0]["num_threads"] == 1
+    assert numpys_count() == 1
+
+
+def test_numpys_own_openblas_comes_before_another_packages():
+    numpy_dir = os.path.join("site-packages", "numpy")
+    scipys = os.path.join("site-packages", "scipy.libs", "libscipy_openblas.so")
+    numpys = os.path.join("site-packages", "numpy.libs", "libscipy_openblas64_.so")
+    assert threads._numpy_first([scipys, numpys], numpy_dir) == [numpys, scipys]
 
 
 def test_monitor_counts_other_processes_busy_time(monkeypatch):

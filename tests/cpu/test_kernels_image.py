@@ -329,9 +329,9 @@ def test_lossless_webp_decodes_to_the_original_pixels():
     np.testing.assert_array_equal(_decode(_encoded_with_pillow(image, "WEBP", lossless=True)), image)
 
 
-def test_image_decoder_without_pillow_names_the_extra_to_install(monkeypatch):
+def test_image_decoder_without_pillow_names_the_package_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "PIL", None)  # makes `import PIL` fail
-    with pytest.raises(PlugrtError, match=r"plugrt\[image\]") as error:
+    with pytest.raises(PlugrtError, match=r"pip install Pillow \(or, from the plugrt checkout, pip install '\.\[image\]'\)") as error:
         _decode(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + bytes(20))
     assert isinstance(error.value.__cause__, NotImplementedError)
 

@@ -293,3 +293,179 @@ def test_linear_classifier_matches_reference(post_transform, n_classes):
     }
     model, feeds = node_case("LinearClassifier", [_X], 19, domain="ai.onnx.ml", output_types=[_INT64, _FLOAT], ir_version=10, attributes=attrs)
     _assert_matches_reference(model, feeds)
+
+
+# ----------------------------------------------------------------------------- SVMs (against onnxruntime)
+
+
+def _assert_matches_onnxruntime(model, feeds, atol=1e-5):
+    ort = pytest.importorskip("onnxruntime")
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = run_model(model, feeds)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        if e.dtype.kind in "iuO":
+            assert g.tolist() == e.tolist()
+        else:
+            assert g.dtype == e.dtype
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=atol)
+
+
+_SVM_X = np.random.default_rng(7).standard_normal((30, 3)).astype(np.float32)
+
+
+def _svm_classifier_attributes(rng, n_classes, kernel_type, probabilities):
+    per_class = rng.integers(1, 4, n_classes).tolist()
+    n_vectors, n_pairs = sum(per_class), n_classes * (n_classes - 1) // 2
+    attrs = {
+        "classlabels_ints": list(range(5, 5 + n_classes)),
+        "coefficients": rng.standard_normal((n_classes - 1) * n_vectors).tolist(),
+        "kernel_params": [0.3, 0.1, 3.0],
+        "kernel_type": kernel_type,
+        "rho": rng.standard_normal(n_pairs).tolist(),
+        "support_vectors": rng.standard_normal(n_vectors * 3).tolist(),
+        "vectors_per_class": per_class,
+    }
+    if probabilities:
+        attrs["prob_a"] = (-2 * rng.random(n_pairs)).tolist()
+        attrs["prob_b"] = rng.standard_normal(n_pairs).tolist()
+    return attrs
+
+
+def _svm_classifier_case(attrs, label_type=_INT64):
+    return node_case("SVMClassifier", [_SVM_X], 17, domain="ai.onnx.ml", output_types=[label_type, _FLOAT], attributes=attrs)
+
+
+@pytest.mark.parametrize("kernel_type", ["LINEAR", "POLY", "RBF", "SIGMOID"])
+@pytest.mark.parametrize("n_classes", [2, 3, 4])
+def test_svm_classifier_one_vs_one_votes_match_onnxruntime(kernel_type, n_classes):
+    attrs = _svm_classifier_attributes(np.random.default_rng(n_classes), n_classes, kernel_type, probabilities=False)
+    _assert_matches_onnxruntime(*_svm_classifier_case(attrs))
+
+
+@pytest.mark.parametrize("kernel_type", ["LINEAR", "RBF"])
+@pytest.mark.parametrize("n_classes", [2, 3, 4])
+def test_svm_classifier_probabilities_match_onnxruntime(kernel_type, n_classes):
+    attrs = _svm_classifier_attributes(np.random.default_rng(10 + n_classes), n_classes, kernel_type, probabilities=True)
+    _assert_matches_onnxruntime(*_svm_classifier_case(attrs))
+
+
+@pytest.mark.parametrize("post_transform", ["LOGISTIC", "SOFTMAX", "SOFTMAX_ZERO"])
+@pytest.mark.parametrize("n_classes", [2, 3])
+def test_svm_classifier_applies_post_transforms_as_onnxruntime(post_transform, n_classes):
+    attrs = _svm_classifier_attributes(np.random.default_rng(20 + n_classes), n_classes, "RBF", probabilities=False)
+    _assert_matches_onnxruntime(*_svm_classifier_case(dict(attrs, post_transform=post_transform)))
+
+
+def test_svm_classifier_with_string_labels_returns_strings():
+    attrs = _svm_classifier_attributes(np.random.default_rng(30), 3, "RBF", probabilities=True)
+    del attrs["classlabels_ints"]
+    attrs["classlabels_strings"] = ["cat", "dog", "fox"]
+    _assert_matches_onnxruntime(*_svm_classifier_case(attrs, label_type=_STRING))
+
+
+@pytest.mark.parametrize("positive_weights", [False, True])
+@pytest.mark.parametrize("n_classes", [2, 3])
+def test_svm_classifier_without_support_vectors_is_linear_as_onnxruntime(positive_weights, n_classes):
+    weights = np.random.default_rng(40 + n_classes).standard_normal(n_classes * 3)
+    attrs = {
+        "classlabels_ints": list(range(n_classes)),
+        "coefficients": (np.abs(weights) if positive_weights else weights).tolist(),
+        "kernel_params": [0.3, 0.1, 3.0],
+        "kernel_type": "LINEAR",
+        "rho": [0.3],
+    }
+    _assert_matches_onnxruntime(*_svm_classifier_case(attrs))
+
+
+@pytest.mark.parametrize("kernel_type", ["LINEAR", "POLY", "RBF", "SIGMOID"])
+@pytest.mark.parametrize("one_class", [0, 1])
+def test_svm_regressor_matches_onnxruntime(kernel_type, one_class):
+    rng = np.random.default_rng(50)
+    attrs = {
+        "coefficients": rng.standard_normal(4).tolist(),
+        "kernel_params": [0.3, 0.1, 3.0],
+        "kernel_type": kernel_type,
+        "n_supports": 4,
+        "one_class": one_class,
+        "rho": [0.2],
+        "support_vectors": rng.standard_normal(12).tolist(),
+    }
+    _assert_matches_onnxruntime(*node_case("SVMRegressor", [_SVM_X], 17, domain="ai.onnx.ml", output_types=[_FLOAT], attributes=attrs))
+
+
+def test_svm_regressor_without_support_vectors_is_linear():
+    attrs = {"coefficients": [0.5, -1.0, 2.0], "rho": [0.25], "n_supports": 0}
+    model, feeds = node_case("SVMRegressor", [_SVM_X], 17, domain="ai.onnx.ml", output_types=[_FLOAT], attributes=attrs)
+    (got,) = run_model(model, feeds)
+    # an independent numpy form of the same linear model
+    np.testing.assert_allclose(got.ravel(), _SVM_X @ np.array([0.5, -1.0, 2.0]) + 0.25, rtol=1e-6)
+
+
+def test_svm_regressor_ignores_post_transform_as_onnxruntime():
+    rng = np.random.default_rng(51)
+    attrs = {
+        "coefficients": rng.standard_normal(4).tolist(), "kernel_type": "RBF", "kernel_params": [0.3, 0.0, 0.0],
+        "n_supports": 4, "rho": [0.2], "support_vectors": rng.standard_normal(12).tolist(), "post_transform": "LOGISTIC",
+    }
+    _assert_matches_onnxruntime(*node_case("SVMRegressor", [_SVM_X], 17, domain="ai.onnx.ml", output_types=[_FLOAT], attributes=attrs))
+
+
+# ----------------------------------------------------------------------------- maps
+
+
+def _map_model(op_type, input_type, output_type, **attrs):
+    node = helper.make_node(op_type, ["x"], ["y"], domain="ai.onnx.ml", **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_value_info("x", input_type)], [helper.make_value_info("y", output_type)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
+
+
+def test_zip_map_returns_one_dict_per_row_keyed_by_int_labels():
+    model = _map_model(
+        "ZipMap", helper.make_tensor_type_proto(_FLOAT, [None, 3]),
+        helper.make_sequence_type_proto(helper.make_map_type_proto(_INT64, helper.make_tensor_type_proto(_FLOAT, []))),
+        classlabels_int64s=[3, 1, 7],
+    )
+    x = np.array([[0.25, 0.5, 0.25], [0.0, 1.0, 0.0]], dtype=np.float32)
+    (got,) = run_model(model, {"x": x})
+    assert got == [{3: 0.25, 1: 0.5, 7: 0.25}, {3: 0.0, 1: 1.0, 7: 0.0}]
+    assert all(type(key) is int and type(value) is float for row in got for key, value in row.items())
+
+
+def test_zip_map_keys_by_string_labels():
+    model = _map_model(
+        "ZipMap", helper.make_tensor_type_proto(_FLOAT, [None, 2]),
+        helper.make_sequence_type_proto(helper.make_map_type_proto(_STRING, helper.make_tensor_type_proto(_FLOAT, []))),
+        classlabels_strings=["no", "yes"],
+    )
+    (got,) = run_model(model, {"x": np.array([[0.75, 0.25]], dtype=np.float32)})
+    assert got == [{"no": 0.75, "yes": 0.25}]
+
+
+def test_dict_vectorizer_places_each_key_at_its_vocabulary_position():
+    model = _map_model(
+        "DictVectorizer", helper.make_map_type_proto(_STRING, helper.make_tensor_type_proto(TensorProto.DOUBLE, [])),
+        helper.make_tensor_type_proto(TensorProto.DOUBLE, [1, 3]), string_vocabulary=["a", "b", "c"],
+    )
+    (got,) = run_model(model, {"x": {"c": 2.5, "a": 1.0, "unknown": 9.0}})
+    assert got.dtype == np.float64  # the map's declared value type
+    assert got.tolist() == [[1.0, 0.0, 2.5]]
+
+
+@pytest.mark.parametrize(
+    ("map_form", "cast_to", "expected"),
+    [
+        ("DENSE", "TO_FLOAT", [[2.25, -1.0, 1.5]]),
+        ("SPARSE", "TO_FLOAT", [[2.25, -1.0, 0.0, 1.5, 0.0]]),
+        ("DENSE", "TO_INT64", [[2, -1, 1]]),
+        ("SPARSE", "TO_STRING", [["2.250000", "-1.000000", "0.f", "1.500000", "0.f"]]),  # as onnxruntime writes them
+    ],
+)
+def test_cast_map_lays_out_a_map_as_onnxruntime(map_form, cast_to, expected):
+    element = {"TO_FLOAT": _FLOAT, "TO_INT64": _INT64, "TO_STRING": _STRING}[cast_to]
+    model = _map_model(
+        "CastMap", helper.make_map_type_proto(_INT64, helper.make_tensor_type_proto(_FLOAT, [])),
+        helper.make_tensor_type_proto(element, None), cast_to=cast_to, map_form=map_form, max_map=5,
+    )
+    (got,) = run_model(model, {"x": {3: 1.5, 0: 2.25, 1: -1.0}})
+    assert got.tolist() == expected

@@ -64,10 +64,16 @@ class _CountingNvrtc:
         pass
 
 
-def test_a_module_is_compiled_once_per_dtype_and_architecture(monkeypatch):
-    nvrtc = _CountingNvrtc()
-    monkeypatch.setattr(_sources, "_nvrtc", lambda: nvrtc)
+@pytest.fixture
+def nvrtc(monkeypatch):
+    """A counting NVRTC in place of the real one, and an empty cubin cache."""
+    counting = _CountingNvrtc()
+    monkeypatch.setattr(_sources, "_nvrtc", lambda: counting)
     monkeypatch.setattr(_sources, "_CUBINS", {})
+    return counting
+
+
+def test_a_module_is_compiled_once_per_dtype_and_architecture(nvrtc):
     first = _sources.compile_cubin("gemm", "float32", "sm_90")
     assert _sources.compile_cubin("gemm", "float32", "sm_90") is first
     _sources.compile_cubin("gemm", "float32", "sm_80")
@@ -75,10 +81,7 @@ def test_a_module_is_compiled_once_per_dtype_and_architecture(monkeypatch):
     assert len(nvrtc.compiles) == 3
 
 
-def test_a_changed_source_is_compiled_again(monkeypatch):
-    nvrtc = _CountingNvrtc()
-    monkeypatch.setattr(_sources, "_nvrtc", lambda: nvrtc)
-    monkeypatch.setattr(_sources, "_CUBINS", {})
+def test_a_changed_source_is_compiled_again(monkeypatch, nvrtc):
     _sources.compile_cubin("pool", "float32", "sm_90")
     changed = _sources.KernelSource("pool", _sources.SOURCES["pool"].code + "\n// changed\n", ("pool2d",), 256)
     monkeypatch.setitem(_sources.SOURCES, "pool", changed)
@@ -86,16 +89,13 @@ def test_a_changed_source_is_compiled_again(monkeypatch):
     assert len(nvrtc.compiles) == 2
 
 
-def test_saving_contexts_again_compiles_nothing_again(monkeypatch):
+def test_saving_contexts_again_compiles_nothing_again(nvrtc):
     import types
 
     import numpy as np
 
     from plugrt_cuda._backend import CupyBackend
 
-    nvrtc = _CountingNvrtc()
-    monkeypatch.setattr(_sources, "_nvrtc", lambda: nvrtc)
-    monkeypatch.setattr(_sources, "_CUBINS", {})
     loaded = []
 
     class Module:
@@ -114,3 +114,26 @@ def test_saving_contexts_again_compiles_nothing_again(monkeypatch):
     assert sorted(cubins) == [("gemm", "float32"), ("softmax", "float16")]
     assert len(nvrtc.compiles) == 2 and loaded == [cubins[("gemm", "float32")], cubins[("softmax", "float16")]]
     assert backend.cubins_nvrtc_version() == 13020
+
+
+def test_a_cubin_the_driver_refuses_falls_back_to_cupys_own_compile(nvrtc):
+    import types
+
+    import numpy as np
+
+    from plugrt_cuda._backend import CupyBackend
+
+    class Module:
+        def load(self, cubin):
+            raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+
+    compiled = []
+    cupy = types.SimpleNamespace(
+        dtype=np.dtype,
+        cuda=types.SimpleNamespace(function=types.SimpleNamespace(Module=Module)),
+        RawModule=lambda code, options: compiled.append(code) or types.SimpleNamespace(get_function=lambda name: name),
+    )
+    backend = CupyBackend(cupy, arch="sm_90")
+    assert backend.kernel("pool", np.float32, "pool2d") == "pool2d"
+    assert len(compiled) == 1 and "pool2d" in compiled[0]
+    assert "CUDA_ERROR_INVALID_IMAGE" in backend.cubins_refused[("pool", "float32")]

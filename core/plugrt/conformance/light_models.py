@@ -10,7 +10,7 @@ import os
 import numpy as np
 import onnx
 
-__all__ = ["LightModel", "light_models", "light_model_dir", "with_logits", "with_random_weights"]
+__all__ = ["LightModel", "light_models", "light_model_dir", "with_logits", "with_random_weights", "arrays_digest"]
 
 
 @dataclasses.dataclass
@@ -99,3 +99,13 @@ def with_random_weights(model: onnx.ModelProto, seed: int = 0) -> tuple[onnx.Mod
     for value in [v for v in graph.input if v.name in dropped]:  # IR 3 lists initializers as inputs
         graph.input.remove(value)
     return copy, digest.hexdigest()
+
+
+def arrays_digest(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 over named arrays (names sorted, then each one's bytes): whether two machines
+    made the same inputs."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(arrays[name]).tobytes())
+    return digest.hexdigest()

@@ -75,6 +75,7 @@ class CupyBackend(Backend):
             raise InvalidOptionValueError(GEMM_ENV, engine, ", ".join(_GEMM_ENGINES))
         self.gemm_engine = engine
         self.loaded_from_cubin: set[tuple[str, str]] = set()
+        self.cubins_refused: dict[tuple[str, str], str] = {}  # module -> why the driver refused its cubin
 
     # -- modules -----------------------------------------------------------------------
 
@@ -91,15 +92,22 @@ class CupyBackend(Backend):
 
     def _load(self, key: tuple[str, str]) -> Any:
         cubin = self._cubins.get(key)
-        if cubin is not None:
-            self.loaded_from_cubin.add(key)
-        elif self.arch:
+        restored = cubin is not None
+        if cubin is None and self.arch:
             # one NVRTC compile per (source, dtype, architecture), shared with save_context
             cubin = _sources.compile_cubin(key[0], key[1], self.arch)
         if cubin is not None:
-            module = self.xp.cuda.function.Module()
-            module.load(cubin)
-            return module
+            try:
+                module = self.xp.cuda.function.Module()
+                module.load(cubin)
+            except Exception as exc:
+                # the driver refused the cubin (one built by a newer CUDA than it runs, say):
+                # cupy compiles the source its own way instead, and the reason is kept
+                self.cubins_refused[key] = f"{type(exc).__name__}: {exc}"
+            else:
+                if restored:
+                    self.loaded_from_cubin.add(key)
+                return module
         return self.xp.RawModule(code=_sources.module_source(*key), options=("-std=c++14",))
 
     def compiled_cubins(self, arch: str) -> dict[tuple[str, str], bytes]:

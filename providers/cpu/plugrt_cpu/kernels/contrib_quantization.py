@@ -211,50 +211,62 @@ def gather_block_quantized(ctx: KernelContext):
         if scales.ndim != rank:
             raise ValueError(f"scales must have the data's rank {rank}, got shape {scales.shape}")
         dtype = data.dtype
+        packed = dtype == np.uint8 and bits < 8  # values packed along the last axis
         if dtype == np.uint8:
             if bits not in _PACKABLE_BITS:
                 raise ValueError(f"uint8 data supports bits 2, 4 or 8, got {bits}")
             if g_axis != 0 or (bits < 8 and q_axis == rank - 1 and g_axis == rank - 1):
                 raise ValueError("uint8 data needs gather_axis 0, different from the packed last axis")
-            values = _unpack(data, bits)
             default_zero = float(1 << (bits - 1))
-            zeros = None if zero_points is None else _unpack(zero_points, bits)
         elif dtype in _FLOAT_DATA:
             if zero_points is not None:
                 raise ValueError("float8/float4 data is symmetric: it takes no zero_points")
-            values, zeros, default_zero = data, None, 0.0
+            default_zero = 0.0
         else:
-            values, zeros, default_zero = data, zero_points, 0.0
-        length = values.shape[q_axis]
+            default_zero = 0.0
+        length = data.shape[q_axis] * (8 // bits if packed and q_axis == rank - 1 else 1)
         if block_size <= 0:
             if dtype not in _FLOAT_DATA:
                 raise ValueError(f"block_size must be positive for {dtype} data, got {block_size}")
             size = length
         else:
             size = block_size
-        work = _work_dtype(scales.dtype)
-        scale = _expand_blocks(scales.astype(work, copy=False), q_axis, size, length)
-        if zeros is not None:
-            zeros = _expand_blocks(zeros, q_axis, size, length)
-        extent = values.shape[g_axis]
+        extent = data.shape[g_axis]  # the gather axis is never the packed one
         index = np.asarray(indices, dtype=np.int64)
         valid = (index >= -extent) & (index < extent)
         index = np.where(index < 0, index + extent, index)
         index = np.where(valid, index, 0)  # out of range: zeros, set below
+        # Only the rows asked are unpacked and dequantized (a decoder's embedding table is
+        # ~100 MB: expanding all of it per token cost seconds). Along the gather axis a
+        # parameter holds one entry per row, or per block when it is also the quantize axis.
+        out_q = q_axis if q_axis < g_axis else q_axis + index.ndim - 1  # q_axis in the result
 
-        def take(array: np.ndarray) -> np.ndarray:
+        def take(array: np.ndarray, blocked: bool = False) -> np.ndarray:
             if array.shape[g_axis] == 1:
                 shape = list(array.shape)
                 shape[g_axis : g_axis + 1] = [1] * index.ndim
                 return array.reshape(shape)
-            return np.take(array, index, axis=g_axis)
+            return np.take(array, index // size if blocked else index, axis=g_axis)
 
-        gathered = take(values).astype(work)
+        values = take(data)
+        if packed:
+            values = _unpack(values, bits)
+        work = _work_dtype(scales.dtype)
+        gathered = values.astype(work)
+        zeros = zero_points
         if zeros is not None:
-            gathered -= take(zeros).astype(work)
+            zeros = take(zeros, blocked=q_axis == g_axis)
+            if packed:
+                zeros = _unpack(zeros, bits)
+            if q_axis != g_axis:
+                zeros = _expand_blocks(zeros, out_q, size, gathered.shape[out_q])
+            gathered -= zeros.astype(work)
         elif default_zero:
             gathered -= work.type(default_zero)
-        gathered *= take(scale)
+        scale = take(scales.astype(work, copy=False), blocked=q_axis == g_axis)
+        if q_axis != g_axis:
+            scale = _expand_blocks(scale, out_q, size, gathered.shape[out_q])
+        gathered *= scale
         if not valid.all():
             shape = (1,) * g_axis + index.shape + (1,) * (rank - g_axis - 1)
             gathered *= valid.reshape(shape)

@@ -647,3 +647,289 @@ def tree_ensemble_classifier(ctx: KernelContext):
         return labels[index], scores
 
     return run
+
+
+# ----------------------------------------------------------------------------- support vector machines
+
+
+class _SupportVectorKernel:
+    """K(x, v) between every sample and every support vector, shape (N, V), in float64."""
+
+    def __init__(self, kernel_type: Any, kernel_params: Any, support_vectors: np.ndarray):
+        self.kind = _text(kernel_type or "LINEAR").upper()
+        if self.kind not in ("LINEAR", "POLY", "RBF", "SIGMOID"):
+            raise ValueError(f"SVM: kernel_type must be LINEAR, POLY, RBF or SIGMOID, got {self.kind!r}")
+        params = list(kernel_params or [0.0, 0.0, 0.0])
+        if len(params) != 3:
+            raise ValueError(f"SVM: kernel_params holds gamma, coef0 and degree, got {len(params)} values")
+        self.gamma, self.coef0, self.degree = float(params[0]), float(params[1]), int(params[2])
+        self.vectors = support_vectors.astype(np.float64)
+        self.squared_norms = np.square(self.vectors).sum(axis=1)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[1] != self.vectors.shape[1]:
+            raise ValueError(f"SVM: X has {x.shape[1]} features but the support vectors have {self.vectors.shape[1]}")
+        dot = x @ self.vectors.T
+        if self.kind == "LINEAR":
+            return dot
+        if self.kind == "POLY":
+            return np.power(self.gamma * dot + self.coef0, self.degree)
+        if self.kind == "SIGMOID":
+            return np.tanh(self.gamma * dot + self.coef0)
+        distances = np.square(x).sum(axis=1, keepdims=True) - 2 * dot + self.squared_norms
+        return np.exp(-self.gamma * np.maximum(distances, 0.0))
+
+
+def _floats(values: Any) -> np.ndarray:
+    return np.asarray(values if values is not None else [], dtype=np.float64)
+
+
+@kernel_builder("SVMRegressor", 1, domain=_ML)
+def svm_regressor(ctx: KernelContext):
+    a = ctx.attributes
+    coefficients = _floats(a.get("coefficients"))
+    rho = _floats(a.get("rho"))
+    n_supports = int(a.get("n_supports", 0))
+    one_class = bool(a.get("one_class", 0))
+    # post_transform is not applied: onnxruntime returns the decision value whatever it says
+    bias = rho[0] if rho.size else 0.0
+    if n_supports > 0:
+        vectors = _floats(a.get("support_vectors")).reshape(n_supports, -1)
+        if coefficients.size != n_supports:
+            raise ValueError(f"SVMRegressor: {coefficients.size} coefficients for {n_supports} support vectors")
+        gram = _SupportVectorKernel(a.get("kernel_type"), a.get("kernel_params"), vectors)
+    else:
+        # liblinear's form: no support vectors, one weight per feature
+        gram = _SupportVectorKernel("LINEAR", None, coefficients.reshape(1, -1))
+        coefficients = np.ones(1)
+
+    def run(x):
+        scores = gram(_as_rows(x).astype(np.float64)) @ coefficients + bias
+        if one_class:
+            scores = np.where(scores > 0, 1.0, -1.0)
+        return scores.astype(np.float32).reshape(-1, 1)
+
+    return run
+
+
+def _pairwise_weights(coefficients: np.ndarray, vectors_per_class: np.ndarray) -> np.ndarray:
+    """libsvm's one-vs-one coefficients as one (V, pairs) matrix: the decision value of
+    pair (i, j) weighs class i's vectors by row j-1 and class j's vectors by row i."""
+    n_classes, n_vectors = len(vectors_per_class), int(vectors_per_class.sum())
+    rows = coefficients.reshape(n_classes - 1, n_vectors)
+    starts = np.concatenate([[0], np.cumsum(vectors_per_class)[:-1]])
+    pairs = [(i, j) for i in range(n_classes) for j in range(i + 1, n_classes)]
+    weights = np.zeros((n_vectors, len(pairs)))
+    for p, (i, j) in enumerate(pairs):
+        own_i = slice(starts[i], starts[i] + vectors_per_class[i])
+        own_j = slice(starts[j], starts[j] + vectors_per_class[j])
+        weights[own_i, p] = rows[j - 1, own_i]
+        weights[own_j, p] = rows[i, own_j]
+    return weights
+
+
+def _pairwise_probabilities(decisions: np.ndarray, prob_a: np.ndarray, prob_b: np.ndarray, n_classes: int) -> np.ndarray:
+    """Class probabilities from one-vs-one decision values (N, pairs): Platt's sigmoid per
+    pair, then the coupling of Wu, Lin and Weng (2004) that libsvm solves, for all samples
+    at once (each stops iterating when it converges)."""
+    f = decisions * prob_a + prob_b
+    # 1 / (1 + exp(f)), written to overflow on neither side
+    pair_probability = np.where(f >= 0, np.exp(-np.abs(f)) / (1 + np.exp(-np.abs(f))), 1 / (1 + np.exp(-np.abs(f))))
+    pair_probability = np.clip(pair_probability, 1e-7, 1 - 1e-7)
+    n = decisions.shape[0]
+    r = np.zeros((n, n_classes, n_classes))
+    upper_i, upper_j = np.triu_indices(n_classes, 1)  # the pairs' order: (0,1), (0,2), ..., (1,2), ...
+    r[:, upper_i, upper_j] = pair_probability
+    r[:, upper_j, upper_i] = 1 - pair_probability
+    q = -r.transpose(0, 2, 1) * r
+    diagonal = np.arange(n_classes)
+    q[:, diagonal, diagonal] = np.square(r).sum(axis=1) - np.square(r[:, diagonal, diagonal])
+    p = np.full((n, n_classes), 1.0 / n_classes)
+    active = np.ones(n, dtype=bool)
+    epsilon = 0.005 / n_classes
+    for _ in range(max(100, n_classes)):
+        qp = np.einsum("nij,nj->ni", q, p)
+        pqp = (p * qp).sum(axis=1)
+        active &= np.abs(qp - pqp[:, None]).max(axis=1) >= epsilon
+        if not active.any():
+            break
+        rows = np.flatnonzero(active)
+        qa, pa, qpa, pqpa = q[rows], p[rows], qp[rows], pqp[rows]
+        for t in range(n_classes):
+            diff = (pqpa - qpa[:, t]) / qa[:, t, t]
+            pa[:, t] += diff
+            scale = 1 + diff
+            pqpa = (pqpa + diff * (diff * qa[:, t, t] + 2 * qpa[:, t])) / np.square(scale)
+            pa /= scale[:, None]
+            qpa = (qpa + diff[:, None] * qa[:, t, :]) / scale[:, None]
+        p[rows] = pa
+    return p
+
+
+@kernel_builder("SVMClassifier", 1, domain=_ML, multi_output=True)
+def svm_classifier(ctx: KernelContext):
+    a = ctx.attributes
+    int_labels = a.get("classlabels_ints")
+    labels = np.asarray(int_labels, dtype=np.int64) if int_labels else np.asarray(_texts(a.get("classlabels_strings") or []), dtype=object)
+    n_classes = len(labels)
+    if n_classes < 2:
+        raise ValueError("SVMClassifier: classlabels_ints or classlabels_strings must name at least two classes")
+    coefficients = _floats(a.get("coefficients"))
+    rho = _floats(a.get("rho"))
+    prob_a, prob_b = _floats(a.get("prob_a")), _floats(a.get("prob_b"))
+    vectors_per_class = np.asarray(a.get("vectors_per_class") or [], dtype=np.int64)
+    post_name = _text(a.get("post_transform", "NONE"))
+    post = _post_transform(post_name)
+    n_vectors = int(vectors_per_class.sum())
+    n_pairs = n_classes * (n_classes - 1) // 2
+    all_positive = bool(coefficients.size) and bool(coefficients.min() >= 0)
+    if n_vectors > 0:
+        if len(vectors_per_class) != n_classes:
+            raise ValueError(f"SVMClassifier: vectors_per_class has {len(vectors_per_class)} entries for {n_classes} classes")
+        if rho.size != n_pairs:
+            raise ValueError(f"SVMClassifier: {rho.size} rho values for {n_pairs} class pairs")
+        vectors = _floats(a.get("support_vectors")).reshape(n_vectors, -1)
+        gram = _SupportVectorKernel(a.get("kernel_type"), a.get("kernel_params"), vectors)
+        weights = _pairwise_weights(coefficients, vectors_per_class)
+        pair_i, pair_j = np.triu_indices(n_classes, 1)
+    else:
+        # liblinear's form: one weight row per class over the features, rho[0] added to all
+        gram = _SupportVectorKernel("LINEAR", None, coefficients.reshape(n_classes, -1))
+    with_probabilities = n_vectors > 0 and prob_a.size > 0
+
+    def run_support_vectors(x):
+        decisions = gram(x) @ weights + rho
+        votes = np.zeros((x.shape[0], n_classes), dtype=np.int64)
+        positive = decisions > 0
+        np.add.at(votes, (slice(None), pair_i), positive)
+        np.add.at(votes, (slice(None), pair_j), ~positive)
+        index = np.argmax(votes, axis=1)
+        if with_probabilities:
+            return index, post(_pairwise_probabilities(decisions, prob_a, prob_b, n_classes).astype(np.float32))
+        if n_classes == 2:
+            # one decision value d, its sign's class the label; onnxruntime's scores are
+            # (-d, d), through the logistic for LOGISTIC, and (1 - d, d) for both softmaxes
+            d = decisions[:, 0].astype(np.float32)
+            if post_name in ("SOFTMAX", "SOFTMAX_ZERO"):
+                return index, np.stack([1 - d, d], axis=1)
+            return index, post(np.stack([-d, d], axis=1))
+        return index, post(decisions.astype(np.float32))
+
+    def run_linear(x):
+        scores = (gram(x) + (rho[0] if rho.size else 0.0)).astype(np.float32)
+        index = np.argmax(scores, axis=1)
+        if n_classes == 2:
+            # onnxruntime's rule for two classes, on the scores before the post transform
+            best = scores[np.arange(len(index)), index]
+            second = (best >= 0.5) if all_positive else (best > 0)
+            index = np.where(second, 1, index)
+        return index, post(scores)
+
+    def run(x):
+        x = _as_rows(x).astype(np.float64)
+        index, scores = run_support_vectors(x) if n_vectors > 0 else run_linear(x)
+        return labels[index], scores.astype(np.float32, copy=False)
+
+    return run
+
+
+# ----------------------------------------------------------------------------- maps
+
+
+@kernel_builder("ZipMap", 1, domain=_ML)
+def zip_map(ctx: KernelContext):
+    """One ``{label: probability}`` dict per row, as onnxruntime returns a
+    ``seq(map(...))``: Python ints or strs for keys, Python floats for values."""
+    a = ctx.attributes
+    if a.get("classlabels_int64s"):
+        labels: list[Any] = [int(v) for v in a["classlabels_int64s"]]
+    elif a.get("classlabels_strings"):
+        labels = _texts(a["classlabels_strings"])
+    else:
+        raise ValueError("ZipMap: classlabels_int64s or classlabels_strings is required")
+
+    def run(x):
+        rows = _as_rows(x)
+        if rows.ndim != 2 or rows.shape[1] != len(labels):
+            raise ValueError(f"ZipMap: X of shape {list(x.shape)} does not hold {len(labels)} columns, one per label")
+        return [dict(zip(labels, row)) for row in rows.tolist()]
+
+    return run
+
+
+_MAP_VALUE_DTYPES = {
+    onnx_tensor_type: np.dtype(dtype)
+    for onnx_tensor_type, dtype in ((1, np.float32), (11, np.float64), (7, np.int64), (8, object))
+}
+
+
+def _declared_map_value_dtype(ctx: KernelContext, fallback: np.dtype) -> np.dtype:
+    """The value dtype of the map a graph input declares (the loader keeps the type, which
+    onnx_ir cannot hold, in the value's meta), else ``fallback``."""
+    from plugrt.loader import DECLARED_TYPE_KEY
+
+    value = ctx.node.inputs[0] if ctx.node is not None and ctx.node.inputs else None
+    declared = value.meta.get(DECLARED_TYPE_KEY) if value is not None else None
+    if declared is None or declared.WhichOneof("value") != "map_type":
+        return fallback
+    element = declared.map_type.value_type.tensor_type.elem_type
+    return _MAP_VALUE_DTYPES.get(element, fallback)
+
+
+@kernel_builder("DictVectorizer", 1, domain=_ML)
+def dict_vectorizer(ctx: KernelContext):
+    """A map as one dense row, shape (1, vocabulary): each key's value at its position in
+    the vocabulary, zero (or "") for keys absent, keys outside the vocabulary ignored."""
+    a = ctx.attributes
+    vocabulary: list[Any] = _texts(a.get("string_vocabulary") or []) or [int(v) for v in a.get("int64_vocabulary") or []]
+    if not vocabulary:
+        raise ValueError("DictVectorizer: string_vocabulary or int64_vocabulary is required")
+    position = {key: i for i, key in enumerate(vocabulary)}
+    dtype = _declared_map_value_dtype(ctx, np.dtype(np.float32))
+
+    def run(mapping):
+        if not isinstance(mapping, dict):
+            raise TypeError(f"DictVectorizer: the input must be a dict (a map), got {type(mapping).__name__}")
+        out = np.full((1, len(vocabulary)), "" if dtype.kind == "O" else 0, dtype=dtype)
+        hits = [(position[_text(k)], v) for k, v in mapping.items() if _text(k) in position]
+        if hits:
+            columns, values = zip(*hits)
+            out[0, list(columns)] = values
+        return out
+
+    return run
+
+
+@kernel_builder("CastMap", 1, domain=_ML)
+def cast_map(ctx: KernelContext):
+    """A map with int64 keys as one row, shape (1, N): its values in key order (DENSE), or
+    at the index each key names, up to ``max_map`` (SPARSE), cast to float, int64 or str."""
+    a = ctx.attributes
+    cast_to = _text(a.get("cast_to", "TO_FLOAT"))
+    dtypes: dict[str, np.dtype] = {"TO_FLOAT": np.dtype(np.float32), "TO_INT64": np.dtype(np.int64), "TO_STRING": np.dtype(object)}
+    if cast_to not in dtypes:
+        raise ValueError(f"CastMap: cast_to must be TO_FLOAT, TO_INT64 or TO_STRING, got {cast_to!r}")
+    dtype: np.dtype = dtypes[cast_to]
+    sparse = _text(a.get("map_form", "DENSE")) == "SPARSE"
+    max_map = int(a.get("max_map", 1))
+
+    def cast(values: list[Any]) -> np.ndarray:
+        if dtype.kind == "O":
+            # floats as C's "%f" writes them ("2.250000"), as onnxruntime does
+            return np.asarray([v if isinstance(v, str) else f"{float(v):f}" for v in values], dtype=object)
+        return np.asarray([float(v) for v in values]).astype(dtype)
+
+    def run(mapping):
+        if not isinstance(mapping, dict):
+            raise TypeError(f"CastMap: the input must be a dict (a map), got {type(mapping).__name__}")
+        keys = np.asarray(list(mapping.keys()), dtype=np.int64)
+        values = cast(list(mapping.values()))
+        if not sparse:
+            return values[np.argsort(keys, kind="stable")].reshape(1, -1)
+        # onnxruntime fills the absent string entries with "0.f"
+        out = np.full((1, max_map), "0.f" if dtype.kind == "O" else 0, dtype=dtype)
+        inside = (keys >= 0) & (keys < max_map)
+        out[0, keys[inside]] = values[inside]
+        return out
+
+    return run
