@@ -17,6 +17,8 @@ from .errors import (
     CaptureError,
     CaptureThreadError,
     CommandLineError,
+    ConfigEntryMissingError,
+    ConfigEntryRequiredError,
     ConformanceInputError,
     EpContextAmbiguousError,
     EpContextAttributeError,
@@ -46,6 +48,7 @@ from .errors import (
     RunError,
     RunTerminatedError,
     StaleCaptureError,
+    StandInError,
     SymbolConflictError,
     UnknownInputError,
     UnknownOptionError,
@@ -67,7 +70,9 @@ if TYPE_CHECKING:
         get_all_providers,
         get_available_providers,
         get_device,
+        ExecutionOrder,
     )
+    from .ort_shim import install_as_onnxruntime
     from .bindings import DeviceBinding
     from .builder import SessionBuilder
     from .capture import Captured, CaptureReport, CaptureStats, ReplayResult
@@ -108,8 +113,9 @@ if TYPE_CHECKING:
 _LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".ort": (
         "ExecutionMode", "GraphOptimizationLevel", "InferenceSession", "IOBinding", "OrtValue", "RunOptions",
-        "SessionOptions", "get_all_providers", "get_available_providers", "get_device",
+        "SessionOptions", "get_all_providers", "get_available_providers", "get_device", "ExecutionOrder",
     ),
+    ".ort_shim": ("install_as_onnxruntime",),
     ".bindings": ("DeviceBinding",),
     ".builder": ("SessionBuilder",),
     ".capture": ("Captured", "CaptureReport", "CaptureStats", "ReplayResult"),
@@ -153,6 +159,7 @@ __all__ = [
     "get_available_providers",
     "get_all_providers",
     "get_device",
+    "ExecutionOrder",
     "RunOptions",
     "OrtValue",
     "IOBinding",
@@ -228,6 +235,11 @@ __all__ = [
     "MissingDependencyError",
     "WeightStoreError",
     "RunTerminatedError",
+    "StandInError",
+    "ConfigEntryMissingError",
+    "ConfigEntryRequiredError",
+    # standing in for onnxruntime
+    "install_as_onnxruntime",
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["numpy_dtype", "onnx_type"]
+__all__ = ["numpy_dtype", "onnx_type", "onnx_type_name"]
 
 _BY_ONNX: dict[int, np.dtype] = {}
 for _member in ir.DataType:
@@ -32,3 +32,14 @@ def onnx_type(dtype: np.dtype) -> int:
         return int(ir.DataType.STRING)
     return int(ir.DataType.from_numpy(dtype))
 
+
+
+def onnx_type_name(dtype: np.dtype) -> str:
+    """onnxruntime's spelling of a tensor type, e.g. ``tensor(float)`` (str, bytes and
+    object arrays are ``tensor(string)``)."""
+    import onnx
+
+    if dtype.kind in "OUS":
+        return "tensor(string)"
+    enum = onnx.helper.np_dtype_to_tensor_dtype(dtype)
+    return f"tensor({onnx.TensorProto.DataType.Name(enum).lower()})"

@@ -7,29 +7,19 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ._dtypes import numpy_dtype
+from ._dtypes import numpy_dtype, onnx_type_name
 from .bindings import DeviceBinding
-from .errors import InvalidInputError, NotSupportedError, ProviderUnavailableError, RunTerminatedError
+from .errors import ConfigEntryMissingError, InvalidInputError, NotSupportedError, ProviderUnavailableError, RunTerminatedError
 from .provider import MemoryCapability, memory_of
 
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["OrtValue", "IOBinding", "RunOptions", "guarded_run"]
+__all__ = ["OrtValue", "OrtValueVector", "IOBinding", "RunOptions", "guarded_run", "is_dlpack_uint8_tensor"]
 
 #: onnxruntime's device names and the plugrt providers whose memory they mean.
 _DEVICE_PROVIDERS = {"cuda": "cuda", "gpu": "cuda"}
 _GPU_GRAPH_ID = "gpu_graph_id"
-
-
-def _onnx_type_name(dtype: np.dtype) -> str:
-    """onnxruntime's spelling of a tensor type, e.g. ``tensor(float)``."""
-    import onnx
-
-    if dtype.kind in "OUS":
-        return "tensor(string)"
-    enum = onnx.helper.np_dtype_to_tensor_dtype(dtype)
-    return f"tensor({onnx.TensorProto.DataType.Name(enum).lower()})"
 
 
 def _element_dtype(element_type: Any) -> np.dtype:
@@ -122,7 +112,7 @@ class OrtValue:
         return [int(d) for d in self._data.shape]
 
     def data_type(self) -> str:
-        return _onnx_type_name(np.dtype(self._data.dtype))
+        return onnx_type_name(np.dtype(self._data.dtype))
 
     def element_type(self) -> int:
         import onnx
@@ -139,7 +129,9 @@ class OrtValue:
         return self._data is not None and hasattr(self._data, "shape")
 
     def is_sparse_tensor(self) -> bool:
-        return False
+        from ._ort_sparse import SparseTensor
+
+        return isinstance(self._data, SparseTensor)
 
     def is_tensor_sequence(self) -> bool:
         return isinstance(self._data, list)
@@ -181,6 +173,63 @@ class OrtValue:
             device=self._memory.default_device, memory=self._memory,
         )
 
+    @classmethod
+    def ortvalue_from_numpy_with_onnx_type(cls, data: np.ndarray, /, onnx_element_type: int) -> "OrtValue":
+        """Wrap ``data`` (no copy) as a tensor of ONNX element type ``onnx_element_type``,
+        reinterpreting its bytes when the types differ in name only (e.g. uint16 as bfloat16)."""
+        dtype = _element_dtype(int(onnx_element_type))
+        array = np.asarray(data)
+        if array.dtype != dtype:
+            if array.dtype.itemsize != dtype.itemsize:
+                raise InvalidInputError(f"a {array.dtype} array cannot hold ONNX element type {onnx_element_type} ({dtype})")
+            array = array.view(dtype)
+        return cls(array)
+
+    # -- DLPack ----------------------------------------------------------------------
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """This value's memory as a DLPack capsule (no copy; numpy's or the device array's)."""
+        return self._data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        device_type, device_id = self._data.__dlpack_device__()
+        return int(device_type), int(device_id)
+
+    def to_dlpack(self) -> Any:
+        return self.__dlpack__()
+
+    @classmethod
+    def from_dlpack(cls, data: Any, is_bool_tensor: bool = False) -> "OrtValue":
+        """A host value sharing the memory of ``data``: an object with ``__dlpack__`` or a
+        DLPack capsule. ``is_bool_tensor`` reads a uint8 tensor as bool (DLPack versions
+        before bool had their own code)."""
+        source = data if hasattr(data, "__dlpack__") else _Capsule(data)
+        array = np.from_dlpack(source)
+        if is_bool_tensor and array.dtype == np.uint8:
+            array = array.view(np.bool_)
+        return cls(array)
+
+    @classmethod
+    def ort_value_from_sparse_tensor(cls, sparse_tensor: Any) -> "OrtValue":
+        """A value holding a :class:`plugrt._ort_sparse.SparseTensor` (host only)."""
+        return cls(sparse_tensor)
+
+    def as_sparse_tensor(self) -> Any:
+        from ._ort_sparse import SparseTensor
+
+        if not isinstance(self._data, SparseTensor):
+            raise InvalidInputError("this OrtValue holds a dense tensor, not a sparse one")
+        return self._data
+
+    @property
+    def _ortvalue(self) -> "OrtValue":
+        """onnxruntime's native value behind this one; plugrt has one object for both."""
+        return self
+
+    def _get_c_value(self) -> "OrtValue":
+        """onnxruntime's native value behind this one; plugrt has one object for both."""
+        return self
+
     def __getattr__(self, name: str) -> Any:
         raise NotSupportedError(
             f"OrtValue.{name}", "plugrt OrtValues hold dense tensors; use numpy() for the array"
@@ -188,6 +237,53 @@ class OrtValue:
 
     def __repr__(self) -> str:
         return f"OrtValue({self.data_type()}, shape={self.shape()}, device={self._device!r})"
+
+
+class _Capsule:
+    """A bare DLPack capsule, given the protocol so numpy can take it."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return _capsule_tensor(self._capsule)[1]
+
+
+#: DLPack's DLDataType codes.
+_DLPACK_UINT = 1
+
+
+def _capsule_tensor(capsule: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((type code, bits), (device type, device id)) of the DLTensor a capsule holds,
+    read without consuming it."""
+    import ctypes
+
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    name = get_name(capsule)
+    if name not in (b"dltensor", b"dltensor_versioned"):
+        raise InvalidInputError(f"not an unused DLPack capsule (its name is {name!r})")
+    pointer = get_pointer(capsule, name)
+    if name == b"dltensor_versioned":  # DLManagedTensorVersioned: version, manager_ctx, deleter, flags, then the tensor
+        pointer += 8 + 8 + 8 + 8
+    # DLTensor: void* data; int32 device_type, device_id; int32 ndim; uint8 code, bits; uint16 lanes
+    device = (ctypes.c_int32 * 2).from_address(pointer + 8)
+    dtype = (ctypes.c_uint8 * 2).from_address(pointer + 20)
+    return (int(dtype[0]), int(dtype[1])), (int(device[0]), int(device[1]))
+
+
+def is_dlpack_uint8_tensor(capsule: Any) -> bool:
+    """Whether a DLPack capsule holds uint8 values (the capsule stays unused)."""
+    return _capsule_tensor(capsule)[0] == (_DLPACK_UINT, 8)
+
+
+class OrtValueVector(list):
+    """A list of OrtValues (what onnxruntime's native ``run_with_ort_values`` returns)."""
 
 
 def host_value(value: Any) -> Any:
@@ -225,8 +321,7 @@ class RunOptions:
         try:
             return self._configs[key]
         except KeyError:
-            # onnxruntime raises RuntimeError here; a KeyError with its message is kinder
-            raise InvalidInputError(f"RunOptions does not have configuration with key: {key}") from None
+            raise ConfigEntryMissingError("RunOptions", key) from None
 
     def add_active_adapter(self, adapter: Any) -> None:
         raise NotSupportedError("RunOptions.add_active_adapter", "plugrt has no LoRA adapters; merge them into the model")
@@ -270,8 +365,9 @@ class IOBinding:
     """Inputs and outputs bound to memory for ``run_with_iobinding``: host arrays without a
     copy, device values (OrtValues on a device) left on the device."""
 
-    def __init__(self, session: "Session") -> None:
-        self._session = session
+    def __init__(self, session: Any) -> None:
+        # an InferenceSession (as optimum constructs it) or a plugrt Session
+        self._session: "Session" = getattr(session, "session", session)
         self._inputs: dict[str, DeviceBinding] = {}
         self._outputs: dict[str, tuple[str, DeviceBinding | None]] = {}  # name -> (device, binding)
         self._results: list[OrtValue] = []

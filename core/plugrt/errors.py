@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 from typing import Any, Sequence
 
+from . import _ort_errors as _ort
+
 __all__ = [
     "PlugrtError",
     "ModelLoadError",
@@ -48,17 +50,22 @@ __all__ = [
     "BindingShapeError",
     "CommandLineError",
     "MissingDependencyError",
+    "StandInError",
+    "ConfigEntryMissingError",
+    "ConfigEntryRequiredError",
 ]
 
 
 class PlugrtError(Exception):
-    """Root of every error plugrt raises on purpose."""
+    """Root of every error plugrt raises on purpose. Each branch also inherits the
+    onnxruntime status class (``plugrt._ort_errors``) that names the same failure, so code
+    written for onnxruntime (``except Fail``, ``except InvalidArgument``) catches it."""
 
 
 # --- loading -------------------------------------------------------------------------
 
 
-class ModelLoadError(PlugrtError):
+class ModelLoadError(PlugrtError, _ort.InvalidProtobuf):
     """The model could not be read or is not a valid ONNX model."""
 
     def __init__(self, message: str, *, source: str | None = None, reason: str | None = None):
@@ -113,7 +120,7 @@ class ModelLimitError(ModelLoadError):
 # --- placement -----------------------------------------------------------------------
 
 
-class UnsupportedOpError(PlugrtError):
+class UnsupportedOpError(PlugrtError, _ort.NotImplemented):
     """No provider can run a node."""
 
     def __init__(
@@ -145,7 +152,7 @@ class UnsupportedOpError(PlugrtError):
         super().__init__("\n".join(lines))
 
 
-class PlacementError(PlugrtError):
+class PlacementError(PlugrtError, _ort.NotImplemented):
     """Strict placement found nodes that fell back from the requested provider."""
 
     def __init__(self, provider: str, fallbacks: Sequence[tuple[str, str, str]]):
@@ -159,7 +166,7 @@ class PlacementError(PlugrtError):
         )
 
 
-class ProviderUnavailableError(PlugrtError):
+class ProviderUnavailableError(PlugrtError, _ort.Fail, RuntimeError):
     """A provider the user asked for by name cannot be used."""
 
     def __init__(self, provider: str, cause: str, *, hint: str | None = None):
@@ -172,7 +179,7 @@ class ProviderUnavailableError(PlugrtError):
 # --- inputs --------------------------------------------------------------------------
 
 
-class InvalidInputError(PlugrtError, ValueError):
+class InvalidInputError(PlugrtError, ValueError, _ort.InvalidArgument):
     """An input given to ``run`` does not match the model."""
 
     def __init__(self, message: str, *, input_name: str | None = None):
@@ -190,12 +197,19 @@ class UnknownInputError(InvalidInputError):
 
 
 class MissingInputError(InvalidInputError):
-    def __init__(self, input_name: str, expected: Sequence[str]):
+    """An input the model needs was not fed. With ``missing`` and ``fed`` (the onnxruntime
+    API's check before a run) the message is onnxruntime's: "Required inputs ([...]) are
+    missing from input feed ([...])"."""
+
+    def __init__(self, input_name: str, expected: Sequence[str], *, missing: Sequence[str] | None = None, fed: Sequence[str] | None = None):
         self.expected = tuple(expected)
-        super().__init__(
-            f"missing input {input_name!r}; the model needs {list(self.expected)}",
-            input_name=input_name,
-        )
+        self.missing = tuple(missing) if missing is not None else (input_name,)
+        self.fed = tuple(fed) if fed is not None else None
+        if fed is not None:
+            message = f"Required inputs ({list(self.missing)}) are missing from input feed ({list(fed)})"
+        else:
+            message = f"missing input {input_name!r}; the model needs {list(self.expected)}"
+        super().__init__(message, input_name=input_name)
 
 
 class InputDtypeError(InvalidInputError):
@@ -241,7 +255,7 @@ class SymbolConflictError(InvalidInputError):
         super().__init__(
             f"dimension {symbol!r} is bound to two sizes: {first[2]} (input {first[0]!r} axis "
             f"{first[1]}) and {second[2]} (input {second[0]!r} axis {second[1]}); inputs that "
-            f"share a dimension name must agree on its size",
+            f"share a dimension name must agree on its size (an input empty along it may differ)",
             input_name=second[0],
         )
 
@@ -261,7 +275,7 @@ class BindingShapeError(InvalidInputError):
 # --- options -------------------------------------------------------------------------
 
 
-class OptionError(PlugrtError, ValueError):
+class OptionError(PlugrtError, ValueError, _ort.InvalidArgument):
     """A session option is unknown or has an invalid value."""
 
     def __init__(self, message: str, *, key: str):
@@ -303,7 +317,7 @@ class InvalidOptionValueError(OptionError):
 # --- execution -----------------------------------------------------------------------
 
 
-class KernelError(PlugrtError):
+class KernelError(PlugrtError, _ort.RuntimeException):
     """A kernel raised while running a node."""
 
     def __init__(self, node: str, op_type: str, provider: str, cause: BaseException):
@@ -317,7 +331,7 @@ class KernelError(PlugrtError):
         )
 
 
-class CaptureError(PlugrtError):
+class CaptureError(PlugrtError, _ort.Fail):
     """A capture cannot be replayed."""
 
     def __init__(self, message: str, *, reason: str):
@@ -359,7 +373,7 @@ class StaleCaptureError(CaptureError):
         )
 
 
-class EpContextError(PlugrtError):
+class EpContextError(PlugrtError, _ort.Fail):
     """An EPContext node cannot be exported or restored."""
 
     def __init__(self, message: str, *, node: str | None = None, source: str | None = None):
@@ -480,7 +494,7 @@ def _rebuild_batch_row_error(row, column, reason, row_id, input_name) -> BatchRo
 # --- onnxruntime compatibility, conformance and provider packaging ----------------------
 
 
-class RunTerminatedError(PlugrtError):
+class RunTerminatedError(PlugrtError, _ort.Fail):
     """A run stopped between steps because its ``RunOptions.terminate`` was set."""
 
     def __init__(self, run_tag: str = ""):
@@ -489,7 +503,7 @@ class RunTerminatedError(PlugrtError):
         super().__init__(f"Exiting due to terminate flag being set to true{tag}; clear RunOptions.terminate to run again")
 
 
-class NotSupportedError(PlugrtError, AttributeError):
+class NotSupportedError(PlugrtError, AttributeError, _ort.NotImplemented):
     """An onnxruntime API plugrt does not offer; ``alternative`` says what to use instead."""
 
     def __init__(self, name: str, alternative: str):
@@ -550,7 +564,7 @@ class ModelBuildError(ModelLoadError):
         )
 
 
-class RunError(PlugrtError):
+class RunError(PlugrtError, _ort.RuntimeException):
     """A run failed outside any kernel in a way no specific check anticipated."""
 
     def __init__(self, cause: BaseException):
@@ -558,7 +572,7 @@ class RunError(PlugrtError):
         super().__init__(f"the run failed: {type(cause).__name__}: {cause}")
 
 
-class WeightStoreError(PlugrtError, ValueError):
+class WeightStoreError(PlugrtError, ValueError, _ort.InvalidArgument):
     """An initializer given to a ``WeightStore`` cannot be used (wrong name, dtype or shape)."""
 
     def __init__(self, message: str, *, name: str):
@@ -593,7 +607,7 @@ class CommandLineError(PlugrtError):
         super().__init__(message)
 
 
-class MissingDependencyError(PlugrtError, ImportError):
+class MissingDependencyError(PlugrtError, ImportError, _ort.Fail):
     """An optional package a feature needs is not installed."""
 
     def __init__(self, package: str, needed_for: str, install: str):
@@ -601,3 +615,30 @@ class MissingDependencyError(PlugrtError, ImportError):
         self.needed_for = needed_for
         self.install = install
         super().__init__(f"{needed_for} needs the {package!r} package, which is not installed; install it with: {install}")
+
+
+class StandInError(PlugrtError):
+    """plugrt cannot stand in for onnxruntime now: ``module`` (a real onnxruntime module)
+    is already imported."""
+
+    def __init__(self, message: str, *, module: str, hint: str):
+        super().__init__(f"{message} ({module}); {hint}")
+        self.module = module
+        self.hint = hint
+
+
+class ConfigEntryMissingError(OptionError, RuntimeError):
+    """``get_session_config_entry``/``get_run_config_entry`` of a key never set; a
+    RuntimeError too, as onnxruntime raises. ``owner`` is SessionOptions or RunOptions."""
+
+    def __init__(self, owner: str, key: str):
+        super().__init__(f"{owner} does not have configuration with key: {key}", key=key)
+        self.owner = owner
+
+
+class ConfigEntryRequiredError(OptionError, _ort.Fail):
+    """A call needs the session config entry ``key`` set to ``value`` (an onnxruntime Fail)."""
+
+    def __init__(self, key: str, value: str, purpose: str):
+        super().__init__(f"Session configuration entry '{key}' must be set to \"{value}\" to {purpose}", key=key)
+        self.value = value

@@ -9,6 +9,8 @@ Where plugrt departs from onnxruntime on purpose, it says so here:
 - An unknown session config key raises UnknownOptionError; onnxruntime accepts any key.
   onnxruntime's documented keys are accepted: those in ``MAPPED_CONFIG_KEYS`` have a
   plugrt meaning, those in ``IGNORED_CONFIG_KEYS`` are accepted and have no effect.
+  Standing in for onnxruntime (plugrt.install_as_onnxruntime), an unknown key warns and is
+  kept instead, as its clients expect.
 - ``inter_op_num_threads`` and ``execution_mode``: plugrt runs steps in order on the
   calling thread, so ``ORT_PARALLEL`` runs sequentially (the results are the same).
 - ``log_severity_level`` sets the level of the ``plugrt`` logger while the session builds.
@@ -25,8 +27,19 @@ import time
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from ._ort_values import IOBinding, OrtValue, RunOptions, guarded_run, host_value
-from .errors import KernelError, NotSupportedError, OptionError, ProviderUnavailableError, UnknownOptionError
+from .errors import (
+    ConfigEntryMissingError,
+    ConfigEntryRequiredError,
+    KernelError,
+    MissingInputError,
+    NotSupportedError,
+    OptionError,
+    ProviderUnavailableError,
+    UnknownOptionError,
+)
 from .loader import map_types_erased, write_declared_types
 from .options import OPTIONS
 from .session import Session, TensorInfo
@@ -57,6 +70,24 @@ _ORT_NAMES = {
     "TensorrtExecutionProvider": "cuda",
 }
 _PLUGRT_TO_ORT = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+#: Every provider name onnxruntime knows, highest default priority first (as its
+#: ``get_all_providers()`` lists them); plugrt runs those its installed providers stand for.
+ORT_PROVIDER_NAMES = (
+    "TensorrtExecutionProvider", "CUDAExecutionProvider", "MIGraphXExecutionProvider", "ROCMExecutionProvider",
+    "OpenVINOExecutionProvider", "DnnlExecutionProvider", "TvmExecutionProvider", "VitisAIExecutionProvider",
+    "QNNExecutionProvider", "NnapiExecutionProvider", "VSINPUExecutionProvider", "JsExecutionProvider",
+    "CoreMLExecutionProvider", "ArmNNExecutionProvider", "ACLExecutionProvider", "DmlExecutionProvider",
+    "RknpuExecutionProvider", "WebNNExecutionProvider", "WebGpuExecutionProvider", "XnnpackExecutionProvider",
+    "CANNExecutionProvider", "AzureExecutionProvider", "CPUExecutionProvider",
+)
+
+#: Set by plugrt.install_as_onnxruntime(): standing in, plugrt takes what onnxruntime takes
+#: where plugrt's own API is stricter on purpose (an unknown config key warns, not raises).
+_STANDING_IN = False
+
+#: The model metadata key holding an onnxruntime config (read when ORT_LOAD_CONFIG_FROM_MODEL=1).
+_ORT_CONFIG_KEY = "ort_config"
 
 
 class GraphOptimizationLevel(enum.IntEnum):
@@ -138,8 +169,6 @@ _LOG_LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging
 #: onnxruntime APIs plugrt does not offer, and what to use instead.
 _ALTERNATIVES = {
     "register_custom_ops_library": "write an execution provider package (docs/writing-a-provider.md)",
-    "add_free_dimension_override_by_name": "pass inputs of the size you want: symbolic dims bind per run",
-    "add_free_dimension_override_by_denotation": "pass inputs of the size you want: symbolic dims bind per run",
     "add_provider_for_devices": "pass providers=[...] or plugrt.load(model, device=...)",
     "set_provider_selection_policy": "plugrt.load(model, device='prefer_gpu') (or another policy)",
     "release_captured_graph": "session.session.reset() drops the capture",
@@ -174,6 +203,18 @@ class SessionOptions:
         self.use_per_session_threads = True
         self._configs: dict[str, str] = {}
         self._weights: WeightStore | None = None
+        self._free_dims_by_name: dict[str, int] = {}
+        self._free_dims_by_denotation: dict[str, int] = {}
+        self._external_arrays: dict[str, np.ndarray] = {}  # add_external_initializers
+        self._files_in_memory: dict[str, memoryview] = {}  # add_external_initializers_from_files_in_memory
+
+    def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
+        """Fix the symbolic dimension ``dim_name`` to ``dim_value`` in the model's inputs."""
+        self._free_dims_by_name[str(dim_name)] = int(dim_value)
+
+    def add_free_dimension_override_by_denotation(self, dim_denotation: str, dim_value: int) -> None:
+        """Fix every input dimension denoted ``dim_denotation`` (e.g. DATA_BATCH) to ``dim_value``."""
+        self._free_dims_by_denotation[str(dim_denotation)] = int(dim_value)
 
     def add_initializer(self, name: str, value: Any) -> None:
         """Use ``value`` (an OrtValue or a numpy array, kept without a copy) for the model's
@@ -184,13 +225,25 @@ class SessionOptions:
         self._weights.add_initializer(name, value.numpy() if isinstance(value, OrtValue) else value)
 
     def add_external_initializers(self, names: Sequence[str], values: Sequence[Any]) -> None:
-        """:meth:`add_initializer` for each name and value."""
+        """:meth:`add_initializer` for each name and value; an initializer the model keeps in
+        an external file is taken from these values (the file need not exist)."""
         for name, value in zip(names, values, strict=True):
             self.add_initializer(name, value)
+            self._external_arrays[name] = value.numpy() if isinstance(value, OrtValue) else np.asarray(value)
+
+    def add_external_initializers_from_files_in_memory(self, names: Sequence[str], buffers: Sequence[Any], lengths: Sequence[int]) -> None:
+        """The contents of the model's external data files ``names`` (the first ``lengths``
+        bytes of each buffer): initializers stored there are read from memory, not disk."""
+        for name, buffer, length in zip(names, buffers, lengths, strict=True):
+            self._files_in_memory[str(name)] = memoryview(buffer).cast("B")[: int(length)]
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         """Set an onnxruntime config key or a plugrt option; an unknown key raises now."""
         if key not in MAPPED_CONFIG_KEYS and key not in IGNORED_CONFIG_KEYS and key not in OPTIONS:
+            if _STANDING_IN:  # onnxruntime's clients set keys of newer releases freely
+                warnings.warn(f"session config key {key!r} is unknown to plugrt; it is kept and has no effect", stacklevel=2)
+                self._configs[key] = str(value)
+                return
             raise UnknownOptionError(
                 key,
                 [*MAPPED_CONFIG_KEYS, *IGNORED_CONFIG_KEYS, *OPTIONS],
@@ -203,7 +256,7 @@ class SessionOptions:
         try:
             return self._configs[key]
         except KeyError:
-            raise OptionError(f"SessionOptions does not have configuration with key: {key}", key=key) from None
+            raise ConfigEntryMissingError("SessionOptions", key) from None
 
     def has_providers(self) -> bool:
         return False
@@ -217,7 +270,7 @@ class SessionOptions:
             "intra_op_num_threads": int(self.intra_op_num_threads),
         }
         for key, value in self._configs.items():
-            if key in IGNORED_CONFIG_KEYS:
+            if key in IGNORED_CONFIG_KEYS or (key not in MAPPED_CONFIG_KEYS and key not in OPTIONS):
                 continue
             options[MAPPED_CONFIG_KEYS.get(key, key)] = value
         if self._weights is not None:
@@ -304,6 +357,13 @@ def _available_names() -> dict[str, str]:
     return names
 
 
+def _installed(name: str) -> bool:
+    """Whether a plugrt provider of that name is installed (available or not)."""
+    from .registry import default_registry
+
+    return name in default_registry().providers()
+
+
 def _resolve_providers(entries: list[tuple[str, dict]], strict: bool) -> list[str] | None:
     """The plugrt providers for onnxruntime-style entries: an unavailable one warns and is
     skipped (as onnxruntime does) unless ``strict``; none left raises."""
@@ -313,6 +373,17 @@ def _resolve_providers(entries: list[tuple[str, dict]], strict: bool) -> list[st
     chosen = []
     for name, _ in entries:
         plugrt_name = _ORT_NAMES.get(name, name)
+        if name not in ORT_PROVIDER_NAMES and name not in available and not _installed(plugrt_name):
+            # as onnxruntime: a warning for the name, then an error, since no provider has it
+            warnings.warn(
+                f"Specified provider '{name}' is not in available provider names. "
+                f"Available providers: '{', '.join(get_available_providers())}'",
+                stacklevel=4,
+            )
+            raise ProviderUnavailableError(
+                name, f"Unknown Provider Type: {name}",
+                hint=f"onnxruntime's names are in plugrt.ort.ORT_PROVIDER_NAMES; available: {', '.join(get_available_providers())}",
+            )
         if available.get(name) or available.get(plugrt_name):
             chosen.append(available.get(name) or available[plugrt_name])
             continue
@@ -367,10 +438,17 @@ class InferenceSession:
                 what="InferenceSession keyword",
                 listed_in="InferenceSession's signature and plugrt.options.OPTIONS",
             )
-        self._model = path_or_bytes
+        # what onnxruntime's own InferenceSession keeps, and clients read (optimum: _model_path)
+        is_path = isinstance(path_or_bytes, (str, os.PathLike))
+        self._model_path: str | None = str(os.fspath(path_or_bytes)) if is_path else None  # type: ignore[arg-type]
+        self._model_bytes: Any = None if is_path else path_or_bytes  # kept as given, not copied
+        if os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1":
+            sess_options = _options_from_model(path_or_bytes, sess_options)
         self._sess_options = sess_options
+        self._model: Any = _model_source(path_or_bytes, sess_options)
         self._options = sess_options.to_options() if sess_options is not None else {}
         self._options.update(kwargs)
+        self._sess = _NativeSession(self)
         self._build(providers, provider_options)
 
     def _build(self, providers: Any, provider_options: Sequence[Mapping[str, Any]] | None) -> None:
@@ -383,8 +461,13 @@ class InferenceSession:
             logger.setLevel(_LOG_LEVELS.get(int(self._sess_options.log_severity_level), logging.WARNING))
         try:
             self._session = Session(self._model, device="auto", providers=names, options=self._options)
+            # onnxruntime logs its session's creation at verbose level; so does plugrt
+            logger.debug("InferenceSession created on %s", ", ".join(self._session.providers))
         finally:
             logger.setLevel(previous)
+        # what each run checks and converts, found once
+        self._required_inputs = [i.name for i in self.get_inputs() if not i.type.startswith("optional(")]
+        self._string_inputs = frozenset(i.name for i in self._session.inputs if i.type_string == "tensor(string)")
         options_by_name = {_ORT_NAMES.get(name, name): opts for name, opts in entries}
         self._provider_options = {
             ort_name: dict(options_by_name.get(plugrt_name, {}))
@@ -401,14 +484,24 @@ class InferenceSession:
         # the graph after the optimisation passes, before placement; at level "all" it may
         # hold fused com.microsoft ops, as onnxruntime's own optimised files do
         model = self._session.model
+        configs = self._sess_options._configs if self._sess_options is not None else {}
+        # initializers of at least min_size bytes go to data_file, beside the model (as onnxruntime)
+        data_file = configs.get("session.optimized_model_external_initializers_file_name")
+        threshold = int(configs.get("session.optimized_model_external_initializers_min_size_in_bytes", "1024"))
         if map_types_erased(model):  # written with the map types it declares (ZipMap's output)
             import onnx
 
             proto = ir.serde.serialize_model(model)
             write_declared_types(proto, model)
-            onnx.save(proto, os.fspath(path))
+            if data_file:
+                onnx.save(proto, os.fspath(path), save_as_external_data=True, location=data_file, size_threshold=threshold)
+            else:
+                onnx.save(proto, os.fspath(path))
             return
-        ir.save(model, os.fspath(path))
+        if data_file:
+            ir.save(model, os.fspath(path), external_data=data_file, size_threshold_bytes=threshold)
+        else:
+            ir.save(model, os.fspath(path))
 
     @property
     def session(self) -> Session:
@@ -418,7 +511,9 @@ class InferenceSession:
     # -- running -----------------------------------------------------------------------
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: RunOptions | None = None) -> list:
-        feeds = {name: host_value(value) for name, value in input_feed.items()}
+        self._check_required(input_feed)
+        strings = self._string_inputs
+        feeds = {name: _as_strings(value) if name in strings else host_value(value) for name, value in input_feed.items()}
         try:
             return guarded_run(run_options, lambda: self._session.run_list(output_names, feeds))
         except KernelError as exc:
@@ -434,6 +529,12 @@ class InferenceSession:
             self._build([self._session.providers[-1]], None)
             self._enable_fallback = False
             return guarded_run(run_options, lambda: self._session.run_list(output_names, feeds))
+
+    def _check_required(self, input_feed: Mapping[str, Any]) -> None:
+        """onnxruntime's check before a run: every input without a default is fed."""
+        missing = [name for name in self._required_inputs if name not in input_feed]
+        if missing:
+            raise MissingInputError(missing[0], self._required_inputs, missing=missing, fed=list(input_feed))
 
     def run_with_ort_values(
         self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, OrtValue], run_options: RunOptions | None = None
@@ -483,6 +584,33 @@ class InferenceSession:
     def get_overridable_initializers(self) -> list[NodeArg]:
         initializers = {v.name for v in self._session.model.graph.inputs if v.const_value is not None}
         return [_node_arg(i) for i in self._session.inputs if i.name in initializers]
+
+    def get_input_memory_infos(self) -> list[Any]:
+        """Host memory for each input: ``run`` takes host arrays (device values go through
+        IOBinding)."""
+        return [_host_memory_info() for _ in self.get_inputs()]
+
+    def get_output_memory_infos(self) -> list[Any]:
+        """Host memory for each output: ``run`` returns host arrays."""
+        return [_host_memory_info() for _ in self.get_outputs()]
+
+    def get_input_epdevices(self) -> list[Any]:
+        """One entry per input; None: plugrt does not expose onnxruntime's EP devices."""
+        return [None for _ in self.get_inputs()]
+
+    def get_provider_graph_assignment_info(self) -> list["EpAssignedSubgraph"]:
+        """The nodes each provider runs, one entry per node (as onnxruntime's CPU provider
+        reports them); needs ``session.record_ep_graph_assignment_info`` set to "1"."""
+        configs = self._sess_options._configs if self._sess_options is not None else {}
+        if configs.get("session.record_ep_graph_assignment_info") != "1":
+            raise ConfigEntryRequiredError("session.record_ep_graph_assignment_info", "1", "get the provider graph assignment info")
+        by_name = {p.name: p.provider for p in self._session.placement.partitions}
+        result = []
+        for compiled in self._session.compiled_partitions:
+            provider = by_name.get(compiled.partition.name, "")
+            for node in compiled.partition.nodes:
+                result.append(EpAssignedSubgraph(_PLUGRT_TO_ORT.get(provider, provider), [EpAssignedNode(node.domain, node.op_type, node.name or "")]))
+        return result
 
     def get_providers(self) -> list[str]:
         return [_PLUGRT_TO_ORT.get(p, p) for p in self._session.providers]
@@ -553,9 +681,12 @@ def get_available_providers() -> list[str]:
 
 
 def get_all_providers() -> list[str]:
+    """Every provider name onnxruntime knows (CPUExecutionProvider last), then plugrt
+    providers that stand for none of them."""
     from .registry import default_registry
 
-    return [_PLUGRT_TO_ORT.get(name, name) for name in default_registry().providers()]
+    extra = [name for name in default_registry().providers() if _PLUGRT_TO_ORT.get(name, name) not in ORT_PROVIDER_NAMES]
+    return [*ORT_PROVIDER_NAMES[:-1], *extra, ORT_PROVIDER_NAMES[-1]]
 
 
 def get_device() -> str:
@@ -568,3 +699,133 @@ def get_device() -> str:
         if any(d.kind == DeviceKind.GPU for d in registry.devices(provider.name)):
             return "GPU"
     return "CPU"
+
+
+@dataclasses.dataclass(frozen=True)
+class EpAssignedNode:
+    """A node as ``get_provider_graph_assignment_info`` reports it."""
+
+    domain: str
+    op_type: str
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EpAssignedSubgraph:
+    """Nodes one provider runs: ``ep_name`` and ``get_nodes()``."""
+
+    ep_name: str
+    nodes: list
+
+    def get_nodes(self) -> list[EpAssignedNode]:
+        return list(self.nodes)
+
+
+class _NativeSession:
+    """``InferenceSession._sess``: onnxruntime's native session, whose
+    ``run_with_ort_values(feeds, output_names, run_options)`` some clients call."""
+
+    def __init__(self, owner: InferenceSession) -> None:
+        self._owner = owner
+
+    def run_with_ort_values(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None, run_options: RunOptions | None = None) -> Any:
+        from ._ort_values import OrtValueVector
+
+        return OrtValueVector(self._owner.run_with_ort_values(output_names, feeds, run_options))
+
+
+def _as_strings(value: Any) -> Any:
+    """A string input as plugrt's kernels take it: bytes (``S``) and void (``V``) arrays, as
+    onnxruntime accepts them, become arrays of str."""
+    value = host_value(value)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "SV":
+        flat = [bytes(v.tobytes() if value.dtype.kind == "V" else v).rstrip(b"\0").decode("utf-8") for v in value.ravel()]
+        return np.array(flat, dtype=object).reshape(value.shape)
+    return value
+
+
+def _host_memory_info() -> Any:
+    from ._ort_env import OrtAllocatorType, OrtMemoryInfo, OrtMemType
+
+    return OrtMemoryInfo("Cpu", OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, OrtMemType.DEFAULT)
+
+
+def _model_proto(source: Any) -> Any:
+    """The model's proto without its external data (read later through the loader's checks)."""
+    import onnx
+
+    if isinstance(source, (str, os.PathLike)):
+        return onnx.load(os.fspath(source), load_external_data=False)
+    return onnx.load_from_string(bytes(source))
+
+
+def _options_from_model(source: Any, sess_options: SessionOptions | None) -> SessionOptions:
+    """onnxruntime's ``ORT_LOAD_CONFIG_FROM_MODEL=1``: the ``session_options`` of the JSON in
+    the model's ``ort_config`` metadata override the given options."""
+    import json
+
+    options = sess_options if sess_options is not None else SessionOptions()
+    props = {p.key: p.value for p in _model_proto(source).metadata_props}
+    if _ORT_CONFIG_KEY not in props:
+        return options
+    settings = json.loads(props[_ORT_CONFIG_KEY]).get("session_options", {})
+    for key, value in settings.items():
+        if key == "enable_profiling":
+            value = bool(value)
+        if key not in vars(options) or key.startswith("_"):
+            raise UnknownOptionError(key, [k for k in vars(options) if not k.startswith("_")], what="session option in the model's ort_config")
+        setattr(options, key, value)
+    return options
+
+
+def _model_source(source: Any, sess_options: SessionOptions | None) -> Any:
+    """The model as the session loads it: the source itself, or, when the options override
+    free dimensions or supply external initializers (as arrays or in-memory files), a
+    ModelProto with those applied."""
+    if sess_options is None:
+        return source
+    options = sess_options
+    if not (options._free_dims_by_name or options._free_dims_by_denotation or options._external_arrays or options._files_in_memory):
+        return source
+    model = _model_proto(source)
+    is_path = isinstance(source, (str, os.PathLike))
+    _resolve_external_data(model, os.path.dirname(os.path.abspath(os.fspath(source))) if is_path else "", str(source) if is_path else "<bytes>", options)
+    for value in model.graph.input:
+        if not value.type.HasField("tensor_type"):
+            continue
+        for dim in value.type.tensor_type.shape.dim:
+            size = options._free_dims_by_denotation.get(dim.denotation) if dim.denotation else None
+            if size is None and dim.HasField("dim_param"):
+                size = options._free_dims_by_name.get(dim.dim_param)
+            if size is not None:
+                dim.dim_value = size  # clears dim_param (a oneof)
+    return model
+
+
+def _resolve_external_data(model: Any, base_dir: str, label: str, options: SessionOptions) -> None:
+    """Fill each external initializer of ``model`` in place: from the options' arrays or
+    in-memory files when they have it, else from its file beside the model, through the
+    loader's own containment checks (no path outside the model's folder is read)."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    from .loader import contained_path
+
+    for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        if tensor.name in options._external_arrays:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(options._external_arrays[tensor.name], tensor.name))
+            continue
+        if location in options._files_in_memory:
+            data = options._files_in_memory[location]
+            offset = int(info.get("offset", 0))
+            end = offset + int(info["length"]) if "length" in info else len(data)
+            tensor.raw_data = bytes(data[offset:end])
+        else:
+            contained_path(tensor.name, location, base_dir, label)  # raises ModelLoadError if missing or unsafe
+            load_external_data_for_tensor(tensor, base_dir)
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]

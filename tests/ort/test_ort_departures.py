@@ -51,8 +51,8 @@ def test_a_string_of_providers_is_one_name(model_bytes):
     assert session.get_providers() == ["CPUExecutionProvider"]
 
 
-def test_no_available_provider_raises(model_bytes):
-    with pytest.warns(UserWarning), pytest.raises(ProviderUnavailableError, match="none of the requested"):
+def test_an_unknown_provider_name_warns_then_raises(model_bytes):
+    with pytest.warns(UserWarning), pytest.raises(ProviderUnavailableError, match="Unknown Provider Type: NoSuchExecutionProvider"):
         ort.InferenceSession(model_bytes, providers=["NoSuchExecutionProvider"])
 
 

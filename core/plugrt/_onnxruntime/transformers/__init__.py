@@ -1,0 +1,1 @@
+"""``onnxruntime.transformers`` as the stand-in serves it: the helpers clients import."""
