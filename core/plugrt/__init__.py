@@ -59,10 +59,12 @@ from .builder import SessionBuilder
 from .capture import Captured, CaptureReport, CaptureStats, ReplayResult
 from .provider import (
     AvailabilityCapability,
+    CacheReport,
     CaptureCapability,
     CaptureContext,
     CaptureMiss,
     CapturedPartition,
+    CompiledCacheCapability,
     CompiledPartition,
     ContextCapability,
     ContextCompatibilityCapability,
@@ -134,6 +136,8 @@ __all__ = [
     "FunctionCapability",
     "AvailabilityCapability",
     "CountersCapability",
+    "CompiledCacheCapability",
+    "CacheReport",
     "CaptureContext",
     "CaptureMiss",
     "CapturedPartition",

@@ -45,6 +45,8 @@ __all__ = [
     "FunctionCapability",
     "AvailabilityCapability",
     "CountersCapability",
+    "CompiledCacheCapability",
+    "CacheReport",
     "CAPABILITIES",
     "CAPABILITY_PROTOCOLS",
     "SUPPORTED_PROTOCOL_VERSIONS",
@@ -473,6 +475,30 @@ class CountersCapability(Protocol):
     def counters(self, compiled: CompiledPartition) -> "Mapping[str, int]": ...
 
 
+@dataclasses.dataclass
+class CacheReport:
+    """What ``prepare_cache`` left in a provider's on-disk cache of compiled code."""
+
+    ready: int  # units of compiled code in the cache now
+    total: int  # units the provider has
+    location: str = ""  # where the cache is, for an image or a CI cache to keep
+    note: str = ""  # why fewer than ``total`` are ready (numba not installed, turned off), for the user
+
+
+@runtime_checkable
+class CompiledCacheCapability(Protocol):
+    """Code the provider compiles on first use and keeps in an on-disk cache (the CPU
+    provider's numba loops), built ahead by ``plugrt compile-cache`` for images and CI.
+
+    ``prepare_cache(progress)`` compiles all of it into the cache now, in this process,
+    calling ``progress(done, total, unit)`` before each unit (``done`` finished so far,
+    ``unit`` a name a user can read) and once at the end with ``unit`` empty; later
+    processes then start with every unit ready. Returns a :class:`CacheReport`.
+    """
+
+    def prepare_cache(self, progress: Callable[[int, int, str], None]) -> CacheReport: ...
+
+
 #: The protocol versions this core can load. A provider declares ``protocol_version``
 #: (an int; a provider without one is taken as version 1); any other version is listed by
 #: ``plugrt providers`` with the reason and never loaded.
@@ -488,6 +514,7 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
     "functions": FunctionCapability,
     "availability": AvailabilityCapability,
     "counters": CountersCapability,
+    "compiled_cache": CompiledCacheCapability,
 }
 
 #: Every optional member a provider may implement, with what it is for (the Protocols
@@ -509,6 +536,8 @@ CAPABILITIES: dict[str, str] = {
     "supports_function": "supports_function(domain, name, ctx) -> Support (FunctionCapability)",
     "counters": "counters(compiled) -> {name: int}: kernel-cache, control-flow counters for Session.stats() "
     "(CountersCapability)",
+    "prepare_cache": "prepare_cache(progress) -> CacheReport: compile every unit of compiled code into the "
+    "on-disk cache now, for plugrt compile-cache (CompiledCacheCapability)",
 }
 
 
