@@ -23,8 +23,8 @@ pytest.importorskip("numba")
 
 @pytest.fixture
 def numba_on(monkeypatch):
-    """The compiled loops on (whatever PLUGRT_NUMBA the suite runs with)."""
-    monkeypatch.delenv("PLUGRT_NUMBA", raising=False)
+    """The compiled loops on (whatever PLUGRT_NUMBA the suite runs with), loaded before the test."""
+    monkeypatch.setenv("PLUGRT_NUMBA", "wait")
     _compiled._mode.cache_clear()
     assert pooling.compiled_pool() is not None
     yield

@@ -251,16 +251,37 @@ def build_all(progress: Progress | None = None) -> int:
         return 0
     names = _LOADER.names
     loaded = 0
-    for done, name in enumerate(names):
+    with _cache_lock():  # one build per cache at a time: processes started together wait, then load
+        for done, name in enumerate(names):
+            if progress is not None:
+                progress(done, len(names), name)
+            if _LOADER.load(name) is not None:
+                loaded += 1
         if progress is not None:
-            progress(done, len(names), name)
-        if _LOADER.load(name) is not None:
-            loaded += 1
-    if progress is not None:
-        progress(len(names), len(names), "")
-    if loaded == len(names):
-        _write_stamp()
+            progress(len(names), len(names), "")
+        if loaded == len(names):
+            _write_stamp()
     return loaded
+
+
+@contextlib.contextmanager
+def _cache_lock() -> Iterator[None]:
+    """An exclusive lock on a file beside the stamp, held while the block runs (where
+    there is ``fcntl`` and the directory is writable; elsewhere no lock)."""
+    try:
+        import fcntl
+
+        os.makedirs(cache_directory(), exist_ok=True)
+        handle = open(cache_stamp()[: -len(".ready")] + ".lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
 
 
 def cache_stamp() -> str:
