@@ -90,6 +90,15 @@ def test_compiled_module_answers_at_once_while_its_loops_build(held_build):
     assert loader._thread is not None and loader._thread.is_alive()  # the ask started the build
 
 
+def test_a_forked_child_starts_a_build_of_its_own(held_build):
+    loader, _, _ = held_build
+    loader.start()
+    parent_thread = loader._thread
+    loader._pid = -1  # as a child forked while the parent built sees it: the thread stayed in the parent
+    loader.start()
+    assert loader._thread is not parent_thread and loader._thread.is_alive()
+
+
 def test_a_session_serves_numpy_while_the_loops_build_then_switches(held_build):
     loader, release, used = held_build
     session = plugrt.load(_pool_model(), device="cpu")

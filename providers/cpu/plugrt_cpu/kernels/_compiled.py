@@ -104,6 +104,7 @@ class _Loader:
         self.finished = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process the build thread runs in
 
     def load(self, name: str) -> ModuleType | None:
         """Import ``name`` on this thread (compiling what the cache lacks); None, and
@@ -127,7 +128,9 @@ class _Loader:
         return module
 
     def start(self) -> None:
-        """Start the background build, once."""
+        """Start the background build, once per process."""
+        if self._pid != os.getpid():  # a forked child: the build thread, and any lock it held, stayed behind
+            self._thread, self._lock, self._pid = None, threading.Lock(), os.getpid()
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
@@ -294,7 +297,7 @@ def cache_stamp() -> str:
 @functools.cache
 def _cache_key() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
-    parts = [sys.version, platform.machine(), _numba_version()]
+    parts = [here, sys.version, platform.machine(), _numba_version()]
     parts += [f"{k}={os.environ.get(k, '')}" for k in ("NUMBA_CACHE_DIR", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_OPT")]
     for name in sorted(os.listdir(here)):
         if name.startswith("_numba_") and name.endswith(".py"):

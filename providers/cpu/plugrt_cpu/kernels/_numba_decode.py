@@ -30,7 +30,10 @@ def _entry(*signatures):  # type: ignore[no-untyped-def]
 _Array = numba.types.Array
 # inputs are typed read-only, which takes writable arrays too
 _IN1, _IN2, _IN4 = (_Array(numba.float32, ndim, "C", readonly=True) for ndim in (1, 2, 4))
-_STRIDED4 = _Array(numba.float32, 4, "A", readonly=True)
+# Inputs the callers pass as they come (views of a packed QKV, caches and tables as bound):
+# any layout. The callers check that the other arrays are contiguous.
+_STRIDED2, _STRIDED4 = (_Array(numba.float32, ndim, "A", readonly=True) for ndim in (2, 4))
+_STRIDED_INDICES2 = _Array(numba.int64, 2, "A", readonly=True)
 _OUT1, _OUT2, _OUT3, _OUT4 = (_Array(numba.float32, ndim, "C") for ndim in (1, 2, 3, 4))
 _INDICES1, _INDICES2 = (_Array(numba.int64, ndim, "C", readonly=True) for ndim in (1, 2))
 
@@ -122,12 +125,9 @@ def _rotate_row(x, cos, sin, position, interleaved, scale, out):  # pragma: no c
         out[d] = x[d] * scale
 
 
-@_entry(
-    *(
-        numba.void(q, q, q, _IN2, _IN2, _INDICES2, numba.boolean, numba.float32, _OUT4, _OUT4, _OUT4, _INDICES1)
-        for q in (_IN4, _STRIDED4)  # the heads as they are, or strided views of them
-    )
-)
+# the heads as they come: contiguous, or strided views of a packed QKV (one signature: a
+# contiguous and a strided one would both take a contiguous array, and numba refuses to choose)
+@_entry(numba.void(_STRIDED4, _STRIDED4, _STRIDED4, _STRIDED2, _STRIDED2, _STRIDED_INDICES2, numba.boolean, numba.float32, _OUT4, _OUT4, _OUT4, _INDICES1))
 def rotate_into_cache(
     q, k, v, cos, sin, positions, interleaved, scale, queries, present_k, present_v, past_lengths
 ):  # pragma: no cover  (compiled)
@@ -152,7 +152,7 @@ def rotate_into_cache(
                         present_v[b, h, row, d] = v[b, s, h, d]
 
 
-@_entry(numba.void(_OUT4, _OUT4, _IN4, _IN4, numba.boolean, _INDICES1, numba.int64))
+@_entry(numba.void(_OUT4, _OUT4, _STRIDED4, _STRIDED4, numba.boolean, _INDICES1, numba.int64))  # the past as it is bound
 def finish_caches(present_k, present_v, past_k, past_v, copy_past, past_lengths, seq):  # pragma: no cover  (compiled)
     """Around the new rows of each sequence b in the caches (B, Hkv, capacity, D): the
     past's first past_lengths[b] rows before them (when ``copy_past``: the past is

@@ -91,6 +91,8 @@ def _compiled_rms(x: np.ndarray, gamma: np.ndarray, *others: np.ndarray | None) 
         return None
     if any(o is not None and (o.dtype != _F32 or o.shape != x.shape[-1:]) for o in others):
         return None
+    if not all(v is None or v.flags.c_contiguous for v in (gamma, *others)):  # the loops' types
+        return None
     return decode_loops()
 
 
