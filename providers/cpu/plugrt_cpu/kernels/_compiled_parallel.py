@@ -2,9 +2,9 @@
 
 ``compiled_pool()`` is the process's pool, or None without numba (``PLUGRT_NUMBA=0``),
 while its loops are being built, without an x86 CPU (the spin uses ``pause``), or without
-a BLAS GEMM to call directly; callers then run their Python ``parallel_for`` path. Its workers are
-``plugrt.threads``' pool workers: between jobs they wait in the compiled spin, and they
-still run Python ``parallel_for`` jobs.
+a BLAS GEMM to call directly; callers then run their Python ``parallel_for`` path. Its
+workers are ``plugrt.threads``' pool workers: between jobs they wait in the compiled
+spin, and they still run Python ``parallel_for`` jobs.
 
 The spin is bounded and taken only when the cores are free: a worker spins at most
 ``SPIN_SECONDS`` after its last job, and not at all while other processes keep the cores
