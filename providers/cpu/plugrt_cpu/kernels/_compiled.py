@@ -27,10 +27,10 @@ import contextlib
 import functools
 import hashlib
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -297,7 +297,7 @@ def cache_stamp() -> str:
 @functools.cache
 def _cache_key() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
-    parts = [here, sys.version, platform.machine(), _numba_version()]
+    parts = [here, sys.version, platform.machine(), _numba_stamp()]
     parts += [f"{k}={os.environ.get(k, '')}" for k in ("NUMBA_CACHE_DIR", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_OPT")]
     for name in sorted(os.listdir(here)):
         if name.startswith("_numba_") and name.endswith(".py"):
@@ -306,11 +306,15 @@ def _cache_key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def _numba_version() -> str:
+def _numba_stamp() -> str:
+    """Which numba is installed, from its files (cheaper than its metadata, and no import)."""
     try:
-        return importlib.metadata.version("numba")
-    except importlib.metadata.PackageNotFoundError:
+        spec = importlib.util.find_spec("numba")
+        origin = spec.origin if spec is not None else None
+        stat = os.stat(origin) if origin else None
+    except (ImportError, ValueError, OSError):
         return ""
+    return f"{origin}:{stat.st_mtime_ns}:{stat.st_size}" if stat is not None else ""
 
 
 def cache_directory() -> str:
@@ -339,7 +343,7 @@ def _write_stamp() -> None:
 
 _CHILD = (
     "import os\n"
-    "if hasattr(os, 'nice'): os.nice(19)\n"
+    "if hasattr(os, 'nice') and os.nice(0) < 19: os.nice(19 - os.nice(0))\n"
     "from plugrt_cpu.kernels._compiled import build_all\n"
     "build_all()\n"
 )
@@ -349,10 +353,10 @@ def _compile_in_child() -> None:
     """Fill numba's on-disk cache in a child process at the lowest priority, and wait for
     it. Its failures are not reported here: this process's own imports then meet the
     same problem and say so."""
+    nice = shutil.which("nice")  # niced from its first instruction (the child's own os.nice comes after its start-up)
+    command = ([nice, "-n", "19"] if nice else []) + [sys.executable, "-c", _CHILD]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(
-            [sys.executable, "-c", _CHILD], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
-        )
+        subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
 _LOADER = _Loader()
