@@ -610,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs must be at least 1")
     if not 0 <= args.load <= 64:
         parser.error("--load must lie in [0, 64]")
+    # the steady state: numba's compiled loops (where installed) from the first run, as before
+    # they were built in the background (the timed runs would otherwise start on numpy)
+    os.environ.setdefault("PLUGRT_NUMBA", "wait")
 
     pattern = re.compile(args.models) if args.models else None
     args.openvino = args.openvino and _openvino_available()

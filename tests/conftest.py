@@ -7,6 +7,21 @@ import pytest
 from helpers import model_bytes
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_loops_built():
+    """The CPU provider's compiled loops (where numba is installed) built before the first
+    test, as the first step to use them built them before they were built in the
+    background: every test then takes the same path on every run. Tests of the
+    background build use a loader of their own."""
+    try:
+        from plugrt_cpu.kernels import _compiled
+    except ImportError:
+        yield
+        return
+    _compiled.wait_ready()
+    yield
+
+
 @pytest.fixture
 def add_relu_model() -> bytes:
     return model_bytes(

@@ -303,3 +303,27 @@ class with_slow_compile:
     @hookimpl
     def plugrt_providers():
         return [SlowCompileProvider()]
+
+
+class CachingProvider(NegProvider):
+    """A provider with compiled code to cache ahead (``prepare_cache``): three units."""
+
+    name = "fakecache"
+    prepared: list[str] = []
+
+    def prepare_cache(self, progress):
+        from plugrt.provider import CacheReport
+
+        units = ["alpha", "beta", "gamma"]
+        for done, unit in enumerate(units):
+            progress(done, len(units), unit)
+            CachingProvider.prepared.append(unit)
+        progress(len(units), len(units), "")
+        return CacheReport(len(units), len(units), location="/fake/cache")
+
+
+class with_cache:
+    @staticmethod
+    @hookimpl
+    def plugrt_providers():
+        return [CachingProvider()]

@@ -78,10 +78,12 @@ if TYPE_CHECKING:
     from .capture import Captured, CaptureReport, CaptureStats, ReplayResult
     from .provider import (
         AvailabilityCapability,
+        CacheReport,
         CaptureCapability,
         CaptureContext,
         CaptureMiss,
         CapturedPartition,
+        CompiledCacheCapability,
         CompiledPartition,
         ContextCapability,
         ContextCompatibilityCapability,
@@ -120,8 +122,8 @@ _LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".builder": ("SessionBuilder",),
     ".capture": ("Captured", "CaptureReport", "CaptureStats", "ReplayResult"),
     ".provider": (
-        "AvailabilityCapability", "CaptureCapability", "CaptureContext", "CaptureMiss", "CapturedPartition",
-        "CompiledPartition", "ContextCapability", "ContextCompatibilityCapability", "CostCapability", "CostContext",
+        "AvailabilityCapability", "CacheReport", "CaptureCapability", "CaptureContext", "CaptureMiss", "CapturedPartition",
+        "CompiledCacheCapability", "CompiledPartition", "ContextCapability", "ContextCompatibilityCapability", "CostCapability", "CostContext",
         "CountersCapability", "Device",
         "DeviceKind", "ExecutionProvider", "FunctionCapability", "MemoryCapability", "NotCapturable",
         "PROTOCOL_VERSION", "Partition", "PassesCapability", "SUPPORTED_PROTOCOL_VERSIONS", "Step", "SubgraphPlan",
@@ -184,6 +186,8 @@ __all__ = [
     "CountersCapability",
     "CostCapability",
     "CostContext",
+    "CompiledCacheCapability",
+    "CacheReport",
     "CaptureContext",
     "CaptureMiss",
     "CapturedPartition",

@@ -248,8 +248,14 @@ def _add_bench(sub: Any) -> None:
     add_parser(sub)
 
 
+def _add_compile_cache(sub: Any) -> None:
+    from .compile_cache import add_parser
+
+    add_parser(sub)
+
+
 #: One function per subcommand, each adding its parser: add a subcommand by adding one here.
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_run, _add_providers, _add_conformance, _add_explain, _add_bench]
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_run, _add_providers, _add_conformance, _add_explain, _add_bench, _add_compile_cache]
 
 
 class _Parser(argparse.ArgumentParser):

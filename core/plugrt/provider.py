@@ -74,6 +74,8 @@ __all__ = [
     "CountersCapability",
     "CostCapability",
     "CostContext",
+    "CompiledCacheCapability",
+    "CacheReport",
     "CAPABILITIES",
     "CAPABILITY_PROTOCOLS",
     "SUPPORTED_PROTOCOL_VERSIONS",
@@ -567,6 +569,30 @@ class CostCapability(Protocol):
     def estimate_cost(self, node: "ir.Node", ctx: CostContext) -> float | None: ...
 
 
+@dataclasses.dataclass
+class CacheReport:
+    """What ``prepare_cache`` left in a provider's on-disk cache of compiled code."""
+
+    ready: int  # units of compiled code in the cache now
+    total: int  # units the provider has
+    location: str = ""  # where the cache is, for an image or a CI cache to keep
+    note: str = ""  # why fewer than ``total`` are ready (numba not installed, turned off), for the user
+
+
+@runtime_checkable
+class CompiledCacheCapability(Protocol):
+    """Code the provider compiles on first use and keeps in an on-disk cache (the CPU
+    provider's numba loops), built ahead by ``plugrt compile-cache`` for images and CI.
+
+    ``prepare_cache(progress)`` compiles all of it into the cache now, in this process,
+    calling ``progress(done, total, unit)`` before each unit (``done`` finished so far,
+    ``unit`` a name a user can read) and once at the end with ``unit`` empty; later
+    processes then start with every unit ready. Returns a :class:`CacheReport`.
+    """
+
+    def prepare_cache(self, progress: Callable[[int, int, str], None]) -> CacheReport: ...
+
+
 #: The protocol versions this core can load. A provider declares ``protocol_version``
 #: (an int; a provider without one is taken as version 1); any other version is listed by
 #: ``plugrt providers`` with the reason and never loaded.
@@ -583,6 +609,7 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
     "availability": AvailabilityCapability,
     "counters": CountersCapability,
     "costs": CostCapability,
+    "compiled_cache": CompiledCacheCapability,
 }
 
 #: Every optional member a provider may implement, with what it is for (the Protocols
@@ -613,6 +640,8 @@ CAPABILITIES: dict[str, str] = {
     "plugrt.costs.DEFAULT_PARTITION_OVERHEAD) (CostCapability)",
     "fused_cost": "fused_cost(node, producer, ctx) -> float | None: seconds the node costs after producer when "
     "both run here (a fusion's epilogue) (CostCapability)",
+    "prepare_cache": "prepare_cache(progress) -> CacheReport: compile every unit of compiled code into the "
+    "on-disk cache now, for plugrt compile-cache (CompiledCacheCapability)",
 }
 
 

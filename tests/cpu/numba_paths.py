@@ -14,9 +14,9 @@ PATHS = ["numba", "numpy"]
 
 def numba_or_numpy(request: Any, monkeypatch: pytest.MonkeyPatch, loops: Callable[[], Any]) -> Iterator[str]:
     """The body of a fixture parametrized by ``PATHS``: "numba" checks that ``loops`` (a
-    ``functools.cache``d loader such as ``depthwise_loops``) finds the compiled module and is
-    skipped under PLUGRT_NUMBA=0 or without numba; "numpy" sets PLUGRT_NUMBA=0 and clears the loader's cache
-    around the test, so the kernel takes its numpy path."""
+    loader such as ``depthwise_loops``) finds the compiled module (built before the first
+    test: see conftest) and is skipped under PLUGRT_NUMBA=0 or without numba; "numpy" sets
+    PLUGRT_NUMBA=0 and has it read again around the test, so the kernel takes its numpy path."""
     if request.param == "numba":
         if os.environ.get("PLUGRT_NUMBA", "1") == "0":
             pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
@@ -31,9 +31,9 @@ def numba_or_numpy(request: Any, monkeypatch: pytest.MonkeyPatch, loops: Callabl
 
 
 def _forget_loaders() -> None:
-    """Clear the cached loaders of the CPU kernels' compiled modules (``functools.cache``d
-    functions of ``plugrt_cpu.kernels`` modules), so that none keeps a None found under
-    PLUGRT_NUMBA=0 past the test, nor a module found before it into the test. Not the
+    """Clear the ``functools.cache``d functions of ``plugrt_cpu.kernels`` modules (among
+    them ``_compiled._mode``, PLUGRT_NUMBA as read), so that none keeps what it found under
+    PLUGRT_NUMBA=0 past the test, nor what it found before it into the test. Not the
     compiled pool: its workers run on its state, which must outlive them."""
     for name, module in list(sys.modules.items()):
         if name.startswith("plugrt_cpu.kernels") and module is not None:

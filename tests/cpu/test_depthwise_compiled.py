@@ -14,6 +14,7 @@ from onnx import numpy_helper
 
 import plugrt
 from plugrt.capture import Captured
+from plugrt_cpu.kernels import _compiled
 from plugrt_cpu.kernels import conv as convolution
 
 from cpu.numba_paths import PATHS, numba_or_numpy
@@ -122,12 +123,12 @@ def test_numpy_path_under_plugrt_numba_0_gives_what_the_compiled_loops_give(monk
     compiled = session.run({"x": x})["y"]
     assert len(compiled_calls) == 1
     monkeypatch.setenv("PLUGRT_NUMBA", "0")
-    convolution.depthwise_loops.cache_clear()
+    _compiled._mode.cache_clear()
     try:
         assert convolution.depthwise_loops() is None
         numpy_path = session.run({"x": x})["y"]
     finally:
-        convolution.depthwise_loops.cache_clear()
+        _compiled._mode.cache_clear()
     assert len(compiled_calls) == 1  # the second run took the numpy path
     np.testing.assert_allclose(numpy_path, compiled, rtol=1e-5, atol=1e-5)
 

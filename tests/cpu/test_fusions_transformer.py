@@ -281,14 +281,23 @@ def _gelu_context():
     return KernelContext("Gelu", "", 20, {"approximate": "none"}, 1, 1, [np.dtype(np.float32)], [None])
 
 
-def test_compiled_loops_are_off_when_the_environment_says_so(monkeypatch):
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """A loader of the compiled modules that has loaded nothing yet, and the environment
+    read afresh (before and after the test)."""
+    from plugrt_cpu.kernels import _compiled
+
+    loader = _compiled._Loader()
+    monkeypatch.setattr(_compiled, "_LOADER", loader)
+    _compiled._mode.cache_clear()
+    yield loader
+    _compiled._mode.cache_clear()
+
+
+def test_compiled_loops_are_off_when_the_environment_says_so(monkeypatch, fresh_loader):
     monkeypatch.setenv("PLUGRT_NUMBA", "0")
-    elementwise.compiled_loops.cache_clear()
-    try:
-        assert elementwise.compiled_loops() is None
-    finally:
-        monkeypatch.delenv("PLUGRT_NUMBA")
-        elementwise.compiled_loops.cache_clear()
+    assert elementwise.compiled_loops() is None
+    assert fresh_loader._thread is None  # nothing is built either
 
 
 def _forget_numba_loops(monkeypatch) -> None:
@@ -299,31 +308,24 @@ def _forget_numba_loops(monkeypatch) -> None:
     monkeypatch.delattr(plugrt_cpu.kernels, "_numba_loops", raising=False)
 
 
-def test_compiled_loops_are_none_when_numba_cannot_be_imported(monkeypatch):
-    monkeypatch.delenv("PLUGRT_NUMBA", raising=False)  # the import, not the environment, turns them off
+def test_compiled_loops_are_none_when_numba_cannot_be_imported(monkeypatch, fresh_loader):
+    monkeypatch.setenv("PLUGRT_NUMBA", "wait")  # the import, not the environment, turns them off
     monkeypatch.setitem(sys.modules, "numba", None)  # makes `import numba` raise ImportError
     _forget_numba_loops(monkeypatch)
-    elementwise.compiled_loops.cache_clear()
-    try:
-        assert elementwise.compiled_loops() is None
-    finally:
-        elementwise.compiled_loops.cache_clear()
+    assert elementwise.compiled_loops() is None
+    assert fresh_loader.ready == {}
 
 
-def test_a_numba_that_fails_to_set_up_turns_the_loops_off_with_a_warning(monkeypatch):
+def test_a_numba_that_fails_to_set_up_turns_the_loops_off_with_a_warning(monkeypatch, fresh_loader):
     class Unusable:
         def __getattr__(self, name):
             raise RuntimeError("cannot cache function: no locator available")
 
-    monkeypatch.delenv("PLUGRT_NUMBA", raising=False)
+    monkeypatch.setenv("PLUGRT_NUMBA", "wait")
     monkeypatch.setitem(sys.modules, "numba", Unusable())
     _forget_numba_loops(monkeypatch)
-    elementwise.compiled_loops.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="compiled loops are off"):
-            assert elementwise.compiled_loops() is None
-    finally:
-        elementwise.compiled_loops.cache_clear()
+    with pytest.warns(RuntimeWarning, match="compiled loops are off"):
+        assert elementwise.compiled_loops() is None
 
 
 # ---------------------------------------------------------------------------------------

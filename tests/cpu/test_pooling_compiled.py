@@ -13,7 +13,7 @@ from onnx import helper
 
 import plugrt
 from plugrt.conformance.light_models import light_models
-from plugrt_cpu.kernels import pooling
+from plugrt_cpu.kernels import _compiled, pooling
 
 from cpu.test_into import check_captured
 from helpers import graph_model, reference_model
@@ -23,12 +23,12 @@ pytest.importorskip("numba")
 
 @pytest.fixture
 def numba_on(monkeypatch):
-    """The compiled loops on (whatever PLUGRT_NUMBA the suite runs with)."""
-    monkeypatch.delenv("PLUGRT_NUMBA", raising=False)
-    pooling.compiled_pool.cache_clear()
+    """The compiled loops on (whatever PLUGRT_NUMBA the suite runs with), loaded before the test."""
+    monkeypatch.setenv("PLUGRT_NUMBA", "wait")
+    _compiled._mode.cache_clear()
     assert pooling.compiled_pool() is not None
     yield
-    pooling.compiled_pool.cache_clear()
+    _compiled._mode.cache_clear()
 
 
 @pytest.fixture
@@ -44,9 +44,9 @@ def compiled(numba_on, monkeypatch):
 @pytest.fixture
 def numba_off(monkeypatch):
     monkeypatch.setenv("PLUGRT_NUMBA", "0")
-    pooling.compiled_pool.cache_clear()
+    _compiled._mode.cache_clear()
     yield
-    pooling.compiled_pool.cache_clear()
+    _compiled._mode.cache_clear()
 
 
 def _random(*shape: int, seed: int = 0) -> np.ndarray:
@@ -196,13 +196,13 @@ def test_compiled_pool_propagates_nan_and_infinities_as_numpy_does(numba_on, mon
     shape, attributes = CASES[name]
     x = _with_specials((shape[0], max(shape[1], 3), *shape[2:]))
     model = _model(op, x, attributes)
-    pooling.compiled_pool.cache_clear()
+    _compiled._mode.cache_clear()
     with monkeypatch.context() as patch:
         patch.setenv("PLUGRT_NUMBA", "0")
         assert pooling.compiled_pool() is None
         with np.errstate(invalid="ignore"):  # numpy warns of inf - inf in the sums
             expected = _plugrt(model, x)
-    pooling.compiled_pool.cache_clear()
+    _compiled._mode.cache_clear()
     assert pooling.compiled_pool() is not None
     got = _plugrt(model, x)
     assert np.isnan(expected).any() and np.isinf(expected).any()  # the case checks both

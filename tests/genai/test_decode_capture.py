@@ -29,14 +29,15 @@ REPLAY_BYTES = 8192
 @pytest.fixture(params=["numba", "numpy"])
 def loops(request, monkeypatch) -> str:
     """The CPU kernels' compiled decode loops on (when numba is installed) or off."""
-    from plugrt_cpu.kernels import contrib_normalization
+    from plugrt_cpu.kernels import contrib_attention, contrib_normalization
 
     if request.param == "numba":
         pytest.importorskip("numba")
         import plugrt_cpu.kernels._numba_decode as compiled
     else:
         compiled = None
-    monkeypatch.setattr(contrib_normalization, "_decode_loops", compiled)
+    for module in (contrib_normalization, contrib_attention):  # the loader and the module that imports it
+        monkeypatch.setattr(module, "decode_loops", lambda: compiled)
     return request.param
 
 

@@ -29,17 +29,31 @@ def _identical(a: Any, b: Any) -> bool:
 
 def capture_partition(compiled: CompiledPartition, ctx: CaptureContext, metadata: list) -> CapturedPartition:
     """Capture every step of a CPU partition; ``metadata[i]`` is (spec, attributes) or None."""
+    from .kernels._compiled import pinned, snapshot  # the kernels are loaded by now
+
     runs: list[Callable[[], None]] = []
     run_nodes: list[str] = []
     nodes: list[tuple[str, bool, str]] = []
-    for step, meta in zip(compiled.steps, metadata):
-        run, reason = _capture_step(step, meta, ctx)
-        if run is not None:
-            runs.append(run)
-            run_nodes.append(step.name)
-        nodes.append((step.name, not reason, reason))
-        ctx.step_done(step)
+    # The compiled loops still being built when the capture starts stay out of it and of
+    # its replays: a step that switched to them would allocate on its first compiled call.
+    view = snapshot()
+    with pinned(view):
+        for step, meta in zip(compiled.steps, metadata):
+            run, reason = _capture_step(step, meta, ctx)
+            if run is not None:
+                runs.append(run if view is None else functools.partial(_run_pinned, view, run))
+                run_nodes.append(step.name)
+            nodes.append((step.name, not reason, reason))
+            ctx.step_done(step)
     return CapturedPartition(runs, nodes, run_nodes)
+
+
+def _run_pinned(view: Any, run: Callable[[], None]) -> None:
+    """``run`` with the compiled loops of ``view`` (a ``kernels._compiled.Snapshot``)."""
+    from .kernels._compiled import pinned
+
+    with pinned(view):
+        run()
 
 
 def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], None] | None, str]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import platform
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from plugrt import provider as protocol  # its onnx_ir helpers load on first use, not at discovery
 from plugrt.errors import UnsupportedOpError
 from plugrt.provider import (
+    CacheReport,
     CaptureContext,
     CapturedPartition,
     CompiledPartition,
@@ -159,6 +160,27 @@ class CPUProvider:
         """Bind every step to preallocated outputs (see plugrt_cpu._capture)."""
         metadata = compiled.state if isinstance(compiled.state, list) else [None] * len(compiled.steps)
         return capture_partition(compiled, ctx, metadata)
+
+    def prepare_cache(self, progress: Callable[[int, int, str], None]) -> CacheReport:
+        """Compile numba's loops into its on-disk cache now (``plugrt compile-cache``), so
+        that later processes load them at once instead of building them in the background."""
+        import importlib.util
+        import os
+
+        from .kernels import _compiled
+
+        total = len(_compiled.MODULES)
+        if importlib.util.find_spec("numba") is None:
+            return CacheReport(0, total, note="numba is not installed (pip install 'plugrt[accelerate]'): nothing to compile")
+        if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+            return CacheReport(0, total, note="PLUGRT_NUMBA=0 turns the compiled loops off")
+
+        def step(done: int, total: int, name: str) -> None:
+            progress(done, total, f"{name} ({_compiled.MODULES[name]})" if name else "")
+
+        ready = _compiled.build_all(step)
+        note = "" if ready == total else "numba could not compile some loops here (see the warning above)"
+        return CacheReport(ready, total, location=_compiled.cache_directory(), note=note)
 
     def bind(self, node: ir.Node, opset_imports: dict[str, int], build_subgraph: Any = None) -> Step:
         """The step that runs ``node``: its kernel with attributes bound once.

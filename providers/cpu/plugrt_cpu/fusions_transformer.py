@@ -407,7 +407,7 @@ def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
             return False
         width = a.shape[-1]
         shift = bias if bias is not None else _zeros(width)
-        if shift.dtype != np.float32:
+        if shift.dtype != np.float32 or not shift.flags.c_contiguous:
             return False
         loops.skip_layer_norm(
             a.reshape(-1, width), b.reshape(-1, width), scale, shift, epsilon, out.reshape(-1, width)
@@ -466,6 +466,8 @@ def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
 
     def compiled(out: np.ndarray, bias: np.ndarray) -> bool:
         if out.dtype != np.float32 or bias.dtype != np.float32 or not out.flags.c_contiguous or out.ndim < 1:
+            return False
+        if bias.ndim != 1 or not bias.flags.c_contiguous:  # the loop's types
             return False
         loops = compiled_loops()
         if loops is None:

@@ -1,10 +1,10 @@
 """Compiled jobs over the host threads without the GIL (see ``_numba_parallel``).
 
 ``compiled_pool()`` is the process's pool, or None without numba (``PLUGRT_NUMBA=0``),
-without an x86 CPU (the spin uses ``pause``), or without a BLAS GEMM to call directly;
-callers then run their Python ``parallel_for`` path. Its workers are
-``plugrt.threads``' pool workers: between jobs they wait in the compiled spin, and they
-still run Python ``parallel_for`` jobs.
+while its loops are being built, without an x86 CPU (the spin uses ``pause``), or without
+a BLAS GEMM to call directly; callers then run their Python ``parallel_for`` path. Its
+workers are ``plugrt.threads``' pool workers: between jobs they wait in the compiled
+spin, and they still run Python ``parallel_for`` jobs.
 
 The spin is bounded and taken only when the cores are free: a worker spins at most
 ``SPIN_SECONDS`` after its last job, and not at all while other processes keep the cores
@@ -14,7 +14,6 @@ busy (``plugrt.threads.free_cores``), where it blocks at once, as the Python poo
 from __future__ import annotations
 
 import ctypes
-import functools
 import platform
 import threading
 import time
@@ -112,12 +111,22 @@ def _sched_yield_address() -> int:
         return 0
 
 
-@functools.cache
+_POOL: list[CompiledPool] = []  # the process's pool, once made
+_POOL_LOCK = threading.Lock()
+
+
 def compiled_pool() -> CompiledPool | None:
-    """The compiled pool, made on first use, or None where it cannot run (see the module)."""
+    """The compiled pool, made on first use once its loops are ready, or None where it
+    cannot run (see the module) or before then. Kept once made: its workers wait in its
+    state."""
+    if _POOL:
+        return _POOL[0]
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     loops = compiled_module("_numba_parallel")
     if loops is None:
         return None
-    return CompiledPool(loops)
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(CompiledPool(loops))
+    return _POOL[0]

@@ -149,10 +149,9 @@ def bias_relu(c: np.ndarray, bias: np.ndarray | None, relu: bool, residual: np.n
     with_small_buffers(_bias_relu, c, bias, relu, residual)
 
 
-@functools.cache
 def epilogue_loops() -> Any:
     """The compiled epilogue loops (``kernels._numba_epilogue``), or None without numba
-    (see ``compiled_module``)."""
+    or while they are being built (see ``compiled_module``)."""
     return compiled_module("_numba_epilogue")
 
 

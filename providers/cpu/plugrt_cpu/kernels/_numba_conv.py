@@ -253,7 +253,17 @@ def pad_planes(c, start, stop, slot):  # pragma: no cover  (compiled)
                     row[j] = line[j]
 
 
-@numba.njit(nogil=True, cache=True)
+def _any(ndim: int):  # type: ignore[no-untyped-def]
+    return types.Array(types.float32, ndim, "A", readonly=True)  # only the address is read: any layout
+
+
+@numba.njit(
+    # a pointwise Conv's columns are (n, C, positions), a 2-D one's input (n, C, H, W); the
+    # workspace is its own buffer or the output
+    [types.void(types.int64[::1], _any(s), _any(3), _any(r), _any(w)) for s in (3, 4) for r in (3, 4) for w in (1, 3)],
+    nogil=True,
+    cache=True,
+)
 def addresses(context, source, output, residual, workspace):  # pragma: no cover  (compiled)
     """A call's addresses into its prepared context: the source, the output, the residual
     (where the context was prepared with one: its word is then non-zero) and the

@@ -10,16 +10,35 @@ propagate as in numpy.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
 
 __all__ = ["causal_attention", "finish_caches", "rms_rows", "rotate_into_cache", "skip_rms_rows"]
 
-_compiled = numba.njit(nogil=True, boundscheck=False, error_model="numpy", cache=True)
+_FLAGS: dict[str, Any] = dict(nogil=True, boundscheck=False, error_model="numpy", cache=True)
+_compiled = numba.njit(**_FLAGS)
 
 
-@_compiled
+def _entry(*signatures):  # type: ignore[no-untyped-def]
+    """An entry point compiled for exactly ``signatures`` when the module is imported (by
+    the background build), never again on a call: any shape of these types shares it."""
+    return numba.njit(list(signatures), **_FLAGS)
+
+
+_Array = numba.types.Array
+# inputs are typed read-only, which takes writable arrays too
+_IN1, _IN2, _IN4 = (_Array(numba.float32, ndim, "C", readonly=True) for ndim in (1, 2, 4))
+# Inputs the callers pass as they come (views of a packed QKV, caches and tables as bound):
+# any layout. The callers check that the other arrays are contiguous.
+_STRIDED2, _STRIDED4 = (_Array(numba.float32, ndim, "A", readonly=True) for ndim in (2, 4))
+_STRIDED_INDICES2 = _Array(numba.int64, 2, "A", readonly=True)
+_OUT1, _OUT2, _OUT3, _OUT4 = (_Array(numba.float32, ndim, "C") for ndim in (1, 2, 3, 4))
+_INDICES1, _INDICES2 = (_Array(numba.int64, ndim, "C", readonly=True) for ndim in (1, 2))
+
+
+@_entry(numba.void(_IN2, _IN1, numba.float64, _OUT2, _OUT1))
 def rms_rows(x, gamma, epsilon, y, inv_std):  # pragma: no cover  (compiled; covered through its callers)
     """y = x / sqrt(mean(x^2) + epsilon) * gamma per row of the 2-D float32 ``x``; the
     reciprocal root of each row into ``inv_std`` (one value per row)."""
@@ -35,7 +54,7 @@ def rms_rows(x, gamma, epsilon, y, inv_std):  # pragma: no cover  (compiled; cov
             y[r, c] = x[r, c] * inv * gamma[c]
 
 
-@_compiled
+@_entry(numba.void(_IN2, _IN2, _IN1, numba.float64, _IN1, _OUT2, _OUT1, _OUT2))
 def skip_rms_rows(a, b, bias, epsilon, gamma, y, inv_std, total):  # pragma: no cover  (compiled)
     """total = a + b (+ bias, a 1-element array meaning none), then rms_rows(total) into
     y and inv_std; 2-D float32 ``a`` and ``b`` of one shape."""
@@ -55,7 +74,7 @@ def skip_rms_rows(a, b, bias, epsilon, gamma, y, inv_std, total):  # pragma: no 
             y[r, c] = total[r, c] * inv * gamma[c]
 
 
-@_compiled
+@_entry(numba.void(_IN4, _IN4, _IN4, _INDICES1, _INDICES1, numba.int64, _OUT1, _OUT3))
 def causal_attention(queries, keys, values, lengths, past_lengths, window, work, out):  # pragma: no cover  (compiled)
     """Grouped causal attention of the scaled queries (B, N, S, D) over the first
     lengths[b] positions of the cache (B, Hkv, capacity, D): query s of sequence b sits at
@@ -106,7 +125,9 @@ def _rotate_row(x, cos, sin, position, interleaved, scale, out):  # pragma: no c
         out[d] = x[d] * scale
 
 
-@_compiled
+# the heads as they come: contiguous, or strided views of a packed QKV (one signature: a
+# contiguous and a strided one would both take a contiguous array, and numba refuses to choose)
+@_entry(numba.void(_STRIDED4, _STRIDED4, _STRIDED4, _STRIDED2, _STRIDED2, _STRIDED_INDICES2, numba.boolean, numba.float32, _OUT4, _OUT4, _OUT4, _INDICES1))
 def rotate_into_cache(
     q, k, v, cos, sin, positions, interleaved, scale, queries, present_k, present_v, past_lengths
 ):  # pragma: no cover  (compiled)
@@ -131,7 +152,7 @@ def rotate_into_cache(
                         present_v[b, h, row, d] = v[b, s, h, d]
 
 
-@_compiled
+@_entry(numba.void(_OUT4, _OUT4, _STRIDED4, _STRIDED4, numba.boolean, _INDICES1, numba.int64))  # the past as it is bound
 def finish_caches(present_k, present_v, past_k, past_v, copy_past, past_lengths, seq):  # pragma: no cover  (compiled)
     """Around the new rows of each sequence b in the caches (B, Hkv, capacity, D): the
     past's first past_lengths[b] rows before them (when ``copy_past``: the past is

@@ -14,15 +14,26 @@ loops and their sums) but not ``nnan``/``ninf``: NaN and infinity propagate as i
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
 
 __all__ = ["bias_gelu_rows", "gelu_erf", "normalize_rows", "scale_and_shift_rows", "skip_layer_norm"]
 
-_compiled = numba.njit(
-    fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True
-)
+_FLAGS: dict[str, Any] = dict(fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+_compiled = numba.njit(**_FLAGS)
+
+
+def _entry(signature):  # type: ignore[no-untyped-def]
+    """An entry point compiled for exactly ``signature`` when the module is imported (by
+    the background build), never again on a call: every shape shares it."""
+    return numba.njit([signature], **_FLAGS)
+
+
+_IN1 = numba.types.Array(numba.float32, 1, "C", readonly=True)  # read-only types take writable arrays too
+_IN2 = numba.types.Array(numba.float32, 2, "C", readonly=True)
+_OUT1, _OUT2 = numba.float32[::1], numba.float32[:, ::1]
 
 _F = np.float32
 
@@ -47,14 +58,14 @@ def _gelu(v):  # pragma: no cover  (compiled; inlined into the loops below)
     return _F(0.5) * v * (_F(1.0) + e)
 
 
-@_compiled
+@_entry(numba.void(_IN1, _OUT1))
 def gelu_erf(x, out):  # pragma: no cover  (compiled; covered through its callers)
     """out = GELU(x) over flat float32 arrays."""
     for i in range(x.size):
         out[i] = _gelu(x[i])
 
 
-@_compiled
+@_entry(numba.void(_OUT2, _IN1))
 def bias_gelu_rows(x, bias):  # pragma: no cover  (compiled)
     """x = GELU(x + bias) in place, over the rows of the 2-D float32 ``x``."""
     rows, width = x.shape
@@ -63,7 +74,7 @@ def bias_gelu_rows(x, bias):  # pragma: no cover  (compiled)
             x[r, j] = _gelu(x[r, j] + bias[j])
 
 
-@_compiled
+@_entry(numba.void(_IN2, _IN2, _IN1, _IN1, numba.float64, _OUT2))
 def skip_layer_norm(a, b, gamma, beta, epsilon, out):  # pragma: no cover  (compiled)
     """out = LayerNorm(a + b) over the last axis of the 2-D float32 ``a``, with ``b`` of
     a's width and a row count that divides a's (row r adds b's row r % len(b)); sums in
@@ -88,7 +99,7 @@ def skip_layer_norm(a, b, gamma, beta, epsilon, out):  # pragma: no cover  (comp
             out[r, j] = (out[r, j] - mean32) * inv_std * gamma[j] + beta[j]
 
 
-@_compiled
+@_entry(numba.void(_OUT2, numba.float32))
 def scale_and_shift_rows(x, factor):  # pragma: no cover  (compiled)
     """x = x * factor - max(x * factor) per row of the 2-D float32 ``x``, in place: the
     first half of a softmax (a NaN in a row makes the whole row NaN after the exp, as the
@@ -105,7 +116,7 @@ def scale_and_shift_rows(x, factor):  # pragma: no cover  (compiled)
             x[r, j] -= peak
 
 
-@_compiled
+@_entry(numba.void(_OUT2))
 def normalize_rows(x):  # pragma: no cover  (compiled)
     """x /= sum(x) per row of the 2-D float32 ``x``, in place (as a multiplication by the
     reciprocal: within an ulp of the division)."""

@@ -49,6 +49,8 @@ _FLAGS: dict[str, Any] = dict(
 if not hasattr(CPUTargetOptions, "_nrt"):  # a private option: a numba without it counts references
     del _FLAGS["_nrt"]
 _compiled = numba.njit(**_FLAGS)
+_I = numba.int64
+_PLANES_IN = numba.types.Array(numba.float32, 3, "C", readonly=True)  # takes writable arrays too
 # The innermost loops and their dispatch are inlined by numba, so that the row loops call
 # no function; the rest is left to LLVM (inlining everything compiled twice as slowly).
 _inlined = numba.njit(inline="always", **_FLAGS)
@@ -100,7 +102,7 @@ def _flat(height, width, out_h, out_w, kh, kw, sh, sw, dh, dw, ph, pw):  # pragm
     return sh == 2 and 0 <= ph <= 1 and 0 <= pw <= 1
 
 
-@_compiled
+@numba.njit([_I(*(_I,) * 12)], **_FLAGS)  # compiled on import for every shape
 def work_length(height, width, out_h, out_w, kh, kw, sh, sw, dh, dw, ph, pw):  # pragma: no cover  (compiled)
     """Float32 elements of the ``work`` buffer the pooling loops need (per thread)."""
     if _flat(height, width, out_h, out_w, kh, kw, sh, sw, dh, dw, ph, pw):
@@ -476,14 +478,14 @@ def _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, is_max, scale, wo
                         _scaled(result[r * pitch :], scale[oh - slot + r], yp[oh - slot + r], out_w)
 
 
-@_compiled
+@numba.njit([numba.void(_PLANES_IN, numba.float32[:, :, ::1], *(_I,) * 10, numba.float32[::1])], **_FLAGS)  # compiled on import for every shape
 def max_pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, work):  # pragma: no cover  (compiled)
     """MaxPool of planes [start, stop) of the float32 ``x`` (planes, H, W) into ``y``
     (planes, OH, OW); ``start < stop``. See ``_pool2d``."""
     _pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, True, y[start], work)
 
 
-@_compiled
+@numba.njit([numba.void(_PLANES_IN, numba.float32[:, :, ::1], *(_I,) * 10, numba.types.Array(numba.float32, 2, "C", readonly=True), numba.float32[::1])], **_FLAGS)  # compiled on import for every shape
 def avg_pool2d(x, y, start, stop, kh, kw, sh, sw, dh, dw, ph, pw, scale, work):  # pragma: no cover  (compiled)
     """AveragePool of planes [start, stop) of the float32 ``x`` (planes, H, W) into
     ``y`` (planes, OH, OW): each window's sum times ``scale`` (OH, OW, float32: one over

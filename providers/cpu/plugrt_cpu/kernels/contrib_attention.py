@@ -557,7 +557,8 @@ def _gqa_attend(
     dtype = queries.dtype
     if softcap <= 0 and attention_bias is None and sink is None and dtype == np.float32:
         loops = decode_loops()
-        if loops is not None and output.flags.c_contiguous and present_k.dtype == present_v.dtype == np.float32:
+        contiguous = all(a.flags.c_contiguous for a in (output, queries, present_k, present_v))  # the loop's types
+        if loops is not None and contiguous and present_k.dtype == present_v.dtype == np.float32:
             # one compiled loop for scores, softmax and the weighted sum
             loops.causal_attention(
                 queries, present_k, present_v, np.asarray(lengths, np.int64), np.asarray(past_lengths, np.int64),
@@ -697,6 +698,7 @@ def group_query_attention(ctx: KernelContext):
             q_heads, k_heads = qk_heads[:, :, :num_heads], qk_heads[:, :, num_heads:]
         loops = decode_loops() if dtype == np.float32 else None
         compiled = loops is not None and all(a.dtype == dtype for a in (k_heads, v_heads, present_k, present_v))
+        compiled = compiled and all(a.flags.c_contiguous for a in (present_k, present_v, work.queries))  # the loop's types
         if compiled and do_rotary:  # the compiled loop takes the caches as they are; odd ones go the numpy way
             compiled = (
                 cos_cache.dtype == sin_cache.dtype == dtype

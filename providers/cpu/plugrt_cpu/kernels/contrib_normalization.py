@@ -73,18 +73,11 @@ def skip_layer_normalization(x, skip, gamma, beta=None, bias=None, *, epsilon=1e
     return y, mean, inv_std, total
 
 
-_UNSET = object()
-_decode_loops: Any = _UNSET  # the loaded module or None, once decode_loops has looked
-
-
 def decode_loops() -> Any:
     """The numba-compiled decode loops (``kernels._numba_decode``), or None when numba is
-    not installed or the environment sets ``PLUGRT_NUMBA=0``. Imported on first use and
-    remembered (a decode step asks some twenty times)."""
-    global _decode_loops
-    if _decode_loops is _UNSET:
-        _decode_loops = compiled_module("_numba_decode")
-    return _decode_loops
+    not installed, the environment sets ``PLUGRT_NUMBA=0`` or they are still being built
+    (see ``compiled_module``)."""
+    return compiled_module("_numba_decode")
 
 
 _F32 = np.dtype(np.float32)
@@ -97,6 +90,8 @@ def _compiled_rms(x: np.ndarray, gamma: np.ndarray, *others: np.ndarray | None) 
     if x.dtype != _F32 or gamma.dtype != _F32 or x.ndim < 1 or x.shape[-1] < 2 or gamma.shape != x.shape[-1:]:
         return None
     if any(o is not None and (o.dtype != _F32 or o.shape != x.shape[-1:]) for o in others):
+        return None
+    if not all(v is None or v.flags.c_contiguous for v in (gamma, *others)):  # the loops' types
         return None
     return decode_loops()
 

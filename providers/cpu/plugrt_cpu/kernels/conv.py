@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from types import ModuleType
@@ -13,7 +12,7 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, split_
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
-from ._compiled import compiled_module
+from ._compiled import compiled_module, generation as compiled_generation
 from ._window import (
     _auto_pad,
     _call,
@@ -73,10 +72,10 @@ def _compiled_threads(work: int) -> int:
     return split_threads(max(work, PARALLEL_MIN_WORK)) if work >= _COMPILED_SPLIT_WORK else 1
 
 
-@functools.cache
 def depthwise_loops() -> ModuleType | None:
     """The numba-compiled depthwise loops (``_numba_depthwise``), or None when numba is
-    missing, unusable, or ``PLUGRT_NUMBA=0``: the numpy paths run instead."""
+    missing, unusable, ``PLUGRT_NUMBA=0`` or still being built (``compiled_module``): the
+    numpy paths run instead."""
     return compiled_module("_numba_depthwise")
 
 
@@ -370,18 +369,19 @@ class _ConvWeight:
         self.gemm = np.ascontiguousarray(w.reshape(group, m // group, -1), dtype=dtype)
         self._reordered: dict[tuple[int, ...], np.ndarray] = {}
         self.constant = False  # set by ConvConstants for a weight prepared once
-        self._packed: tuple[np.ndarray | None] | None = None
+        self._packed: tuple[np.ndarray | None, int] | None = None  # and the compiled generation it saw
 
     def packed(self) -> np.ndarray | None:
         """A constant float32 weight packed for the compiled units' GEMM
         (``conv_units.packed_weight``), made once; None for a weight fed at run time (packing
         it each call would allocate, and a replay must not) or where that GEMM is not
-        there."""
+        there (asked again once more compiled loops are loaded: it may be built by then)."""
         if not self.constant:
             return None
-        if self._packed is None:
-            self._packed = (packed_weight(self.gemm),)
-        return self._packed[0]
+        packed = self._packed
+        if packed is None or (packed[0] is None and packed[1] != compiled_generation()):
+            packed = self._packed = (packed_weight(self.gemm), compiled_generation())
+        return packed[0]
 
     def taps_in(self, order: tuple[int, ...]) -> np.ndarray:
         """``gemm`` with its taps (last axis) in ``order``, made once per order."""

@@ -11,7 +11,6 @@ split by output channels instead, as ``split_gemm`` would.
 
 from __future__ import annotations
 
-import functools
 import threading
 from types import ModuleType
 from typing import Any
@@ -39,12 +38,10 @@ _GATHER_UNITS_PER_THREAD = 2  # units of input channels (planes) per thread of a
 _READ_DIRECT_MIN_DEPTH = 64
 
 
-@functools.cache
 def _loops() -> ModuleType | None:
     return compiled_module("_numba_conv")
 
 
-@functools.cache
 def packing() -> ModuleType | None:
     """``_numba_gemm`` (the packed-weight GEMM) where numba is there and the host has the
     vector unit it is written for, else None (the BLAS GEMM runs)."""

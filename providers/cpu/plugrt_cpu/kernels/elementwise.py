@@ -16,10 +16,10 @@ from ._relu import relu_into
 __all__ = ["compiled_loops", "erf", "sigmoid", "scratch", "with_small_buffers"]
 
 
-@functools.cache
 def compiled_loops() -> Any:
     """The numba-compiled loops module (``kernels._numba_loops``), or None when numba is
-    not installed or the environment sets ``PLUGRT_NUMBA=0`` (see ``compiled_module``)."""
+    not installed, the environment sets ``PLUGRT_NUMBA=0`` or they are still being built (see
+    ``compiled_module``)."""
     return compiled_module("_numba_loops")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from types import ModuleType
 from typing import Any, Callable, Sequence
@@ -35,10 +34,10 @@ _COMPILED_MIN_OPS = 1 << 18
 _COMPILED_UNITS_PER_THREAD = 2
 
 
-@functools.cache
 def compiled_pool() -> ModuleType | None:
     """The numba-compiled 2-D pooling loops (``kernels._numba_pool``), or None when numba
-    is not installed or the environment sets ``PLUGRT_NUMBA=0`` (see ``compiled_module``)."""
+    is not installed, the environment sets ``PLUGRT_NUMBA=0`` or they are still being built
+    (see ``compiled_module``)."""
     return compiled_module("_numba_pool")
 
 

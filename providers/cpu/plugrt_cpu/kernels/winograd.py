@@ -47,7 +47,6 @@ tiles (7x7 gives 20: the GEMM paths).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from types import ModuleType
 from typing import Any, Sequence
@@ -121,10 +120,10 @@ _F4 = _Variant(
 _F2 = _Variant(2, np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]], dtype=np.float32), "winograd2")
 
 
-@functools.cache
 def winograd_loops() -> ModuleType | None:
     """The compiled transforms (``_numba_winograd``), or None when numba is missing,
-    unusable, or ``PLUGRT_NUMBA=0``: Conv then takes its GEMM paths."""
+    unusable, ``PLUGRT_NUMBA=0`` or still being built (``compiled_module``): Conv then takes
+    its GEMM paths."""
     return compiled_module("_numba_winograd")
 
 
