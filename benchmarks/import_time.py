@@ -13,6 +13,7 @@ lists the N modules that take longest under ``python -X importtime -c "import pl
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     args = parser.parse_args(argv)
     modules = ["plugrt", "onnxruntime"]
+    if importlib.util.find_spec("onnxruntime") is None:
+        print("onnxruntime is not installed (pip install onnxruntime): timing import plugrt alone")
+        modules = ["plugrt"]
     for module in modules:
         import_seconds(module)  # untimed: fills the file cache
     times: dict[str, list[float]] = {m: [] for m in modules}
@@ -61,13 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         for module in modules:  # alternating, so both see the same machine load
             times[module].append(import_seconds(module))
     medians = {m: statistics.median(t) for m, t in times.items()}
-    ratio = medians["plugrt"] / medians["onnxruntime"]
+    ratio = medians["plugrt"] / medians["onnxruntime"] if "onnxruntime" in medians else None
     if args.json:
         print(json.dumps({"seconds": times, "median": medians, "ratio": ratio}))
     else:
         for module in modules:
             print(f"import {module:12s} median {medians[module] * 1000:7.1f} ms   min {min(times[module]) * 1000:7.1f} ms")
-        print(f"plugrt / onnxruntime: {ratio:.2f}")
+        if ratio is not None:
+            print(f"plugrt / onnxruntime: {ratio:.2f}")
     if args.top:
         print("slowest imports of plugrt (cumulative ms, -X importtime):")
         for millis, name in top_imports("plugrt", args.top):
