@@ -280,6 +280,23 @@ def test_a_difference_within_the_providers_tolerance_is_accepted():
     np.testing.assert_allclose(result["r"], _mlp_expected(x)[1], atol=1e-4)
 
 
+class FailingCapture(GraphDevice):
+    name = "failingcapture"
+
+    def capture(self, compiled, ctx):
+        raise RuntimeError("recording exploded")
+
+
+def test_a_capture_that_raises_is_refused_and_the_run_still_returns_the_eager_outputs():
+    session = _session(FailingCapture())
+    x = _x(2)
+    results = [session.run({"x": x}) for _ in range(3)]
+    for result in results:
+        np.testing.assert_allclose(result["y"], _mlp_expected(x)[0], rtol=1e-6, atol=1e-7)
+    [reason] = session.stats().graph_refusals
+    assert "recording exploded" in reason and session.stats().graph_hits == 0
+
+
 def test_a_stream_error_after_a_replay_is_raised_and_drops_the_graph():
     device = GraphDevice()
     session = _session(device)
