@@ -157,8 +157,9 @@ class CPUProvider:
         return counters.snapshot() if isinstance(counters, PartitionCounters) else {}
 
     #: Plain runs stay eager by default (``graphs="auto"``): measured on the light models,
-    #: replaying a capture is no faster than an eager run here (0.94-1.17x of its time;
-    #: the kernels' own cost dominates and the buffers a capture pins leave the cache).
+    #: replaying a capture gains nothing consistent over an eager run here (0.83-1.17x of
+    #: its time over two measurements, benchmarks/plain_run_graphs.py): the kernels' own
+    #: work dominates a run.
     capture_plain_runs = False
 
     def count_allocations(self) -> AllocationCount:
