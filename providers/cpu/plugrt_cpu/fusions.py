@@ -30,7 +30,7 @@ from plugrt.passes import CLAIMED_BY
 
 from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder, declare_into
 from .kernels import conv as convolution
-from .kernels import conv_residual
+from .kernels import conv_activation, conv_residual
 from .kernels import elementwise, normalization
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ __all__ = [
     "FuseBatchNormReluPass",
     "FuseConvAddPass",
     "FuseConvReluPass",
+    "FuseConvActivationPass",
     "FuseMatMulBiasPass",
     "FuseLayerNormPass",
     "FuseGeluPass",
@@ -60,8 +61,8 @@ def fusion_passes() -> list[InPlacePass]:
     that look for a Conv or a BatchNormalization right before them; Conv + Add + Relu
     before Conv + Relu)."""
     return [
-        FoldChannelAffinePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(), FuseMatMulBiasPass(),
-        FuseLayerNormPass(), FuseGeluPass(),
+        FoldChannelAffinePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(),
+        FuseConvActivationPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(),
     ]
 
 
@@ -415,6 +416,85 @@ class FuseConvReluPass(_NodePass):
 
 
 # ---------------------------------------------------------------------------------------
+# (3b) Conv + Clip, HardSwish or SiLU: one FusedConv step that applies it in place
+
+
+def _clip_bounds(node: ir.Node, opset: int) -> list[float] | None:
+    """[min, max] of a Clip whose bounds are constants (attributes before opset 11, inputs
+    from it; a missing one is unbounded), else None."""
+    if opset < 11:
+        return [node.attributes.get_float("min", -math.inf), node.attributes.get_float("max", math.inf)]
+    bounds = []
+    for index, unbounded in ((1, -math.inf), (2, math.inf)):
+        value = node.inputs[index] if len(node.inputs) > index else None
+        if value is None:
+            bounds.append(unbounded)
+            continue
+        bound = _scalar(value)
+        if bound is None:
+            return None
+        bounds.append(bound)
+    return bounds
+
+
+def _gated_by(value: ir.Value, gate_op: str) -> list[ir.Node] | None:
+    """[gate, mul] when ``value`` is read by exactly a ``gate_op`` node and a Mul of ``value``
+    by that gate's output (which the Mul alone reads): ``x * Sigmoid(x)`` and its kin."""
+    if value.is_graph_output():
+        return None
+    readers = [use.node for use in value.uses()]
+    if len(readers) != 2 or not all(_ours(r) for r in readers):
+        return None
+    gate = next((r for r in readers if _is(r, gate_op)), None)
+    mul = next((r for r in readers if _is(r, "Mul")), None)
+    if gate is None or mul is None or gate is mul or gate.inputs[0] is not value:
+        return None
+    if _sole_reader(gate.outputs[0]) is not mul or _other_input(mul, value) is not gate.outputs[0]:
+        return None
+    return [gate, mul]
+
+
+class FuseConvActivationPass(_NodePass):
+    """Conv whose output only a Clip with constant bounds (ReLU6), a HardSwish, or a SiLU
+    reads (``Sigmoid(c)`` and ``Mul(c, Sigmoid(c))``, or ``HardSigmoid(c)`` with alpha 1/6
+    and beta 0.5 and its Mul, the HardSwish written out): ``plugrt.cpu::FusedConv`` with
+    activation="Clip" (activation_params=[min, max]), "HardSwish" or "SiLU", which
+    applies it to the Conv's output in place (``kernels.conv_activation``)."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "Conv") or len(node.outputs) != 1:
+            return False
+        found = self._activation(model, node.outputs[0])
+        if found is None:
+            return False
+        pattern, name, params = found
+        attributes = [*node.attributes.values(), ir.AttrString("activation", name)]
+        if params:
+            attributes.append(ir.AttrFloat32s("activation_params", params))
+        fused = _private_node(model, "FusedConv", node.inputs, node.name or "conv", attributes)
+        _replace(model.graph, [node, *pattern], fused)
+        return True
+
+    @staticmethod
+    def _activation(model: ir.Model, value: ir.Value) -> tuple[list[ir.Node], str, list[float]] | None:
+        reader = _sole_reader(value)
+        if _is(reader, "Clip"):
+            bounds = _clip_bounds(reader, model.opset_imports.get("", 0))
+            return None if bounds is None else ([reader], "Clip", bounds)
+        if _is(reader, "HardSwish"):
+            return [reader], "HardSwish", []
+        gated = _gated_by(value, "Sigmoid")
+        if gated is not None:
+            return gated, "SiLU", []
+        gated = _gated_by(value, "HardSigmoid")
+        if gated is not None and _close(gated[0].attributes.get_float("alpha", 0.2), 1 / 6) and _close(
+            gated[0].attributes.get_float("beta", 0.5), 0.5
+        ):
+            return gated, "HardSwish", []
+        return None
+
+
+# ---------------------------------------------------------------------------------------
 # (4) MatMul + Add of a constant bias: one FusedMatMul step
 
 
@@ -642,17 +722,31 @@ class FuseGeluPass(_NodePass):
 
 @kernel_builder("FusedConv", DOMAIN_VERSION, domain=DOMAIN)
 def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
-    """Conv (x, w, b) with the Relu applied to each output block while it is in cache; with a
-    fourth input z, Conv + z (then the Relu when activation="Relu")."""
+    """Conv (x, w, b) with the Relu applied to each output block while it is in cache, or
+    with activation="Clip" (activation_params=[min, max]), "HardSwish" or "SiLU" applied to
+    its output in place; with a fourth input z, Conv + z (then the Relu when activation="Relu")."""
     attributes = dict(ctx.attributes)
     activation = attributes.pop("activation", None)
+    params = [float(p) for p in attributes.pop("activation_params", [])]
     residual = ctx.num_inputs > 3
-    if activation != "Relu" and not (residual and activation is None):
-        raise NotImplementedError(f"FusedConv: activation={activation!r} is not supported (only 'Relu')")
+    if activation is not None and activation not in conv_activation.ACTIVATIONS:
+        raise NotImplementedError(
+            f"FusedConv: activation={activation!r} is not supported; use one of {sorted(conv_activation.ACTIVATIONS)}"
+        )
+    if residual and activation not in (None, "Relu"):
+        raise NotImplementedError(f"FusedConv: activation={activation!r} after a residual sum is not supported (only 'Relu')")
+    if activation is None and not residual:
+        raise NotImplementedError("FusedConv: without a residual input it needs an activation")
+    if activation is not None and len(params) != conv_activation.ACTIVATIONS[activation]:
+        raise ValueError(
+            f"FusedConv: activation={activation!r} takes {conv_activation.ACTIVATIONS[activation]} activation_params, got {params}"
+        )
     conv_ctx = dataclasses.replace(ctx, op_type="Conv", domain="", attributes=attributes)
     if residual:
         return conv_residual.build_residual_conv(conv_ctx, relu=activation == "Relu")
-    return convolution.build_conv(conv_ctx, relu=True)
+    if activation == "Relu":
+        return convolution.build_conv(conv_ctx, relu=True)
+    return convolution.build_conv(conv_ctx, activation=conv_activation.activation_in_place(activation, params))
 
 
 @kernel_builder("ChannelAffine", DOMAIN_VERSION, domain=DOMAIN)
