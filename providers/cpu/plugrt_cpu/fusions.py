@@ -30,7 +30,7 @@ from plugrt.passes import CLAIMED_BY
 
 from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder, declare_into
 from .kernels import conv as convolution
-from .kernels import conv_activation, conv_residual
+from .kernels import conv_activation, conv_residual, squeeze_excite
 from .kernels import elementwise, normalization
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ __all__ = [
     "FuseConvAddPass",
     "FuseConvReluPass",
     "FuseConvActivationPass",
+    "FuseSqueezeExcitePass",
     "FuseMatMulBiasPass",
     "FuseLayerNormPass",
     "FuseGeluPass",
@@ -58,10 +59,11 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 def fusion_passes() -> list[InPlacePass]:
     """The CPU fusions in the order they must run (folding before the Add and Relu fusions
-    that look for a Conv or a BatchNormalization right before them; Conv + Add + Relu
-    before Conv + Relu)."""
+    that look for a Conv or a BatchNormalization right before them; squeeze-excitation
+    before the Conv + activation fusions, which would take its Convs apart; Conv + Add +
+    Relu before Conv + Relu)."""
     return [
-        FoldChannelAffinePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(),
+        FoldChannelAffinePass(), FuseSqueezeExcitePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(),
         FuseConvActivationPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(),
     ]
 
@@ -495,6 +497,98 @@ class FuseConvActivationPass(_NodePass):
 
 
 # ---------------------------------------------------------------------------------------
+# (3c) Squeeze-excitation: GlobalAveragePool, Conv 1x1, activation, Conv 1x1, gate, Mul
+
+
+def _pointwise_conv(node: ir.Node | None, produces: ir.Value) -> tuple[ir.Value, ir.Value | None] | None:
+    """(weight, bias) of a plain 1x1 Conv (group 1, unit strides and dilations, no pads)
+    with constant weight and bias, or None."""
+    if not _is(node, "Conv") or len(node.inputs) < 2 or node.inputs[1] is None:
+        return None
+    weight = constant_array(node.inputs[1])
+    if weight is None or weight.ndim < 3 or any(d != 1 for d in weight.shape[2:]) or weight.dtype not in _FLOATS:
+        return None
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    if bias is not None and constant_array(bias) is None:
+        return None
+    attrs = node.attributes
+    if attrs.get_int("group", 1) != 1 or attrs.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return None
+    for name, neutral in (("strides", 1), ("dilations", 1), ("pads", 0)):
+        if any(v != neutral for v in attrs.get_ints(name, [])):
+            return None
+    return node.inputs[1], bias
+
+
+def _hidden_activation(value: ir.Value) -> tuple[list[ir.Node], str, ir.Value] | None:
+    """(its nodes, name, input) of the Relu, HardSwish or SiLU producing ``value``."""
+    node = value.producer()
+    if _is(node, "Relu") or _is(node, "HardSwish"):
+        return [node], node.op_type, node.inputs[0]  # type: ignore[return-value]
+    if _is(node, "Mul"):
+        for source in node.inputs:
+            if source is not None and (gated := _gated_by(source, "Sigmoid")) is not None and gated[1] is node:
+                return gated, "SiLU", source
+    return None
+
+
+class FuseSqueezeExcitePass(_NodePass):
+    """``Mul(x, gate(Conv(act(Conv(GlobalAveragePool(x))))))`` with 1x1 Convs of constant
+    weights, act a Relu, HardSwish or SiLU and gate a Sigmoid or HardSigmoid, every
+    intermediate read by the next node alone: ``plugrt.cpu::SqueezeExcite(x, w1, b1, w2,
+    b2)`` (``kernels.squeeze_excite``), MobileNet v3's, EfficientNet's and RegNet-Y's
+    channel attention as one step."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "Mul") or len(node.inputs) != 2:
+            return False
+        for x, gated in (node.inputs, node.inputs[::-1]):
+            found = self._pattern(x, gated, node) if x is not None and gated is not None else None
+            if found is not None:
+                pattern, inputs, attributes = found
+                fused = _private_node(model, "SqueezeExcite", inputs, node.name or "squeeze_excite", attributes)
+                _replace(model.graph, [*pattern, node], fused)
+                return True
+        return False
+
+    @staticmethod
+    def _pattern(
+        x: ir.Value, gated: ir.Value, mul: ir.Node
+    ) -> tuple[list[ir.Node], list[ir.Value | None], list[ir.Attr]] | None:
+        if x.type is not None and x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            return None
+        gate = gated.producer()
+        if not (_is(gate, "Sigmoid") or _is(gate, "HardSigmoid")) or _sole_reader(gated) is not mul:
+            return None
+        expand = gate.inputs[0].producer() if gate.inputs[0] is not None else None
+        second = _pointwise_conv(expand, gate.inputs[0]) if expand is not None else None
+        if second is None or _sole_reader(gate.inputs[0]) is not gate:
+            return None
+        assert expand is not None
+        hidden = _hidden_activation(expand.inputs[0]) if expand.inputs[0] is not None else None
+        if hidden is None or _sole_reader(expand.inputs[0]) is not expand:
+            return None
+        act_nodes, act_name, squeezed = hidden
+        reduce = squeezed.producer()
+        first = _pointwise_conv(reduce, squeezed)
+        if first is None or (act_name != "SiLU" and _sole_reader(squeezed) is not act_nodes[0]):
+            return None
+        assert reduce is not None
+        pooled = reduce.inputs[0]
+        pool = pooled.producer() if pooled is not None else None
+        if not _is(pool, "GlobalAveragePool") or pool.inputs[0] is not x or _sole_reader(pooled) is not reduce:
+            return None
+        attributes = [ir.AttrString("activation", act_name), ir.AttrString("gate", gate.op_type)]
+        if gate.op_type == "HardSigmoid":
+            attributes += [
+                ir.AttrFloat32("alpha", gate.attributes.get_float("alpha", 0.2)),
+                ir.AttrFloat32("beta", gate.attributes.get_float("beta", 0.5)),
+            ]
+        inputs = [x, first[0], first[1], second[0], second[1]]
+        return [pool, reduce, *act_nodes, expand, gate], inputs, attributes
+
+
+# ---------------------------------------------------------------------------------------
 # (4) MatMul + Add of a constant bias: one FusedMatMul step
 
 
@@ -800,6 +894,7 @@ def _as_rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+kernel_builder("SqueezeExcite", DOMAIN_VERSION, domain=DOMAIN)(squeeze_excite.build_squeeze_excite)
 kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output=True)(
     normalization.layer_normalization
 )
