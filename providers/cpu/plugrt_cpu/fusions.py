@@ -500,7 +500,7 @@ class FuseConvActivationPass(_NodePass):
 # (3c) Squeeze-excitation: GlobalAveragePool, Conv 1x1, activation, Conv 1x1, gate, Mul
 
 
-def _pointwise_conv(node: ir.Node | None, produces: ir.Value) -> tuple[ir.Value, ir.Value | None] | None:
+def _pointwise_conv(node: ir.Node | None) -> tuple[ir.Value, ir.Value | None] | None:
     """(weight, bias) of a plain 1x1 Conv (group 1, unit strides and dilations, no pads)
     with constant weight and bias, or None."""
     if not _is(node, "Conv") or len(node.inputs) < 2 or node.inputs[1] is None:
@@ -561,7 +561,7 @@ class FuseSqueezeExcitePass(_NodePass):
         if not (_is(gate, "Sigmoid") or _is(gate, "HardSigmoid")) or _sole_reader(gated) is not mul:
             return None
         expand = gate.inputs[0].producer() if gate.inputs[0] is not None else None
-        second = _pointwise_conv(expand, gate.inputs[0]) if expand is not None else None
+        second = _pointwise_conv(expand)
         if second is None or _sole_reader(gate.inputs[0]) is not gate:
             return None
         assert expand is not None
@@ -570,7 +570,7 @@ class FuseSqueezeExcitePass(_NodePass):
             return None
         act_nodes, act_name, squeezed = hidden
         reduce = squeezed.producer()
-        first = _pointwise_conv(reduce, squeezed)
+        first = _pointwise_conv(reduce)
         if first is None or (act_name != "SiLU" and _sole_reader(squeezed) is not act_nodes[0]):
             return None
         assert reduce is not None
