@@ -17,6 +17,8 @@ from typing import Callable
 
 import numpy as np
 
+from plugrt.threads import blas_threads
+
 from .._registry import KernelContext, declare_into
 from .elementwise import scratch
 from .pooling import _spatial_mean
@@ -102,6 +104,9 @@ def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
 
         n, c = x.shape[:2]
         r = w1.shape[0]
+        # products of a few thousand multiply-adds: one BLAS thread (a second one, woken for
+        # so little, costs more than it shares, and stalls when another process holds a core)
+        blas_threads(n * c * (x[0, 0].size + 2 * r))
         means = _spatial_mean(x, None if into is None else work("means", (n, c, *([1] * (x.ndim - 2)))))
         h = work("hidden", (n, r))
         np.matmul(means.reshape(n, c), w1.reshape(r, c).T, out=h)
