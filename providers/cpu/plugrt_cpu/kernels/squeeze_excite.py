@@ -20,7 +20,8 @@ import numpy as np
 from plugrt.threads import blas_threads
 
 from .._registry import KernelContext, declare_into
-from .elementwise import scratch
+from .conv_activation import activation_in_place
+from .elementwise import _sigmoid_into, scratch
 from .pooling import _spatial_mean
 
 __all__ = ["GATES", "HIDDEN_ACTIVATIONS", "build_squeeze_excite"]
@@ -30,39 +31,15 @@ HIDDEN_ACTIVATIONS = ("Relu", "SiLU", "HardSwish")
 GATES = ("Sigmoid", "HardSigmoid")
 
 
-def _hidden(name: str) -> Callable[[np.ndarray, np.ndarray], None]:
-    """``f(h, work)``: the activation ``name`` on ``h`` in place, as the standalone kernels compute it."""
-
-    def relu(h: np.ndarray, work: np.ndarray) -> None:
-        np.maximum(h, 0, out=h)
-
-    def silu(h: np.ndarray, work: np.ndarray) -> None:
-        _sigmoid(h, work)
-        h *= work
-
-    def hard_swish(h: np.ndarray, work: np.ndarray) -> None:
-        np.multiply(h, 1 / 6, out=work)
-        work += 0.5
-        np.clip(work, 0, 1, out=work)
-        h *= work
-
-    return {"Relu": relu, "SiLU": silu, "HardSwish": hard_swish}[name]
-
-
-def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
-    """1 / (1 + exp(-x)) into ``out`` (exp overflowing to inf gives 0, as the Sigmoid kernel)."""
-    with np.errstate(over="ignore"):
-        np.negative(x, out=out)
-        np.exp(out, out=out)
-    out += 1
-    np.reciprocal(out, out=out)
+def _relu(h: np.ndarray, anchor: np.ndarray | None) -> None:
+    np.maximum(h, 0, out=h)
 
 
 def _gate(name: str, alpha: float, beta: float) -> Callable[[np.ndarray], None]:
     """``f(g)``: the gate on ``g`` in place."""
 
     def sigmoid(g: np.ndarray) -> None:
-        _sigmoid(g, g)
+        _sigmoid_into(g, g)
 
     def hard_sigmoid(g: np.ndarray) -> None:
         g *= alpha
@@ -83,7 +60,9 @@ def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
             f"SqueezeExcite: activation={hidden_name!r}, gate={gate_name!r} is not supported; "
             f"activation is one of {HIDDEN_ACTIVATIONS}, gate one of {GATES}"
         )
-    hidden = _hidden(hidden_name)
+    # the Conv + activation fusions' in-place bodies (the same values as the standalone kernels)
+    hidden = _relu if hidden_name == "Relu" else activation_in_place(hidden_name, [])
+    assert hidden is not None
     gate = _gate(gate_name, float(ctx.attributes.get("alpha", 0.2)), float(ctx.attributes.get("beta", 0.5)))
 
     def products(
@@ -112,7 +91,7 @@ def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
         np.matmul(means.reshape(n, c), w1.reshape(r, c).T, out=h)
         if b1 is not None:
             h += b1
-        hidden(h, work("hidden-work", (n, r)))
+        hidden(h, into)
         g = work("gate", (n, c))
         np.matmul(h, w2.reshape(c, r).T, out=g)
         if b2 is not None:
