@@ -30,7 +30,7 @@ from plugrt.passes import CLAIMED_BY
 
 from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder, declare_into
 from .kernels import conv as convolution
-from .kernels import conv_residual
+from .kernels import conv_activation, conv_residual, squeeze_excite
 from .kernels import elementwise, normalization
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ __all__ = [
     "FuseBatchNormReluPass",
     "FuseConvAddPass",
     "FuseConvReluPass",
+    "FuseConvActivationPass",
+    "FuseSqueezeExcitePass",
     "FuseMatMulBiasPass",
     "FuseLayerNormPass",
     "FuseGeluPass",
@@ -57,11 +59,12 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 def fusion_passes() -> list[InPlacePass]:
     """The CPU fusions in the order they must run (folding before the Add and Relu fusions
-    that look for a Conv or a BatchNormalization right before them; Conv + Add + Relu
-    before Conv + Relu)."""
+    that look for a Conv or a BatchNormalization right before them; squeeze-excitation
+    before the Conv + activation fusions, which would take its Convs apart; Conv + Add +
+    Relu before Conv + Relu)."""
     return [
-        FoldChannelAffinePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(), FuseMatMulBiasPass(),
-        FuseLayerNormPass(), FuseGeluPass(),
+        FoldChannelAffinePass(), FuseSqueezeExcitePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(),
+        FuseConvActivationPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(),
     ]
 
 
@@ -415,6 +418,177 @@ class FuseConvReluPass(_NodePass):
 
 
 # ---------------------------------------------------------------------------------------
+# (3b) Conv + Clip, HardSwish or SiLU: one FusedConv step that applies it in place
+
+
+def _clip_bounds(node: ir.Node, opset: int) -> list[float] | None:
+    """[min, max] of a Clip whose bounds are constants (attributes before opset 11, inputs
+    from it; a missing one is unbounded), else None."""
+    if opset < 11:
+        return [node.attributes.get_float("min", -math.inf), node.attributes.get_float("max", math.inf)]
+    bounds = []
+    for index, unbounded in ((1, -math.inf), (2, math.inf)):
+        value = node.inputs[index] if len(node.inputs) > index else None
+        if value is None:
+            bounds.append(unbounded)
+            continue
+        bound = _scalar(value)
+        if bound is None:
+            return None
+        bounds.append(bound)
+    return bounds
+
+
+def _gated_by(value: ir.Value, gate_op: str) -> list[ir.Node] | None:
+    """[gate, mul] when ``value`` is read by exactly a ``gate_op`` node and a Mul of ``value``
+    by that gate's output (which the Mul alone reads): ``x * Sigmoid(x)`` and its kin."""
+    if value.is_graph_output():
+        return None
+    readers = [use.node for use in value.uses()]
+    if len(readers) != 2 or not all(_ours(r) for r in readers):
+        return None
+    gate = next((r for r in readers if _is(r, gate_op)), None)
+    mul = next((r for r in readers if _is(r, "Mul")), None)
+    if gate is None or mul is None or gate is mul or gate.inputs[0] is not value:
+        return None
+    if _sole_reader(gate.outputs[0]) is not mul or _other_input(mul, value) is not gate.outputs[0]:
+        return None
+    return [gate, mul]
+
+
+class FuseConvActivationPass(_NodePass):
+    """Conv whose output only a Clip with constant bounds (ReLU6), a HardSwish, or a SiLU
+    reads (``Sigmoid(c)`` and ``Mul(c, Sigmoid(c))``, or ``HardSigmoid(c)`` with alpha 1/6
+    and beta 0.5 and its Mul, the HardSwish written out): ``plugrt.cpu::FusedConv`` with
+    activation="Clip" (activation_params=[min, max]), "HardSwish" or "SiLU", which
+    applies it to the Conv's output in place (``kernels.conv_activation``)."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "Conv") or len(node.outputs) != 1:
+            return False
+        found = self._activation(model, node.outputs[0])
+        if found is None:
+            return False
+        pattern, name, params = found
+        attributes = [*node.attributes.values(), ir.AttrString("activation", name)]
+        if params:
+            attributes.append(ir.AttrFloat32s("activation_params", params))
+        fused = _private_node(model, "FusedConv", node.inputs, node.name or "conv", attributes)
+        _replace(model.graph, [node, *pattern], fused)
+        return True
+
+    @staticmethod
+    def _activation(model: ir.Model, value: ir.Value) -> tuple[list[ir.Node], str, list[float]] | None:
+        reader = _sole_reader(value)
+        if _is(reader, "Clip"):
+            bounds = _clip_bounds(reader, model.opset_imports.get("", 0))
+            return None if bounds is None else ([reader], "Clip", bounds)
+        if _is(reader, "HardSwish"):
+            return [reader], "HardSwish", []
+        gated = _gated_by(value, "Sigmoid")
+        if gated is not None:
+            return gated, "SiLU", []
+        gated = _gated_by(value, "HardSigmoid")
+        if gated is not None and _close(gated[0].attributes.get_float("alpha", 0.2), 1 / 6) and _close(
+            gated[0].attributes.get_float("beta", 0.5), 0.5
+        ):
+            return gated, "HardSwish", []
+        return None
+
+
+# ---------------------------------------------------------------------------------------
+# (3c) Squeeze-excitation: GlobalAveragePool, Conv 1x1, activation, Conv 1x1, gate, Mul
+
+
+def _pointwise_conv(node: ir.Node | None) -> tuple[ir.Value, ir.Value | None] | None:
+    """(weight, bias) of a plain 1x1 Conv (group 1, unit strides and dilations, no pads)
+    with constant weight and bias, or None."""
+    if not _is(node, "Conv") or len(node.inputs) < 2 or node.inputs[1] is None:
+        return None
+    weight = constant_array(node.inputs[1])
+    if weight is None or weight.ndim < 3 or any(d != 1 for d in weight.shape[2:]) or weight.dtype not in _FLOATS:
+        return None
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    if bias is not None and constant_array(bias) is None:
+        return None
+    attrs = node.attributes
+    if attrs.get_int("group", 1) != 1 or attrs.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return None
+    for name, neutral in (("strides", 1), ("dilations", 1), ("pads", 0)):
+        if any(v != neutral for v in attrs.get_ints(name, [])):
+            return None
+    return node.inputs[1], bias
+
+
+def _hidden_activation(value: ir.Value) -> tuple[list[ir.Node], str, ir.Value] | None:
+    """(its nodes, name, input) of the Relu, HardSwish or SiLU producing ``value``."""
+    node = value.producer()
+    if _is(node, "Relu") or _is(node, "HardSwish"):
+        return [node], node.op_type, node.inputs[0]  # type: ignore[return-value]
+    if _is(node, "Mul"):
+        for source in node.inputs:
+            if source is not None and (gated := _gated_by(source, "Sigmoid")) is not None and gated[1] is node:
+                return gated, "SiLU", source
+    return None
+
+
+class FuseSqueezeExcitePass(_NodePass):
+    """``Mul(x, gate(Conv(act(Conv(GlobalAveragePool(x))))))`` with 1x1 Convs of constant
+    weights, act a Relu, HardSwish or SiLU and gate a Sigmoid or HardSigmoid, every
+    intermediate read by the next node alone: ``plugrt.cpu::SqueezeExcite(x, w1, b1, w2,
+    b2)`` (``kernels.squeeze_excite``), MobileNet v3's, EfficientNet's and RegNet-Y's
+    channel attention as one step."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "Mul") or len(node.inputs) != 2:
+            return False
+        for x, gated in (node.inputs, node.inputs[::-1]):
+            found = self._pattern(x, gated, node) if x is not None and gated is not None else None
+            if found is not None:
+                pattern, inputs, attributes = found
+                fused = _private_node(model, "SqueezeExcite", inputs, node.name or "squeeze_excite", attributes)
+                _replace(model.graph, [*pattern, node], fused)
+                return True
+        return False
+
+    @staticmethod
+    def _pattern(
+        x: ir.Value, gated: ir.Value, mul: ir.Node
+    ) -> tuple[list[ir.Node], list[ir.Value | None], list[ir.Attr]] | None:
+        if x.type is not None and x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            return None
+        gate = gated.producer()
+        if not (_is(gate, "Sigmoid") or _is(gate, "HardSigmoid")) or _sole_reader(gated) is not mul:
+            return None
+        expand = gate.inputs[0].producer() if gate.inputs[0] is not None else None
+        second = _pointwise_conv(expand)
+        if second is None or _sole_reader(gate.inputs[0]) is not gate:
+            return None
+        assert expand is not None
+        hidden = _hidden_activation(expand.inputs[0]) if expand.inputs[0] is not None else None
+        if hidden is None or _sole_reader(expand.inputs[0]) is not expand:
+            return None
+        act_nodes, act_name, squeezed = hidden
+        reduce = squeezed.producer()
+        first = _pointwise_conv(reduce)
+        if first is None or (act_name != "SiLU" and _sole_reader(squeezed) is not act_nodes[0]):
+            return None
+        assert reduce is not None
+        pooled = reduce.inputs[0]
+        pool = pooled.producer() if pooled is not None else None
+        if not _is(pool, "GlobalAveragePool") or pool.inputs[0] is not x or _sole_reader(pooled) is not reduce:
+            return None
+        attributes = [ir.AttrString("activation", act_name), ir.AttrString("gate", gate.op_type)]
+        if gate.op_type == "HardSigmoid":
+            attributes += [
+                ir.AttrFloat32("alpha", gate.attributes.get_float("alpha", 0.2)),
+                ir.AttrFloat32("beta", gate.attributes.get_float("beta", 0.5)),
+            ]
+        inputs = [x, first[0], first[1], second[0], second[1]]
+        return [pool, reduce, *act_nodes, expand, gate], inputs, attributes
+
+
+# ---------------------------------------------------------------------------------------
 # (4) MatMul + Add of a constant bias: one FusedMatMul step
 
 
@@ -642,17 +816,31 @@ class FuseGeluPass(_NodePass):
 
 @kernel_builder("FusedConv", DOMAIN_VERSION, domain=DOMAIN)
 def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
-    """Conv (x, w, b) with the Relu applied to each output block while it is in cache; with a
-    fourth input z, Conv + z (then the Relu when activation="Relu")."""
+    """Conv (x, w, b) with the Relu applied to each output block while it is in cache, or
+    with activation="Clip" (activation_params=[min, max]), "HardSwish" or "SiLU" applied to
+    its output in place; with a fourth input z, Conv + z (then the Relu when activation="Relu")."""
     attributes = dict(ctx.attributes)
     activation = attributes.pop("activation", None)
+    params = [float(p) for p in attributes.pop("activation_params", [])]
     residual = ctx.num_inputs > 3
-    if activation != "Relu" and not (residual and activation is None):
-        raise NotImplementedError(f"FusedConv: activation={activation!r} is not supported (only 'Relu')")
+    if activation is not None and activation not in conv_activation.ACTIVATIONS:
+        raise NotImplementedError(
+            f"FusedConv: activation={activation!r} is not supported; use one of {sorted(conv_activation.ACTIVATIONS)}"
+        )
+    if residual and activation not in (None, "Relu"):
+        raise NotImplementedError(f"FusedConv: activation={activation!r} after a residual sum is not supported (only 'Relu')")
+    if activation is None and not residual:
+        raise NotImplementedError("FusedConv: without a residual input it needs an activation")
+    if activation is not None and len(params) != conv_activation.ACTIVATIONS[activation]:
+        raise ValueError(
+            f"FusedConv: activation={activation!r} takes {conv_activation.ACTIVATIONS[activation]} activation_params, got {params}"
+        )
     conv_ctx = dataclasses.replace(ctx, op_type="Conv", domain="", attributes=attributes)
     if residual:
         return conv_residual.build_residual_conv(conv_ctx, relu=activation == "Relu")
-    return convolution.build_conv(conv_ctx, relu=True)
+    if activation == "Relu":
+        return convolution.build_conv(conv_ctx, relu=True)
+    return convolution.build_conv(conv_ctx, activation=conv_activation.activation_in_place(activation, params))
 
 
 @kernel_builder("ChannelAffine", DOMAIN_VERSION, domain=DOMAIN)
@@ -706,6 +894,7 @@ def _as_rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+kernel_builder("SqueezeExcite", DOMAIN_VERSION, domain=DOMAIN)(squeeze_excite.build_squeeze_excite)
 kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output=True)(
     normalization.layer_normalization
 )

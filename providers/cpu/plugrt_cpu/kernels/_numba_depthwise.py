@@ -115,6 +115,58 @@ def _generic_taps(phases, w, offsets, masks, bias, out):  # pragma: no cover  (c
                 ky += 1
 
 
+@_compiled
+def _rows_of_five(phases, w, offsets, masks, bias, out):  # pragma: no cover  (compiled; inlined)
+    """``_generic_taps`` for kernels five columns wide: a pass per kernel row, its five taps
+    in one expression (measured on 672 planes of 14 x 14, 5x5: 26 G multiply-adds/s
+    against 6 for passes of up to three taps down a column, whose every pass loads and
+    stores the whole output)."""
+    length = out.shape[0]
+    height = offsets.shape[0] // 5
+    m0, m1, m2, m3, m4 = masks[0], masks[1], masks[2], masks[3], masks[4]
+    for i in range(length):
+        out[i] = bias
+    for ky in range(height):
+        k = ky * 5
+        a0, a1, a2 = phases[offsets[k] :], phases[offsets[k + 1] :], phases[offsets[k + 2] :]
+        a3, a4 = phases[offsets[k + 3] :], phases[offsets[k + 4] :]
+        w0, w1, w2, w3, w4 = w[k], w[k + 1], w[k + 2], w[k + 3], w[k + 4]
+        for i in range(length):
+            v = out[i]
+            v += w0 * a0[i] if m0[i] > _ZERO else _ZERO
+            v += w1 * a1[i] if m1[i] > _ZERO else _ZERO
+            v += w2 * a2[i] if m2[i] > _ZERO else _ZERO
+            v += w3 * a3[i] if m3[i] > _ZERO else _ZERO
+            v += w4 * a4[i] if m4[i] > _ZERO else _ZERO
+            out[i] = v
+
+
+@_compiled
+def _rows_of_seven(phases, w, offsets, masks, bias, out):  # pragma: no cover  (compiled; inlined)
+    """``_rows_of_five`` for kernels seven columns wide (ConvNeXt's 7x7)."""
+    length = out.shape[0]
+    height = offsets.shape[0] // 7
+    m0, m1, m2, m3, m4, m5, m6 = masks[0], masks[1], masks[2], masks[3], masks[4], masks[5], masks[6]
+    for i in range(length):
+        out[i] = bias
+    for ky in range(height):
+        k = ky * 7
+        a0, a1, a2 = phases[offsets[k] :], phases[offsets[k + 1] :], phases[offsets[k + 2] :]
+        a3, a4, a5 = phases[offsets[k + 3] :], phases[offsets[k + 4] :], phases[offsets[k + 5] :]
+        a6 = phases[offsets[k + 6] :]
+        w0, w1, w2, w3, w4, w5, w6 = w[k], w[k + 1], w[k + 2], w[k + 3], w[k + 4], w[k + 5], w[k + 6]
+        for i in range(length):
+            v = out[i]
+            v += w0 * a0[i] if m0[i] > _ZERO else _ZERO
+            v += w1 * a1[i] if m1[i] > _ZERO else _ZERO
+            v += w2 * a2[i] if m2[i] > _ZERO else _ZERO
+            v += w3 * a3[i] if m3[i] > _ZERO else _ZERO
+            v += w4 * a4[i] if m4[i] > _ZERO else _ZERO
+            v += w5 * a5[i] if m5[i] > _ZERO else _ZERO
+            v += w6 * a6[i] if m6[i] > _ZERO else _ZERO
+            out[i] = v
+
+
 _SIGNATURE = numba.void(
     numba.types.Array(numba.float32, 4, "C", readonly=True),  # x
     numba.types.Array(numba.float32, 2, "C", readonly=True),  # weights
@@ -202,7 +254,12 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, work, y, start, stop
                     v = _ZERO if v < _ZERO else v  # NaN is not below zero: it stays
                 out[i] = v
         else:
-            _generic_taps(phases, weights[m], offsets, masks, b, out)
+            if masks.shape[0] == 5:
+                _rows_of_five(phases, weights[m], offsets, masks, b, out)
+            elif masks.shape[0] == 7:
+                _rows_of_seven(phases, weights[m], offsets, masks, b, out)
+            else:
+                _generic_taps(phases, weights[m], offsets, masks, b, out)
             if relu:
                 _relu(out)
         if crop:

@@ -1,6 +1,7 @@
 """numba-compiled float32 one-pass loops over rows: the epilogue of a product block (``c +=
-residual``, ``c += bias`` per row, then a Relu) and the per-channel affine of a
-BatchNormalization (+ Relu) step (``y = x * multiplier + shift``).
+residual``, ``c += bias`` per row, then a Relu), the per-channel affine of a
+BatchNormalization (+ Relu) step (``y = x * multiplier + shift``), and the Clip and
+HardSwish that a fused Conv applies to its output in place.
 
 Imported only through :func:`plugrt_cpu.kernels._gemm.epilogue_loops`, which returns None
 when numba is missing or ``PLUGRT_NUMBA=0``; the callers then run numpy's ufuncs, with
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["bias_relu_rows", "bias_residual_relu_rows", "scale_shift_relu_rows"]
+__all__ = ["bias_relu_rows", "bias_residual_relu_rows", "clip_in_place", "hard_swish_in_place", "scale_shift_relu_rows"]
 
 _ZERO = np.float32(0.0)
 
@@ -103,3 +104,32 @@ def scale_shift_relu_rows(x, y, multiplier, shift, relu, r0, r1):  # pragma: no 
         else:
             for j in range(plane):
                 target[j] = source[j] * m + s
+
+
+_FLAT = numba.float32[::1]
+
+
+@numba.njit([numba.void(_FLAT, numba.float32, numba.float32)], nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def clip_in_place(y, low, high):  # pragma: no cover  (compiled)
+    """``y = min(max(y, low), high)`` in one pass, as numpy's ``clip``: NaN stays NaN."""
+    for i in range(y.shape[0]):
+        v = y[i]
+        v = low if v < low else v
+        y[i] = high if v > high else v
+
+
+_SIXTH = np.float32(1.0 / 6.0)
+_HALF = np.float32(0.5)
+_ONE = np.float32(1.0)
+
+
+@numba.njit([numba.void(_FLAT)], nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def hard_swish_in_place(y):  # pragma: no cover  (compiled)
+    """``y = y * clip(y * (1/6) + 0.5, 0, 1)`` in one pass, rounded as the HardSwish
+    kernel's numpy passes round it (the product, then the sum: no fused multiply-add)."""
+    for i in range(y.shape[0]):
+        v = y[i]
+        gate = v * _SIXTH + _HALF
+        gate = _ZERO if gate < _ZERO else gate
+        gate = _ONE if gate > _ONE else gate
+        y[i] = v * gate

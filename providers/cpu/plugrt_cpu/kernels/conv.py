@@ -935,15 +935,21 @@ class ConvConstants:
         return dtype, self.op.prepare_weight(w, dtype), self.op.prepare_bias(b, dtype)
 
 
-def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarray]:
+def build_conv(
+    ctx: KernelContext, relu: bool = False, activation: Callable[[np.ndarray, Any], None] | None = None
+) -> Callable[..., np.ndarray]:
     """The Conv kernel for ``ctx``; with ``relu`` it also applies a Relu block by block
-    (for a fused Conv + Relu node: the output is clamped while still in cache)."""
+    (for a fused Conv + Relu node: the output is clamped while still in cache); with
+    ``activation`` (``conv_activation.activation_in_place``) it applies that to the whole
+    output in place, in the compute dtype, before any cast back."""
     op = _Convolution(ctx.attributes, relu)
     constants = ConvConstants(ctx, op)
 
     def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         dtype, weight, bias = constants(x.dtype, w, b)
         y = op(x.astype(dtype, copy=False), weight, bias)
+        if activation is not None:
+            activation(y, None)
         return y.astype(x.dtype, copy=False)
 
     def run_into(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> None:
@@ -951,6 +957,8 @@ def build_conv(ctx: KernelContext, relu: bool = False) -> Callable[..., np.ndarr
         x = _cast_into_scratch(out, "x", x, dtype)
         y = out if out.dtype == dtype and out.flags.c_contiguous else scratch(out, "y", out.shape, dtype)
         op(x, weight, bias, y)
+        if activation is not None:
+            activation(y, out)
         if y is not out:
             np.copyto(out, y, casting="unsafe")
 

@@ -1,0 +1,93 @@
+"""The activations a fused Conv step applies to its output in place: Clip, HardSwish and SiLU.
+
+MobileNet v2 follows most of its Conv by a Clip to [0, 6] (ReLU6), MobileNet v3 by a
+HardSwish, EfficientNet by a SiLU (exported as Sigmoid and a Mul of the Conv's output by
+it). Run as their own steps, each allocates an output and passes over the Conv's output
+once or several times more; applied in place right after the Conv, while the output is
+still in cache, they write nothing new. Each has a numba body (one pass, float32; see
+``_numba_epilogue``) where the compiled loops are there, and numpy ufuncs in place
+otherwise, with the values the standalone kernels give (the same operations in the same
+order). SiLU always runs as numpy's ufuncs: numpy's exp is vectorised, a compiled loop's is
+a scalar call per value (measured ~6x slower than numpy's four passes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ._gemm import epilogue_loops
+from .elementwise import scratch
+
+__all__ = ["ACTIVATIONS", "activation_in_place"]
+
+#: The activation names a fused Conv takes, with how many ``activation_params`` each reads.
+ACTIVATIONS: dict[str, int] = {"Relu": 0, "Clip": 2, "HardSwish": 0, "SiLU": 0}
+
+_F32 = np.dtype(np.float32)
+InPlace = Callable[[np.ndarray, Any], None]
+
+
+def _flat(y: np.ndarray) -> np.ndarray | None:
+    """``y`` as one flat float32 run for the compiled loops, or None when it is not one."""
+    if y.dtype != _F32 or not y.flags.c_contiguous:
+        return None
+    return y.reshape(-1)
+
+
+def _clip(low: float, high: float) -> InPlace:
+    def run(y: np.ndarray, anchor: Any) -> None:
+        loops = epilogue_loops()
+        flat = _flat(y) if loops is not None else None
+        if flat is not None:
+            loops.clip_in_place(flat, low, high)
+        else:
+            np.clip(y, low, high, out=y)
+
+    return run
+
+
+def _hard_swish(y: np.ndarray, anchor: Any) -> None:
+    loops = epilogue_loops()
+    flat = _flat(y) if loops is not None else None
+    if flat is not None:
+        loops.hard_swish_in_place(flat)
+        return
+    gate = _work(y, anchor, "hard-swish")
+    np.multiply(y, 1 / 6, out=gate)
+    gate += 0.5
+    np.clip(gate, 0, 1, out=gate)
+    y *= gate
+
+
+def _silu(y: np.ndarray, anchor: Any) -> None:
+    """y / (1 + exp(-y)): exp(-y) overflowing to inf gives -0, as Sigmoid's 0 times y does."""
+    denominator = _work(y, anchor, "silu")
+    with np.errstate(over="ignore"):
+        np.negative(y, out=denominator)
+        np.exp(denominator, out=denominator)
+    denominator += 1
+    np.divide(y, denominator, out=y)
+
+
+def _work(y: np.ndarray, anchor: Any, slot: str) -> np.ndarray:
+    """A work array shaped like ``y``: kept with ``anchor`` (the ``into`` variant's output,
+    so a replay allocates nothing), fresh when there is none."""
+    return np.empty_like(y) if anchor is None else scratch(anchor, slot, y.shape, y.dtype)
+
+
+def activation_in_place(name: str, params: list[float]) -> InPlace | None:
+    """``f(y, anchor)`` applying activation ``name`` to ``y`` in place (``anchor``: the output
+    buffer of an ``into`` call, whose work arrays it keeps, or None); None for the Relu,
+    which the Conv paths apply block by block themselves."""
+    if name == "Relu":
+        return None
+    if name == "Clip":
+        low, high = params
+        return _clip(low, high)
+    if name == "HardSwish":
+        return _hard_swish
+    if name == "SiLU":
+        return _silu
+    raise ValueError(f"FusedConv: activation={name!r} is not supported; use one of {sorted(ACTIVATIONS)}")

@@ -1,0 +1,118 @@
+"""Squeeze-excitation as one step: the spatial mean, two small products and the channel gate.
+
+MobileNet v3, EfficientNet and RegNet-Y scale their channels by a gate computed from the
+channels' means: GlobalAveragePool, a 1x1 Conv to fewer channels, an activation, a 1x1
+Conv back, a Sigmoid or HardSigmoid, and the Mul of the input by the gate. As six steps
+(eight with a SiLU written out) they cost more in per-step work than in arithmetic (the
+products are matrix-vector products of a few thousand multiply-adds). Here the mean is one
+BLAS matrix-vector product (pooling's ``_spatial_mean``), the two Convs two products on
+the (images, channels) means, and the gate one broadcast multiply into the output; the
+``into`` variant keeps its small work arrays with the output buffer, so a replay allocates
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from plugrt.threads import blas_threads
+
+from .._registry import KernelContext, declare_into
+from .conv_activation import activation_in_place
+from .elementwise import _sigmoid_into, scratch
+from .pooling import _spatial_mean
+
+__all__ = ["GATES", "HIDDEN_ACTIVATIONS", "build_squeeze_excite"]
+
+#: The activations between the two products, and the gates after the second.
+HIDDEN_ACTIVATIONS = ("Relu", "SiLU", "HardSwish")
+GATES = ("Sigmoid", "HardSigmoid")
+
+
+def _relu(h: np.ndarray, anchor: np.ndarray | None) -> None:
+    np.maximum(h, 0, out=h)
+
+
+def _gate(name: str, alpha: float, beta: float) -> Callable[[np.ndarray], None]:
+    """``f(g)``: the gate on ``g`` in place."""
+
+    def sigmoid(g: np.ndarray) -> None:
+        _sigmoid_into(g, g)
+
+    def hard_sigmoid(g: np.ndarray) -> None:
+        g *= alpha
+        g += beta
+        np.clip(g, 0, 1, out=g)
+
+    return sigmoid if name == "Sigmoid" else hard_sigmoid
+
+
+def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """``SqueezeExcite(x, w1, b1, w2, b2)``: ``x * gate(act(mean(x) @ w1.T + b1) @ w2.T + b2)``
+    per image and channel, ``w1`` (hidden, C, 1, ...) and ``w2`` (C, hidden, 1, ...) as the
+    two 1x1 Convs hold them, the biases optional (empty inputs)."""
+    hidden_name = ctx.attributes.get("activation", "Relu")
+    gate_name = ctx.attributes.get("gate", "Sigmoid")
+    if hidden_name not in HIDDEN_ACTIVATIONS or gate_name not in GATES:
+        raise NotImplementedError(
+            f"SqueezeExcite: activation={hidden_name!r}, gate={gate_name!r} is not supported; "
+            f"activation is one of {HIDDEN_ACTIVATIONS}, gate one of {GATES}"
+        )
+    # the Conv + activation fusions' in-place bodies (the same values as the standalone kernels)
+    hidden = _relu if hidden_name == "Relu" else activation_in_place(hidden_name, [])
+    assert hidden is not None
+    gate = _gate(gate_name, float(ctx.attributes.get("alpha", 0.2)), float(ctx.attributes.get("beta", 0.5)))
+
+    def products(
+        x: np.ndarray,
+        w1: np.ndarray,
+        b1: np.ndarray | None,
+        w2: np.ndarray,
+        b2: np.ndarray | None,
+        into: np.ndarray | None,
+    ) -> np.ndarray:
+        """The gate, (images, channels, 1, ...), in work arrays kept with ``into`` (the output
+        buffer of an ``into`` call) or fresh ones."""
+
+        def work(slot: str, shape: tuple[int, ...]) -> np.ndarray:
+            if into is None:
+                return np.empty(shape, x.dtype)
+            return scratch(into, ("squeeze-excite", slot), shape, x.dtype)
+
+        n, c = x.shape[:2]
+        r = w1.shape[0]
+        # products of a few thousand multiply-adds: one BLAS thread (a second one, woken for
+        # so little, costs more than it shares, and stalls when another process holds a core)
+        blas_threads(n * c * (x[0, 0].size + 2 * r))
+        means = _spatial_mean(x, None if into is None else work("means", (n, c, *([1] * (x.ndim - 2)))))
+        h = work("hidden", (n, r))
+        np.matmul(means.reshape(n, c), w1.reshape(r, c).T, out=h)
+        if b1 is not None:
+            h += b1
+        hidden(h, into)
+        g = work("gate", (n, c))
+        np.matmul(h, w2.reshape(c, r).T, out=g)
+        if b2 is not None:
+            g += b2
+        gate(g)
+        return g.reshape(n, c, *([1] * (x.ndim - 2)))
+
+    def run(
+        x: np.ndarray, w1: np.ndarray, b1: np.ndarray | None, w2: np.ndarray, b2: np.ndarray | None = None
+    ) -> np.ndarray:
+        return np.multiply(x, products(x, w1, b1, w2, b2, None))
+
+    def run_into(
+        out: np.ndarray,
+        x: np.ndarray,
+        w1: np.ndarray,
+        b1: np.ndarray | None,
+        w2: np.ndarray,
+        b2: np.ndarray | None = None,
+    ) -> None:
+        np.multiply(x, products(x, w1, b1, w2, b2, out), out=out)
+
+    declare_into(run_into, run)
+    return run

@@ -1,0 +1,101 @@
+"""Squeeze-excitation (GlobalAveragePool, 1x1 Conv, activation, 1x1 Conv, gate, Mul) as one
+SqueezeExcite step: the values onnxruntime gives for each activation and gate, with and
+without biases, capture/replay without allocating, and no fusion where an intermediate is
+read elsewhere or a weight is fed at run time."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+
+from cpu.test_fusions import _assert_replays_without_allocating, _step_ops
+
+HIDDEN = {
+    "relu": "a = Relu (h)",
+    "silu": "hs = Sigmoid (h)\n a = Mul (h, hs)",
+    "hard-swish": "a = HardSwish (h)",
+}
+GATES = {
+    "sigmoid": "g = Sigmoid (e)",
+    "hard-sigmoid": "g = HardSigmoid <alpha = 0.16666667, beta = 0.5> (e)",
+}
+
+
+def _random(*shape: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def _model(
+    hidden: str = "relu", gate: str = "sigmoid", *, bias: bool = True, x_first: bool = True, extra_output: str = ""
+) -> tuple[bytes, dict[str, np.ndarray]]:
+    n, c, r, size = 2, 16, 4, 5
+    biases = (", b1", ", b2") if bias else ("", "")
+    mul = "y = Mul (x, g)" if x_first else "y = Mul (g, x)"
+    outputs = f"float y{', float ' + extra_output if extra_output else ''}"
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    se (float[{n}, {c}, {size}, {size}] x) => ({outputs}) {{
+        p = GlobalAveragePool (x)
+        h = Conv (p, w1{biases[0]})
+        {HIDDEN[hidden]}
+        e = Conv (a, w2{biases[1]})
+        {GATES[gate]}
+        {mul}
+    }}
+    """
+    model = onnx.parser.parse_model(text)
+    constants = {"w1": _random(r, c, 1, 1, seed=1), "w2": _random(c, r, 1, 1, seed=2, scale=2.0)}
+    if bias:
+        constants |= {"b1": _random(r, seed=3), "b2": _random(c, seed=4)}
+    model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in constants.items())
+    return model.SerializeToString(), {"x": _random(n, c, size, size, seed=5, scale=3.0)}
+
+
+def _onnxruntime(model: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("gate", list(GATES))
+@pytest.mark.parametrize("hidden", list(HIDDEN))
+def test_squeeze_excitation_runs_as_one_step_and_matches_onnxruntime(hidden, gate, bias):
+    model, feeds = _model(hidden, gate, bias=bias)
+    ops, (actual,) = _step_ops(model, feeds)
+    assert ops == ["SqueezeExcite"]
+    (expected,) = _onnxruntime(model, feeds)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gate_first_in_the_mul_is_recognised():
+    model, feeds = _model(x_first=False)
+    ops, (actual,) = _step_ops(model, feeds)
+    assert ops == ["SqueezeExcite"]
+    np.testing.assert_allclose(actual, _onnxruntime(model, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hidden, gate", [("relu", "sigmoid"), ("silu", "sigmoid"), ("hard-swish", "hard-sigmoid")])
+def test_squeeze_excitation_is_captured_and_replays_without_allocating(hidden, gate):
+    model, feeds = _model(hidden, gate)
+    _assert_replays_without_allocating(model, feeds, ["SqueezeExcite"])
+
+
+def test_a_gate_read_elsewhere_too_keeps_the_pattern_apart():
+    model, feeds = _model(extra_output="g")
+    ops, outputs = _step_ops(model, feeds)
+    assert "SqueezeExcite" not in ops
+    for actual, expected in zip(outputs, _onnxruntime(model, feeds)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_fed_at_run_time_keeps_the_pattern_apart():
+    model, feeds = _model()
+    proto = onnx.load_from_string(model)
+    w1 = next(t for t in proto.graph.initializer if t.name == "w1")
+    proto.graph.input.append(onnx.helper.make_tensor_value_info("w1", onnx.TensorProto.FLOAT, list(w1.dims)))
+    feeds["w1"] = numpy_helper.to_array(w1)
+    proto.graph.initializer.remove(w1)
+    ops, _ = _step_ops(proto.SerializeToString(), feeds)
+    assert "SqueezeExcite" not in ops
