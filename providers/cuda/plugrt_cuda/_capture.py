@@ -20,7 +20,8 @@ __all__ = ["capture_partition", "seam_reason"]
 
 _GEMM_OPS = frozenset({"MatMul", "Gemm", "Conv", "FusedConv", "FusedMatMul"})
 # ops whose output is built on the host and copied up: cupy refuses that copy under capture
-_HOST_BUILT = frozenset({"Shape"})
+# (Shape is not one: it copies its shape up once per input shape, in the warm-up)
+_HOST_BUILT: frozenset[str] = frozenset()
 
 
 def seam_reason(step: Step, backend: CupyBackend) -> str | None:

@@ -37,13 +37,15 @@ Check = Callable[[OpInfo], "str | None"]
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
-    """One claimed op. ``math`` ops take float32/float16 tensors only; ``constant_inputs``
+    """One claimed op. ``math`` ops take float32/float16 tensors only (and int32/int64 with
+    ``integers``); ``constant_inputs``
     are the input positions that must be constants (shapes, axes, pads: reading them from
     device memory would stall the stream and cannot be captured)."""
 
     builder: Builder
     since: int = 1
     math: bool = True
+    integers: bool = False  # a math op that also takes int32/int64 tensors
     constant_inputs: tuple[int, ...] = ()
     check: Check | None = None
     multi_output: bool = False
@@ -612,13 +614,6 @@ def _resize(info: OpInfo) -> Callable[..., Any]:
     return run
 
 
-@_op("Shape", math=False)
-def _shape(info: OpInfo) -> Callable[..., Any]:
-    xp = info.backend.xp
-    start, end = info.attributes.get("start", 0), info.attributes.get("end")
-    return lambda x: xp.asarray(x.shape[slice(start, end)], dtype=xp.int64)
-
-
 @_op("ConstantOfShape", since=9, math=False, constant_inputs=(0,))
 def _constant_of_shape(info: OpInfo) -> Callable[..., Any]:
     xp = info.backend.xp
@@ -631,3 +626,7 @@ def _constant_of_shape(info: OpInfo) -> Callable[..., Any]:
 def inputs_not_constant(spec: OpSpec, constants: Sequence[Any], present: Sequence[bool]) -> list[int]:
     """Positions of inputs ``spec`` needs constant that are given but not constant."""
     return [i for i in spec.constant_inputs if i < len(present) and present[i] and constants[i] is None]
+
+
+# the decoder's ops (and Shape) register themselves into OPS from their own module
+from . import _decoder_ops  # noqa: E402,F401

@@ -25,6 +25,7 @@ from plugrt.provider import (
 
 from . import __version__, _context, _probe
 from ._backend import Backend, CupyBackend
+from ._decoder_ops import INTEGER_DTYPES
 from ._ops import FLOAT_DTYPES, OPS, PRIVATE_DOMAIN, OpInfo, inputs_not_constant
 
 if TYPE_CHECKING:  # onnx_ir is imported where a model is placed: discovery stays cheap
@@ -123,8 +124,8 @@ class CUDAProvider:
 
         domain = "" if node.domain in _ONNX_DOMAINS else node.domain
         shown = f"{domain or 'ai.onnx'}::{node.op_type}"
-        if domain not in ("", PRIVATE_DOMAIN):
-            return Support.no(f"the CUDA provider runs ai.onnx ops only, not {shown}")
+        if not any(domain == claimed for claimed, _ in OPS):
+            return Support.no(f"the CUDA provider runs ai.onnx and com.microsoft ops only, not {shown}")
         spec = OPS.get((domain, node.op_type))
         if spec is None:
             return Support.no(f"the CUDA provider has no kernel for {shown}; it claims {_claimed()}")
@@ -144,7 +145,7 @@ class CUDAProvider:
         if spec.math:
             first = next((v for v in inputs if v is not None), None)
             dtype = _dtype_name(first)
-            if dtype not in FLOAT_DTYPES:
+            if dtype not in FLOAT_DTYPES and not (spec.integers and dtype in INTEGER_DTYPES):
                 return Support.no(
                     f"{shown}: the CUDA provider computes float32 and float16 only; input "
                     f"{first.name if first is not None else '?'!r} is {dtype or 'of unknown type'}"
