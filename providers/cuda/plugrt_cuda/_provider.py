@@ -25,8 +25,8 @@ from plugrt.provider import (
 
 from . import __version__, _context, _probe
 from ._backend import Backend, CupyBackend
-from ._decoder_ops import INTEGER_DTYPES
-from ._ops import FLOAT_DTYPES, OPS, PRIVATE_DOMAIN, OpInfo, inputs_not_constant
+from ._ops import FLOAT_DTYPES, OPS, OpInfo, inputs_not_constant
+from ._decoder_ops import INTEGER_DTYPES  # noqa: I001 (after _ops, which registers it)
 
 if TYPE_CHECKING:  # onnx_ir is imported where a model is placed: discovery stays cheap
     import onnx_ir as ir
