@@ -164,6 +164,16 @@ class CUDAProvider:
                 return Support.no(why)
         return Support.yes()
 
+    def rewrite_model(self, model: ir.Model, options: Any) -> bool:
+        """float16 decoding when the session asks for it (``cuda.float16_decoding``)."""
+        from ._float16 import OPTION, to_float16
+
+        try:
+            wanted = bool(options[OPTION])
+        except KeyError:  # a core that does not know the option
+            return False
+        return to_float16(model) if wanted else False
+
     # -- compile -----------------------------------------------------------------------
 
     def compile(self, partition: Partition) -> CompiledPartition:
