@@ -121,7 +121,7 @@ def _group_query_attention(info: OpInfo) -> Callable[..., Any]:
     backend, a = info.backend, info.attributes
     xp = backend.xp
     heads, kv_heads = int(a["num_heads"]), int(a["kv_num_heads"])
-    options = {
+    options: dict[str, Any] = {
         "num_heads": heads,
         "kv_num_heads": kv_heads,
         "do_rotary": bool(a.get("do_rotary", 0)),
@@ -200,7 +200,7 @@ def _matmul_nbits(info: OpInfo) -> Callable[..., Any]:
     n, k, block_size = int(a["N"]), int(a["K"]), int(a["block_size"])
     blocks = -(-k // block_size)
     int8_activations = int(a.get("accuracy_level", 0)) == 4
-    on_device = isinstance(backend, CupyBackend)
+    device = backend if isinstance(backend, CupyBackend) else None
 
     def run(x: Any, b: Any, scales: Any, zero_points: Any = None, g_idx: Any = None, bias: Any = None) -> Any:
         if g_idx is not None and g_idx.size:
@@ -215,8 +215,8 @@ def _matmul_nbits(info: OpInfo) -> Callable[..., Any]:
         # onnxruntime keeps float activations when the zero points are floats
         if int8_activations and (zero_points is None or zero_points.dtype == xp.uint8):
             rows = _decoder_xp.int8_blocks(xp, rows.astype(xp.float32), block_size).astype(x.dtype)
-        if on_device:
-            y = _nbits_kernel(backend, rows, b, scales, zero_points, bias, n, k, block_size, blocks)
+        if device is not None:
+            y = _nbits_kernel(device, rows, b, scales, zero_points, bias, n, k, block_size, blocks)
         else:  # the numpy test double: the same arithmetic with the weight dequantized per call
             w = _decoder_xp.dequantize_nbits(xp, b, scales, zero_points, n=n, k=k, bits=4, block_size=block_size)
             y = xp.matmul(rows.astype(xp.float32), w)
