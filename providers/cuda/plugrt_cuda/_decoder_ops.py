@@ -6,6 +6,7 @@ that a builder-made decoder's step places on the provider whole and is captured 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -137,7 +138,7 @@ def _group_query_attention(info: OpInfo) -> Callable[..., Any]:
     def run(
         query: Any, key: Any = None, value: Any = None, past_key: Any = None, past_value: Any = None,
         seqlens_k: Any = None, total_sequence_length: Any = None, cos_cache: Any = None, sin_cache: Any = None,
-        position_ids: Any = None,
+        position_ids: Any = None, *, in_place: bool = False,
     ) -> tuple:
         # total_sequence_length is not read: the buffer's capacity is the past's length, and
         # reading a device value on the host would stall the stream and break capture
@@ -170,9 +171,16 @@ def _group_query_attention(info: OpInfo) -> Callable[..., Any]:
             raise ValueError(f"rotary dimension {2 * cos_cache.shape[-1]} (2 x cos_cache's last) exceeds head size {size}")
         return _decoder_xp.group_query_attention(
             xp, query, key, value, past_key, past_value, seqlens_k, cos_cache, sin_cache, position_ids,
-            scale=scale_attr or 1 / math.sqrt(size), matmul=backend.matmul, softmax=softmax, **options,
+            scale=scale_attr or 1 / math.sqrt(size), matmul=backend.matmul, softmax=softmax, in_place=in_place,
+            **options,
         )
 
+    # A capture whose binding carries a cache in and out (past_present_share_buffer) runs
+    # this variant: the presents are the past buffers, updated in place, so a decode step
+    # writes its new rows instead of copying the whole cache twice (once here, once into
+    # the binding). {output index: input index}, as the CPU provider declares it.
+    run.in_place = functools.partial(run, in_place=True)  # type: ignore[attr-defined]
+    run.writes_over_inputs = {1: 3, 2: 4}  # type: ignore[attr-defined]
     return run
 
 

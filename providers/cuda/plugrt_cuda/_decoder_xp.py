@@ -122,6 +122,7 @@ def group_query_attention(
     softcap: float,
     matmul: MatMul,
     softmax: Softmax,
+    in_place: bool = False,
 ) -> tuple[Any, Any, Any]:
     """Causal grouped-query attention with the cache in one fixed-capacity buffer per K/V:
     (output (B, S, N*D), present_key, present_value (B, Nkv, C, D)).
@@ -131,6 +132,8 @@ def group_query_attention(
     starts at 0), the past below them is kept, the rest of the buffer is zero. C is the
     past buffer's length (S without a past). Attention runs over all C positions with the
     invalid ones masked, so the work is the same every step and the step can be captured.
+    ``in_place``: the presents are the past buffers themselves, updated where they are (a
+    binding that carries the cache in and out; only the new rows and the stale tail are written).
     """
     batch, seq, hidden = query.shape
     if key is None:  # packed QKV
@@ -155,8 +158,8 @@ def group_query_attention(
         sin = _cache_rows(xp, sin_cache, rows)[:, :, None]
         q = rotate(xp, q, cos, sin, interleaved)
         k = rotate(xp, k, cos, sin, interleaved)
-    present_k = _write_cache(xp, past_key, k, starts, positions, kv_num_heads, dtype)
-    present_v = _write_cache(xp, past_value, v, starts, positions, kv_num_heads, dtype)
+    present_k = _write_cache(xp, past_key, k, starts, positions, kv_num_heads, dtype, in_place)
+    present_v = _write_cache(xp, past_value, v, starts, positions, kv_num_heads, dtype, in_place)
     capacity = present_k.shape[2]
     group = num_heads // kv_num_heads
     # (B, Nkv, G*S, D): head n = kv * G + g, as the cache's heads are shared
@@ -178,15 +181,22 @@ def group_query_attention(
     return xp.ascontiguousarray(context).reshape(batch, seq, num_heads * size).astype(dtype), present_k, present_v
 
 
-def _write_cache(xp: Any, past: Any, new: Any, starts: Any, positions: Any, heads: int, dtype: Any) -> Any:
+def _write_cache(
+    xp: Any, past: Any, new: Any, starts: Any, positions: Any, heads: int, dtype: Any, in_place: bool
+) -> Any:
     """present: the past's first ``starts[b]`` positions, the new tokens (B, S, Nkv, D) at
-    ``positions``, zeros after; a new buffer (the past, possibly the caller's, is not written)."""
+    ``positions``, zeros after; a new buffer unless ``in_place`` (then the past buffer
+    itself, which must hold ``dtype``; otherwise the past, possibly the caller's, is not written)."""
     batch, seq, _, size = new.shape
     if past is None:
         present = xp.zeros((batch, heads, seq, size), dtype)
     else:
         keep = xp.arange(past.shape[2], dtype=xp.int64)[None, :] < starts[:, None]  # (B, C)
-        present = xp.where(keep[:, None, :, None], past.astype(dtype), xp.zeros((), dtype))
+        if in_place and past.dtype == dtype:
+            present = past
+            xp.copyto(present, xp.zeros((), dtype), where=~keep[:, None, :, None])  # NaN-safe, unlike a product
+        else:
+            present = xp.where(keep[:, None, :, None], past.astype(dtype), xp.zeros((), dtype))
     rows = xp.broadcast_to(xp.arange(batch, dtype=xp.int64)[:, None], (batch, seq))
     at = xp.clip(positions, 0, present.shape[2] - 1)  # a device kernel cannot raise: never write outside
     present[rows, :, at] = new.astype(dtype)
