@@ -412,6 +412,11 @@ for _name in _REDUCTIONS:
     _reduction(_name)
 
 
+# -- the decoder's ops (and Shape), registered from their own module ---------------------
+
+from . import _decoder_ops  # noqa: E402,F401  (after the arithmetic it extends to integers)
+
+
 # -- shapes and data movement (any dtype) ------------------------------------------------
 
 @_op("Reshape", since=5, math=False, constant_inputs=(1,))
@@ -626,7 +631,3 @@ def _constant_of_shape(info: OpInfo) -> Callable[..., Any]:
 def inputs_not_constant(spec: OpSpec, constants: Sequence[Any], present: Sequence[bool]) -> list[int]:
     """Positions of inputs ``spec`` needs constant that are given but not constant."""
     return [i for i in spec.constant_inputs if i < len(present) and present[i] and constants[i] is None]
-
-
-# the decoder's ops (and Shape) register themselves into OPS from their own module
-from . import _decoder_ops  # noqa: E402,F401
