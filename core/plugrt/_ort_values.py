@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ._dtypes import numpy_dtype, onnx_type_name
-from .bindings import DeviceBinding
+from .bindings import DeviceBinding, _check_declared
 from .errors import ConfigEntryMissingError, InvalidInputError, NotSupportedError, ProviderUnavailableError, RunTerminatedError
 from .provider import MemoryCapability, memory_of
 
@@ -381,15 +381,46 @@ class IOBinding:
         self._inputs[name] = self._session.bind_array(array, input=name)
 
     def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any, shape: Sequence[int], buffer_ptr: int) -> None:
-        """Bind memory given by address. Host addresses only: a device value is bound with
-        ``bind_ortvalue_input``."""
-        if device_type.lower() != "cpu":
-            raise NotSupportedError(
-                f"IOBinding.bind_input on {device_type!r} by address",
-                "make an OrtValue on that device (OrtValue.ortvalue_from_numpy(x, device_type)) and bind it "
-                "with bind_ortvalue_input",
+        """Bind memory the caller owns at ``buffer_ptr`` (no copy; it must stay alive while
+        bound): host memory with ``device_type="cpu"``, a provider's device memory (``"cuda"``)
+        through its ``from_pointer``."""
+        self._inputs[name] = self._pointer_binding(name, device_type, device_id, element_type, shape, buffer_ptr, True)
+
+    def _pointer_binding(
+        self, name: str, device_type: str, device_id: int, element_type: Any, shape: Any, buffer_ptr: Any, is_input: bool
+    ) -> DeviceBinding:
+        """A binding over caller-owned memory at ``buffer_ptr``, checked against the model's
+        declared type and shape of ``name``."""
+        session = self._session
+        role = "input" if is_input else "output"
+        info = session._info_for(name, None) if is_input else session._info_for(None, name)
+        dtype, dims, pointer = _pointer_spec(name, element_type, shape, buffer_ptr)
+        if info.dtype is not None and np.dtype(info.dtype) != dtype:
+            raise InvalidInputError(
+                f"{role} {name!r} is {np.dtype(info.dtype)} in the model; the memory bound at {pointer:#x} was "
+                f"given as {dtype}: pass element_type={np.dtype(info.dtype)}",
+                input_name=name if is_input else None,
             )
-        self._inputs[name] = self._session.bind_array(_host_array(element_type, shape, buffer_ptr), input=name)
+        if is_input:
+            _check_declared(info, dims)  # an output's buffer is checked when the run stores into it
+        io = {"input": name} if is_input else {"output": name}
+        if device_type.lower() == "cpu":
+            return session.bind_array(_host_array(dtype, dims, pointer), **io)
+        memory = _device_memory(device_type, session)
+        from_pointer = getattr(memory, "from_pointer", None)
+        if not callable(from_pointer):
+            raise NotSupportedError(
+                f"IOBinding.bind_{role} on {device_type!r} by address",
+                f"provider {getattr(memory, 'name', memory.memory)!r} cannot wrap raw device memory (no "
+                "from_pointer); make an OrtValue on that device and bind it with "
+                f"bind_ortvalue_{role}",
+            )
+        device = _device(memory, device_id)
+        array = from_pointer(pointer, dims, dtype, device)
+        return DeviceBinding(
+            input=name if is_input else None, output=None if is_input else name, buffer=array, shape=dims,
+            device=device, memory=memory, caller_owned=True,
+        )
 
     def bind_ortvalue_input(self, name: str, ortvalue: OrtValue) -> None:
         self._inputs[name] = ortvalue.binding(self._session, input=name)
@@ -408,20 +439,14 @@ class IOBinding:
         shape: Sequence[int] | None = None,
         buffer_ptr: int | None = None,
     ) -> None:
-        """Bind an output: to memory at ``buffer_ptr`` (host only), or to a device, where
-        the session allocates it on each run (it stays there)."""
+        """Bind an output: to memory the caller owns at ``buffer_ptr`` (host, or a device
+        whose provider wraps addresses), or to a device, where the session allocates it
+        on each run (it stays there)."""
         device = device_type.lower()
         if buffer_ptr is not None:
             if element_type is None or shape is None:
                 raise InvalidInputError("`element_type` and `shape` are to be provided if pre-allocated memory is provided")
-            if device != "cpu":
-                raise NotSupportedError(
-                    f"IOBinding.bind_output on {device_type!r} by address",
-                    "bind an OrtValue made with OrtValue.ortvalue_from_shape_and_type(shape, type, device_type) "
-                    "with bind_ortvalue_output",
-                )
-            array = _host_array(element_type, shape, buffer_ptr)
-            self._outputs[name] = ("cpu", self._session.bind_array(array, output=name))
+            self._outputs[name] = (device, self._pointer_binding(name, device_type, device_id, element_type, shape, buffer_ptr, False))
             return
         outputs = {o.name: o for o in self._session.outputs}
         if name not in outputs:
@@ -521,6 +546,30 @@ def _takes_slot(session: "Session") -> bool:
     return "slot" in inspect.signature(session.try_capture).parameters
 
 
+def _pointer_spec(name: str, element_type: Any, shape: Any, buffer_ptr: Any) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(dtype, shape, address) of memory bound by address, or InvalidInputError saying what is wrong."""
+    if isinstance(buffer_ptr, bool) or not isinstance(buffer_ptr, (int, np.integer)):
+        raise InvalidInputError(
+            f"buffer_ptr for {name!r} must be an integer address (e.g. array.ctypes.data, "
+            f"tensor.data_ptr()), got {type(buffer_ptr).__name__}"
+        )
+    pointer = int(buffer_ptr)
+    if pointer <= 0:
+        raise InvalidInputError(f"buffer_ptr for {name!r} is {pointer}: a null or negative address holds no tensor")
+    dtype = _element_dtype(element_type)
+    if dtype.kind in "OUSV":
+        raise InvalidInputError(
+            f"element_type {dtype} for {name!r} cannot be bound by address: only numeric and bool tensors have a "
+            "fixed-size layout in memory; pass strings as a numpy array with bind_cpu_input"
+        )
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, np.ndarray)):
+        raise InvalidInputError(f"shape for {name!r} must be a sequence of non-negative integers, got {shape!r}")
+    dims = tuple(shape)
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and int(d) >= 0 for d in dims):
+        raise InvalidInputError(f"shape for {name!r} must be a sequence of non-negative integers, got {list(dims)}")
+    return dtype, tuple(int(d) for d in dims), pointer
+
+
 def _host_array(element_type: Any, shape: Sequence[int], buffer_ptr: int) -> np.ndarray:
     """The host memory at ``buffer_ptr`` as an array (no copy): the caller keeps it alive."""
     import ctypes
@@ -528,6 +577,8 @@ def _host_array(element_type: Any, shape: Sequence[int], buffer_ptr: int) -> np.
     dtype = _element_dtype(element_type)
     shape = tuple(int(d) for d in shape)
     count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.empty(shape, dtype)  # nothing to read: no memory to wrap
     raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(int(buffer_ptr))
     return np.frombuffer(memoryview(raw).cast("B"), dtype=dtype, count=count).reshape(shape)
 

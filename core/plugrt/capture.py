@@ -9,6 +9,7 @@ eager run: a capture never gives a wrong answer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -26,6 +27,7 @@ from .errors import (
     MissingInputError,
     NoCaptureError,
     PlugrtError,
+    ReplayStreamError,
     StaleCaptureError,
 )
 from .provider import (
@@ -52,6 +54,7 @@ __all__ = [
     "CaptureBuffers",
     "CaptureSlots",
     "CaptureStats",
+    "SiteStats",
     "ReplayResult",
     "eager_replay",
     "outputs_of",
@@ -362,6 +365,12 @@ class CapturedPlan:
                 seams.append((name, reason))
             previous_captured = bool(captured)
         self.report = CaptureReport(segments, seams, staged)
+        # the optional hooks of the providers this plan runs on: allocations counted
+        # during each replay, and the device stream checked for an error after it
+        used = {stage.provider for stage in built.stages} | {getattr(m, "name", "") for m in spaces.memories}
+        hooked = [p for p in providers if p.name in used]
+        self._counters = [c for c in (getattr(p, "count_allocations", None) for p in hooked) if callable(c)]
+        self._stream_checks = [c for c in (getattr(p, "stream_error", None) for p in hooked) if callable(c)]
         self.thread = threading.current_thread()  # replays elsewhere would share the output buffers
         self.shared = False  # replayed on another thread too: every replay copies its outputs unless told not to
         bound = {b.output for b in self.bindings if b.output}
@@ -418,21 +427,76 @@ class CapturedPlan:
         self.replays += 1
         return self._outputs
 
+    def measured_replay(self, site: "SiteStats", name: str) -> list | None:
+        """``replay()``, counting in ``site`` the replay and the allocations the providers'
+        ``count_allocations`` saw during it; ReplayStreamError when a provider's
+        ``stream_error`` reports that the device stream recorded an error."""
+        counters = self._counters
+        if not counters:
+            values = self.replay()
+        elif len(counters) == 1:
+            with counters[0]() as counted:
+                values = self.replay()
+            site.note_allocations(counted.count, counted.bytes)
+        else:
+            with contextlib.ExitStack() as stack:
+                counts = [stack.enter_context(c()) for c in counters]
+                values = self.replay()
+            site.note_allocations(sum(c.count for c in counts), sum(c.bytes for c in counts))
+        for check in self._stream_checks:
+            why = check()
+            if why:
+                site.stream_errors += 1
+                raise ReplayStreamError(name, why)
+        if values is not None:
+            site.replays += 1
+        return values
+
     def current_feeds(self) -> dict[str, Any]:
         """The inputs as the capture's buffers hold them now (for an eager fallback)."""
         return dict(self._input_buffers)
 
 
 @dataclasses.dataclass
+class SiteStats:
+    """What the replays of one capture site (a slot, or a plain-run graph's signature)
+    did: replays, the allocations the providers counted during them (``count_allocations``:
+    cupy's pool on CUDA, the arrays eager seams make on the CPU), those of the latest
+    replay, and replays after which the device stream reported an error. A replay should
+    allocate nothing."""
+
+    replays: int = 0
+    allocations: int = 0
+    bytes_allocated: int = 0
+    last_allocations: int = 0
+    stream_errors: int = 0
+
+    def note_allocations(self, count: int, nbytes: int) -> None:
+        self.allocations += count
+        self.bytes_allocated += nbytes
+        self.last_allocations = count
+
+
+@dataclasses.dataclass
 class CaptureStats:
     """What a session's replays did: replays, eager fallbacks by reason, and the bytes
     allocated during replays (by memory providers that count them, and on the host when
-    tracemalloc is tracing). A replay should allocate nothing."""
+    tracemalloc is tracing). A replay should allocate nothing. ``sites`` holds each
+    capture site's counters by name: slots by their name, plain-run graphs as
+    ``run(x: float32[1, 3])``."""
 
     replays: int = 0
     eager_fallbacks: int = 0
     fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_allocated_during_replay: int = 0
+    sites: dict[str, SiteStats] = dataclasses.field(default_factory=dict)
+
+    def site(self, name: str) -> SiteStats:
+        """The counters of capture site ``name`` (made on first use)."""
+        found = self.sites.get(name)
+        if found is None:
+            found = self.sites.setdefault(name, SiteStats())
+        return found
 
 
 class ReplayResult(dict):
@@ -518,7 +582,7 @@ class CaptureSlots:
                 captured.load_feeds(feeds)
             spaces = captured._spaces
             before = _allocated_bytes(spaces)
-            values = captured.replay()
+            values = captured.measured_replay(self.stats.site(slot), f"capture slot {slot!r}")
             self.stats.bytes_allocated_during_replay += max(0, _allocated_bytes(spaces) - before)
             if values is None:  # an eager seam changed shape: this run goes the plain way
                 reason = f"an eager step no longer fits the capture ({captured.last_miss})"

@@ -30,6 +30,7 @@ __all__ = [
     "NoCaptureError",
     "CaptureThreadError",
     "StaleCaptureError",
+    "ReplayStreamError",
     "EpContextError",
     "EpContextSourceError",
     "EpContextAmbiguousError",
@@ -370,6 +371,19 @@ class StaleCaptureError(CaptureError):
         self.name = name
         super().__init__(
             f"the capture is stale: {what}; call reset() and try_capture() again", reason=what
+        )
+
+
+class ReplayStreamError(CaptureError):
+    """The device stream recorded an error during a replay: its outputs cannot be trusted."""
+
+    def __init__(self, site: str, why: str):
+        self.site = site
+        super().__init__(
+            f"the device reported an error after replaying {site}: {why}; the outputs of that replay are "
+            "not valid. Reset the capture (session.reset(), or graphs=False for plain runs) and run eagerly "
+            "to find the failing node",
+            reason=why,
         )
 
 

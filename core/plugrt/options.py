@@ -45,6 +45,15 @@ def _non_negative_int(key: str, value: Any) -> int:
     return value
 
 
+def _graphs(key: str, value: Any) -> bool | str:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("on", "off", "true", "false", "1", "0", "auto"):
+        lowered = value.lower()
+        return "auto" if lowered == "auto" else lowered in ("on", "true", "1")
+    raise InvalidOptionValueError(key, value, "True (any provider that can capture), False (never) or 'auto'")
+
+
 def _names(key: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [v for v in value.split(",") if v.strip()]
@@ -101,6 +110,17 @@ OPTIONS: dict[str, _Option] = {
         "with placement by estimate, build the device plan before load returns; when false a session whose "
         "plan puts nodes on an accelerator serves on the CPU provider until the device plan is built in the "
         "background and checked equal on the first run's inputs (EPContext restores and exports always wait)",
+    ),
+    "graphs": _Option(
+        _graphs,
+        "auto",
+        "plain runs replay a capture of the plan per input signature (names, dtypes, shapes), recorded the second "
+        "time it is seen and checked equal to the eager run: 'auto' where a provider the plan uses says its "
+        "captures beat eager runs (CUDA graphs; not the CPU provider), True on any provider that can capture, "
+        "False never",
+    ),
+    "max_graphs": _Option(
+        _positive_int, 8, "most plain-run graphs a session keeps (one per input signature); the least recently used is dropped"
     ),
     "disabled_providers": _Option(_names, (), "provider names to ignore, as if not installed"),
     "profiling": _Option(_boolean, False, "record a span per node (Chrome trace JSON via session.profile())"),

@@ -422,7 +422,9 @@ class MemoryCapability(Protocol):
     - ``owns(array)``: True when ``array`` lives in this provider's memory space.
 
     Optional: ``allocated_bytes()`` (int, bytes the provider has allocated so far) lets the
-    session count what a replay allocates.
+    session count what a replay allocates; ``from_pointer(pointer, shape, dtype, device)``
+    wraps memory the caller owns at an address as an array of this space, without a copy
+    (onnxruntime's ``IOBinding.bind_input`` with a ``buffer_ptr``).
     """
 
     memory: str
@@ -449,6 +451,16 @@ class CaptureCapability(Protocol):
     between memory spaces are never inside a provider's capture: the session stages them
     between captured segments. Without this capability a partition runs eagerly between
     captured segments.
+
+    Optional members that go with it:
+
+    - ``capture_plain_runs``: True when replays beat eager runs here, so that plain
+      ``Session.run`` calls replay a capture per input signature (``graphs="auto"``).
+    - ``replay_tolerance``: ``(rtol, atol)`` a plain-run graph's first replay may differ
+      from the eager run by (default: none).
+    - ``count_allocations()``: a context manager whose object has ``count`` and ``bytes``
+      after it exits: what a replay on this thread allocated while it was entered.
+    - ``stream_error()``: after a replay, why the device reports an error ("" when none).
     """
 
     def capture(self, compiled: CompiledPartition, ctx: CaptureContext) -> "CapturedPartition | NotCapturable": ...
@@ -622,6 +634,16 @@ CAPABILITIES: dict[str, str] = {
     "memory": "str: the memory space's name; with allocate, to_device, to_host, copy_into, owns and "
     "default_device it makes MemoryCapability (device memory)",
     "capture": "capture(compiled, ctx: CaptureContext) -> CapturedPartition | NotCapturable (CaptureCapability)",
+    "capture_plain_runs": "bool: plain runs replay a capture per input signature (graphs='auto'): say True "
+    "only where replays were measured faster than eager runs (CaptureCapability)",
+    "replay_tolerance": "(rtol, atol): how far a plain-run graph's checked replay may be from the eager run "
+    "(default: equal) (CaptureCapability)",
+    "count_allocations": "count_allocations() -> context manager with .count and .bytes: what a replay on this "
+    "thread allocated, for session.capture_stats.sites (CaptureCapability)",
+    "stream_error": "stream_error() -> str: after a replay, why the device reports an error ('' when none); the "
+    "replay raises ReplayStreamError (CaptureCapability)",
+    "from_pointer": "from_pointer(pointer, shape, dtype, device) -> array over caller-owned memory at that "
+    "address, no copy, for IOBinding.bind_input/bind_output by address (MemoryCapability)",
     "save_context": "save_context(compiled) -> bytes (ContextCapability)",
     "load_context": "load_context(blob, meta) -> CompiledPartition (ContextCapability)",
     "context_source_keys": "tuple[str, ...]: EPContext 'source' values this provider restores (ContextCapability)",

@@ -19,6 +19,7 @@ from .intent import Selection, resolve_device
 from .introspection import SessionIntrospection
 from .joining import DeviceJoin, JoinStatus
 from .loader import ModelSource, load_model
+from .graphs import PlainRunGraphs, graphs_wanted, replay_tolerance
 from .options import SessionOptions, parse_options
 from .prepare import context_export_path, load_limits, prepare_model
 from .provider import ExecutionProvider, NotCapturable, memory_of
@@ -97,10 +98,19 @@ class Session(SessionIntrospection, ProfiledSession):
         self._output_names = [info.name for info in self.outputs]
         self._output_index = {name: i for i, name in enumerate(self._output_names)}
         self._captures = CaptureSlots(self._trace)
+        self._graphs: PlainRunGraphs | None = self._plain_run_graphs()
         self.context_model_path: str | None = None
         if self.options["ep.context_enable"]:
             self.context_model_path = self._export_context()
         self.build_seconds = time.perf_counter() - started
+
+    def _plain_run_graphs(self) -> "PlainRunGraphs | None":
+        """The plain-run graphs of this session's plan, or None when runs stay eager
+        (``graphs`` option, and whether a provider the plan uses wants them)."""
+        used = [p for p in self.selection.providers if self._built.report.nodes_per_provider.get(p.name)]
+        if not graphs_wanted(self.options["graphs"], used):
+            return None
+        return PlainRunGraphs(self, self.options["max_graphs"], replay_tolerance(used))
 
     def _build_plan(
         self,
@@ -257,6 +267,9 @@ class Session(SessionIntrospection, ProfiledSession):
             self._signature = InputSignature(specs, self._spaces)
             self._model, self._built, self._plan = model, built, built.plan
             self.optimization_stats.update(built.pass_stats)
+            if self._graphs is not None:
+                self._graphs.reset()  # recorded on the plan switched out
+            self._graphs = self._plain_run_graphs()
             if self._trace is not None:
                 self._trace.instant("plan_switch", to=built.plan.label, after_runs=self._runs)
             return self._runs + 1
@@ -289,6 +302,7 @@ class Session(SessionIntrospection, ProfiledSession):
         clone._signature = InputSignature(self._signature.specs, self._spaces)
         clone._captures = CaptureSlots(self._trace)
         clone._join = None  # the original's device plan would switch the original in
+        clone._graphs = clone._plain_run_graphs()
         return clone
 
     @property
@@ -319,6 +333,13 @@ class Session(SessionIntrospection, ProfiledSession):
             self._runs += 1
             args = self._signature.arguments(bound_feeds(feeds, bindings))
             return deliver_outputs(self._output_names, self._plan.run(*args), bindings, args, self._spaces)
+        graphs = self._graphs
+        if graphs is not None and self._graphs_serve():
+            names = self._output_names if output_names is None else list(output_names)
+            indexes = None if output_names is None else [self._output_index_of(n) for n in names]
+            served = graphs.run(feeds or {}, indexes)
+            if served is not None:
+                return dict(zip(names, served))
         args, values = self._run_host(feeds or {})
         if output_names is None:
             return {name: deliver(v, args, self._spaces) for name, v in zip(self._output_names, values)}
@@ -326,6 +347,12 @@ class Session(SessionIntrospection, ProfiledSession):
 
     @typed_run_errors
     def run_list(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list:
+        graphs = self._graphs
+        if graphs is not None and self._graphs_serve():
+            indexes = [self._output_index_of(n) for n in output_names] if output_names else None
+            served = graphs.run(feeds, indexes)
+            if served is not None:
+                return served
         args, values = self._run_host(feeds)
         if not output_names:
             return [deliver(v, args, self._spaces) for v in values]
@@ -341,6 +368,18 @@ class Session(SessionIntrospection, ProfiledSession):
         if join is not None and join.wants_sample:
             join.record(args, values)  # what the device plan is checked on before it serves
         return args, values
+
+    def _graphs_serve(self) -> bool:
+        """Whether plain runs may use graphs now: not while profiling (a replay records no
+        per-node events) nor while a device plan is still joining (it is checked against
+        eager runs, and replaces the plan the graphs were recorded on)."""
+        join = self._join
+        return self._trace is None and (join is None or join.done.is_set())
+
+    @property
+    def graph_signatures(self) -> list[str]:
+        """The input signatures plain runs replay a graph for, least recently used first."""
+        return self._graphs.signatures if self._graphs is not None else []
 
     def _output_index_of(self, name: str) -> int:
         try:

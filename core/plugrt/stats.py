@@ -9,6 +9,7 @@ from .weights import WeightStore
 
 if TYPE_CHECKING:
     from .capture import CaptureStats
+    from .graphs import PlainRunGraphs
     from .intent import Selection
     from .provider import CompiledPartition
 
@@ -36,6 +37,11 @@ class SessionStats:
       iteration).
     - ``replays``, ``eager_fallbacks``, ``fallback_reasons``, ``bytes_allocated_during_replay``:
       the capture counters, as :attr:`Session.capture_stats`.
+    - ``graph_hits``, ``graph_misses``, ``graph_captures``, ``graph_evictions``,
+      ``graph_refusals``, ``graph_fallbacks``: the plain-run graphs' counters (all 0 when
+      the session's runs stay eager; see :class:`plugrt.graphs.GraphStats`).
+    - ``capture_sites``: per capture site (a slot, a plain-run graph's signature) its
+      replays, allocations during them and stream errors (:class:`plugrt.capture.SiteStats`).
     - ``weights``: the counters of the session's :class:`plugrt.WeightStore` (shared with
       every session that uses it; see :class:`plugrt.weights.WeightStats`), empty without one.
     - ``providers``: every counter as each provider reports it, by provider name.
@@ -50,6 +56,13 @@ class SessionStats:
     eager_fallbacks: int = 0
     fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_allocated_during_replay: int = 0
+    graph_hits: int = 0
+    graph_misses: int = 0
+    graph_captures: int = 0
+    graph_evictions: int = 0
+    graph_refusals: dict[str, int] = dataclasses.field(default_factory=dict)
+    graph_fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
+    capture_sites: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     weights: dict[str, int] = dataclasses.field(default_factory=dict)
     providers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
@@ -64,6 +77,7 @@ class _Counted(Protocol):
     selection: "Selection"
     weights: WeightStore | None
     _runs: int
+    _graphs: "PlainRunGraphs | None"
 
     @property
     def compiled_partitions(self) -> list["CompiledPartition"]: ...
@@ -86,6 +100,7 @@ def session_stats(session: _Counted) -> SessionStats:
     for counters in providers.values():
         _add(merged, counters)
     capture = session.capture_stats
+    graphs = session._graphs.stats() if session._graphs is not None else None
     return SessionStats(
         runs=session._runs,
         kernel_cache_hits=merged.get(KERNEL_CACHE_HITS, 0),
@@ -96,6 +111,13 @@ def session_stats(session: _Counted) -> SessionStats:
         eager_fallbacks=capture.eager_fallbacks,
         fallback_reasons=dict(capture.fallback_reasons),
         bytes_allocated_during_replay=capture.bytes_allocated_during_replay,
+        graph_hits=graphs.hits if graphs else 0,
+        graph_misses=graphs.misses if graphs else 0,
+        graph_captures=graphs.captures if graphs else 0,
+        graph_evictions=graphs.evictions if graphs else 0,
+        graph_refusals=dict(graphs.refusals) if graphs else {},
+        graph_fallbacks=dict(graphs.fallbacks) if graphs else {},
+        capture_sites={name: dataclasses.asdict(site) for name, site in list(capture.sites.items())},
         weights=dataclasses.asdict(session.weights.stats()) if session.weights is not None else {},
         providers=providers,
     )

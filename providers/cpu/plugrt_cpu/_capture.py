@@ -1,18 +1,26 @@
 """Capture on the CPU provider: each step bound once to preallocated output buffers.
 
 A captured step calls its kernel's ``into(out, *inputs)`` variant (numpy ``out=``), so
-a replay allocates no arrays; a step whose outputs are views of persistent buffers
+a replay allocates no output arrays; a step whose outputs are views of persistent buffers
 needs no replay at all; any other step runs eagerly and copies into its buffer.
+
+What a replay still allocates is counted (``CPUProvider.count_allocations``): an eager
+step's outputs, and the temporaries of a captured step whose kernel made some (over 1 KiB,
+measured with tracemalloc while the capture ran it: e.g. a convolution's packed windows).
 """
 
 from __future__ import annotations
 
 import functools
+import tracemalloc
 from typing import Any, Callable
 
 import numpy as np
 
-from plugrt.provider import CaptureContext, CapturedPartition, CompiledPartition, Step, eager_replay, outputs_of
+from plugrt.provider import CaptureContext, CapturedPartition, CompiledPartition, Step, outputs_of
+from plugrt.provider import eager_replay as _eager_replay
+
+from ._counters import note_allocations
 
 __all__ = ["capture_partition"]
 
@@ -37,15 +45,30 @@ def capture_partition(compiled: CompiledPartition, ctx: CaptureContext, metadata
     # The compiled loops still being built when the capture starts stay out of it and of
     # its replays: a step that switched to them would allocate on its first compiled call.
     view = snapshot()
-    with pinned(view):
+    meter = _Meter()
+    with pinned(view), meter:
         for step, meta in zip(compiled.steps, metadata):
-            run, reason = _capture_step(step, meta, ctx)
+            run, reason = _capture_step(step, meta, ctx, meter)
             if run is not None:
                 runs.append(run if view is None else functools.partial(_run_pinned, view, run))
                 run_nodes.append(step.name)
             nodes.append((step.name, not reason, reason))
             ctx.step_done(step)
     return CapturedPartition(runs, nodes, run_nodes)
+
+
+def eager_replay(step: Step, inputs: list, recorded: list, ctx: CaptureContext) -> Callable[[], None]:
+    """The core's eager replay of ``step``, counting the output arrays it makes on each
+    replay (``counting_allocations``): an eager seam allocates them afresh every time."""
+    run = _eager_replay(step, inputs, recorded, ctx)
+    count = len(recorded)
+    nbytes = sum(int(getattr(r, "nbytes", 0)) for r in recorded)
+
+    def counted() -> None:
+        run()
+        note_allocations(count, nbytes)
+
+    return counted
 
 
 def _run_pinned(view: Any, run: Callable[[], None]) -> None:
@@ -56,7 +79,55 @@ def _run_pinned(view: Any, run: Callable[[], None]) -> None:
         run()
 
 
-def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], None] | None, str]:
+#: Traced bytes above which a captured step's kernel counts as allocating (below: Python's
+#: own objects, the views and argument tuples of one call, ~0.6 KiB at most measured).
+_ALLOCATING_STEP = 1024
+
+
+class _Meter:
+    """Measures, during a capture, what each captured step's kernel allocates when the
+    capture runs it (numpy reports its arrays to tracemalloc): tracing is started for the
+    capture and stopped after it, unless the process traces already, whose trace and peak
+    are left alone (nothing is then measured)."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def __enter__(self) -> "_Meter":
+        self.active = not tracemalloc.is_tracing()
+        if self.active:
+            tracemalloc.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            tracemalloc.stop()
+            self.active = False
+
+    def run(self, fn: Callable[[], None]) -> int:
+        """Run ``fn``; the bytes it allocated at its peak (0 when not measuring)."""
+        if not self.active:
+            fn()
+            return 0
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        fn()
+        return max(0, tracemalloc.get_traced_memory()[1] - before)
+
+
+def _allocating(run: Callable[[], None], nbytes: int) -> Callable[[], None]:
+    """``run``, counting one allocation of ``nbytes`` per replay (its kernel's scratch)."""
+
+    def counted() -> None:
+        run()
+        note_allocations(1, nbytes)
+
+    return counted
+
+
+def _capture_step(
+    step: Step, meta, ctx: CaptureContext, meter: _Meter | None = None
+) -> tuple[Callable[[], None] | None, str]:
     """The step's replay callable (None: nothing to replay) and why it is eager ("" if not)."""
     inputs = [ctx.array(v) for v in step.inputs]
     recorded = outputs_of(step, step.fn(*inputs))
@@ -80,8 +151,16 @@ def _capture_step(step: Step, meta, ctx: CaptureContext) -> tuple[Callable[[], N
     replay()
     if not all(_identical(b, np.asarray(r)) for b, r in zip(buffers, recorded)):
         return eager_replay(step, inputs, recorded, ctx), "its out= variant differs from the eager result"
+    # a second call, measured, as every replay makes it (a kernel's first call may build
+    # what later calls reuse); not for a step writing over an input, which it would change
+    overwrites = any(
+        isinstance(i, np.ndarray) and np.may_share_memory(b, i) for b in buffers for i in inputs if i is not None
+    )
+    scratch = meter.run(replay) if meter is not None and meter.active and not overwrites else 0
     for value, buffer in zip(step.outputs, buffers):
         ctx.set(value, buffer)
+    if scratch > _ALLOCATING_STEP:  # its kernel makes temporaries on every call: counted per replay
+        return _allocating(replay, scratch), ""
     return replay, ""
 
 

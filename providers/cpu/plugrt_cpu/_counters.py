@@ -1,13 +1,24 @@
-"""Counters of one compiled partition: kernel-plan cache look-ups and control-flow runs."""
+"""Counters of one compiled partition (kernel-plan cache look-ups and control-flow runs),
+and of the arrays a capture's replay allocates."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
+import threading
 from typing import Any, Callable, Iterator
 
-__all__ = ["PartitionCounters", "collecting", "track_cache", "track_runner", "counted"]
+__all__ = [
+    "PartitionCounters",
+    "collecting",
+    "track_cache",
+    "track_runner",
+    "counted",
+    "AllocationCount",
+    "counting_allocations",
+    "note_allocations",
+]
 
 # The counters of the partition being compiled (kernel builders run inside compile).
 _current: contextvars.ContextVar["PartitionCounters | None"] = contextvars.ContextVar(
@@ -89,3 +100,47 @@ def counted(op_type: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args)
 
     return run
+
+
+# -- allocations during a replay ---------------------------------------------------------------
+
+# The counts being kept on this thread (a replay runs on one thread; nesting is allowed).
+_counting = threading.local()
+
+
+class AllocationCount:
+    """Allocations (``count``) and bytes a replay made, as the CPU provider's capture counts
+    them: an eager seam makes its outputs afresh on every replay (one each); a captured
+    step writes into its preallocated buffer, and counts one allocation per replay of
+    the bytes its kernel's temporaries took when the capture ran it (when over 1 KiB;
+    measured with tracemalloc). Use as a context manager around the replay."""
+
+    __slots__ = ("count", "bytes")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.bytes = 0
+
+    def __enter__(self) -> "AllocationCount":
+        active = getattr(_counting, "active", None)
+        if active is None:
+            active = _counting.active = []
+        active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _counting.active.remove(self)
+
+
+def counting_allocations() -> AllocationCount:
+    """A counter of what replays on this thread allocate while it is entered."""
+    return AllocationCount()
+
+
+def note_allocations(count: int, nbytes: int) -> None:
+    """Add ``count`` arrays of ``nbytes`` in all to every counter entered on this thread."""
+    active = getattr(_counting, "active", None)
+    if active:
+        for counter in active:
+            counter.count += count
+            counter.bytes += nbytes

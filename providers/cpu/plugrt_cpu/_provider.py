@@ -24,7 +24,7 @@ from plugrt.provider import (
 
 from . import _registry
 from ._capture import capture_partition, into_of
-from ._counters import PartitionCounters, collecting, counted, track_runner
+from ._counters import AllocationCount, PartitionCounters, collecting, counted, track_runner
 from ._host_memory import tune_host_allocator
 
 if TYPE_CHECKING:
@@ -155,6 +155,18 @@ class CPUProvider:
         ``compiled`` so far (``Session.stats()`` sums them)."""
         counters = getattr(compiled.state, "counters", None)
         return counters.snapshot() if isinstance(counters, PartitionCounters) else {}
+
+    #: Plain runs stay eager by default (``graphs="auto"``): measured on the light models,
+    #: replaying a capture gains nothing consistent over an eager run here (0.83-1.17x of
+    #: its time over two measurements, benchmarks/plain_run_graphs.py): the kernels' own
+    #: work dominates a run.
+    capture_plain_runs = False
+
+    def count_allocations(self) -> AllocationCount:
+        """A context manager counting the arrays a replay on this thread allocates (its
+        eager seams' outputs; a captured step writes into its buffer), for
+        ``session.capture_stats.sites``."""
+        return AllocationCount()
 
     def capture(self, compiled: CompiledPartition, ctx: CaptureContext) -> CapturedPartition:
         """Bind every step to preallocated outputs (see plugrt_cpu._capture)."""

@@ -16,7 +16,7 @@ from plugrt.provider import CaptureContext, CaptureMiss, CapturedPartition, Comp
 
 from ._backend import CupyBackend
 
-__all__ = ["capture_partition", "seam_reason"]
+__all__ = ["capture_partition", "seam_reason", "allocation_counter", "stream_error", "wrap_pointer", "NoAllocations"]
 
 _GEMM_OPS = frozenset({"MatMul", "Gemm", "Conv", "FusedConv", "FusedMatMul"})
 # ops whose output is built on the host and copied up: cupy refuses that copy under capture
@@ -199,3 +199,85 @@ def _seam(step: Step, array: Callable[[Any], Any], made: dict, cp: Any) -> Calla
             cp.copyto(buffer, new)
 
     return run
+
+
+# -- what a replay did: allocations from cupy's pools, errors on the stream -------------------
+
+class NoAllocations:
+    """The count of a backend without memory pools (numpy in tests): nothing to read."""
+
+    count = 0
+    bytes = 0
+
+    def __enter__(self) -> "NoAllocations":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_COUNTERS: dict[int, type] = {}  # id(cupy module) -> its MemoryHook subclass
+
+
+def allocation_counter(cp: Any) -> Any:
+    """A fresh cupy ``MemoryHook`` that counts, while entered on this thread, every block
+    taken from a cupy memory pool (``count``, ``bytes``): a graph replay takes none (its
+    memory was fixed when it was recorded), an eager seam takes its outputs."""
+    hook_type = _COUNTERS.get(id(cp))
+    if hook_type is None:
+
+        class ReplayAllocations(cp.cuda.MemoryHook):  # type: ignore[name-defined,misc]
+            name = "plugrt_replay_allocations"
+
+            def __init__(self) -> None:
+                self.count = 0
+                self.bytes = 0
+
+            def malloc_preprocess(self, device_id: int, size: int, mem_size: int) -> None:
+                self.count += 1
+                self.bytes += int(mem_size)
+
+        hook_type = _COUNTERS[id(cp)] = ReplayAllocations
+    return hook_type()
+
+
+#: cudaErrorNotReady: the stream's work is still running, which is no error
+_NOT_READY = 600
+
+
+def stream_error(cp: Any) -> str:
+    """Why the current stream is in error after a replay ("" when it is not): the status of
+    ``cudaStreamQuery`` on it, which reports an error any launch on it recorded (a graph
+    launch included) without waiting for it to finish, and ``cudaGetLastError`` where cupy
+    exposes it."""
+    runtime = cp.cuda.runtime
+    stream = cp.cuda.get_current_stream()
+    try:
+        status = runtime.streamQuery(stream.ptr)
+    except runtime.CUDARuntimeError as exc:  # cupy raises for a status other than success
+        status = getattr(exc, "status", None)
+        if status != _NOT_READY:
+            return f"cudaStreamQuery: {exc}"
+        status = 0
+    if status not in (0, None, _NOT_READY):
+        return f"cudaStreamQuery returned error {status}"
+    last_error = getattr(runtime, "getLastError", None)
+    if callable(last_error):
+        code = last_error()
+        if code:
+            return f"cudaGetLastError returned error {code}"
+    return ""
+
+
+def wrap_pointer(cp: Any, pointer: int, shape: tuple[int, ...], dtype: Any, device_index: int) -> Any:
+    """A cupy array over device memory the caller owns at ``pointer`` (no copy): cupy's
+    ``UnownedMemory`` keeps no reference, so the caller keeps the memory alive while the
+    array is bound."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    memory = cp.cuda.UnownedMemory(int(pointer), count * dtype.itemsize, None, device_index)
+    return cp.ndarray(tuple(shape), dtype, cp.cuda.MemoryPointer(memory, 0))

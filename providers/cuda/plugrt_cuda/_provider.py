@@ -263,7 +263,39 @@ class CUDAProvider:
     def allocated_bytes(self) -> int:
         return int(self._cupy().get_default_memory_pool().total_bytes())
 
+    def from_pointer(self, pointer: int, shape: tuple[int, ...], dtype: Any, device: Device | None) -> Any:
+        """A device array over caller-owned memory at ``pointer`` (onnxruntime's
+        ``IOBinding.bind_input(name, "cuda", id, type, shape, ptr)``), without a copy."""
+        from ._capture import wrap_pointer
+
+        index = device.index if device is not None else self.default_device.index
+        return wrap_pointer(self._cupy(), pointer, tuple(shape), dtype, index)
+
     # -- capture (CaptureCapability) ---------------------------------------------------
+
+    #: Plain runs replay CUDA graphs (``graphs="auto"``): one launch per captured segment
+    #: instead of one Python-dispatched launch per kernel.
+    capture_plain_runs = True
+    #: (rtol, atol) a graph's first replay is checked to against the eager run: graphs
+    #: run the own GEMM where an eager run may call cuBLAS, which sums in another order.
+    replay_tolerance = (1e-3, 1e-4)
+
+    def count_allocations(self) -> Any:
+        """A context manager counting blocks taken from cupy's memory pools on this thread
+        while a replay runs (``session.capture_stats.sites``)."""
+        from ._capture import NoAllocations, allocation_counter
+
+        backend = self.backend()
+        if not isinstance(backend, CupyBackend):  # another array module (numpy in tests): no pool to read
+            return NoAllocations()
+        return allocation_counter(backend.xp)
+
+    def stream_error(self) -> str:
+        """Why the current stream is in error after a replay; "" when it is not."""
+        from ._capture import stream_error
+
+        backend = self.backend()
+        return stream_error(backend.xp) if isinstance(backend, CupyBackend) else ""
 
     def capture(self, compiled: CompiledPartition, ctx: CaptureContext) -> CapturedPartition | NotCapturable:
         from ._capture import capture_partition
