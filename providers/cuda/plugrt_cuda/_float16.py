@@ -49,7 +49,10 @@ def to_float16(model: ir.Model) -> bool:
         cast.outputs[0].name = f"{value.name}/float16"
         cast.outputs[0].dtype = float16
         cast.outputs[0].shape = value.shape
-        graph.insert_before(graph.node(0), cast) if graph.num_nodes() else graph.append(cast)
+        if graph.num_nodes():
+            graph.insert_before(graph.node(0), cast)
+        else:
+            graph.append(cast)
         for user, index in uses:
             user.replace_input_with(index, cast.outputs[0])
         changed = True
