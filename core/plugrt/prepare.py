@@ -79,6 +79,11 @@ def prepare_model(
             selection.devices.setdefault(provider.name, registry.devices(provider.name)[0])
 
     chosen = selection.providers
+    for provider in chosen:
+        # a provider's whole-model rewrite for options of its own (the CUDA provider's float16 decoding)
+        rewrite = getattr(provider, "rewrite_model", None)
+        if rewrite is not None:
+            traced(f"pass:{provider.name}.rewrite_model", rewrite, ir_model, options)
     traced("pass:inline_functions", passes.inline_functions, ir_model, chosen)
     traced("pass:expand_unsupported_functions", passes.expand_unsupported_functions, ir_model, chosen)
     if len(chosen) > 1 or options["optimization"] == "all":

@@ -651,6 +651,8 @@ CAPABILITIES: dict[str, str] = {
     "sdk_version": "str: written as ep_sdk_version in exported EPContext nodes",
     "passes": "passes(model) -> onnx_ir passes run on the nodes placed on the provider, after placement, at "
     "optimization='all' (PassesCapability)",
+    "rewrite_model": "rewrite_model(model, options) -> bool: rewrite the whole onnx_ir model before placement for "
+    "the session's options of this provider (cuda.float16_decoding); True when it changed anything",
     "supports_function": "supports_function(domain, name, ctx) -> Support (FunctionCapability)",
     "counters": "counters(compiled) -> {name: int}: kernel-cache, control-flow counters for Session.stats() "
     "(CountersCapability)",

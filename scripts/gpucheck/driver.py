@@ -11,15 +11,21 @@ light (onnx's light models and their random-weight variants on the CUDA provider
 CPU provider's references, on logits); exports (torchvision networks built here with a fixed
 seed and exported here, against PyTorch's own output); latency (plugrt eager and graph
 replay per model, beside PyTorch eager and ``torch.cuda.CUDAGraph`` replays on the same GPU,
-TF32 off and on); gpu_tests (``pytest -m gpu tests/cuda``); conformance (the ops the CUDA
-provider claims, in batches, within what is left of the budget).
+TF32 off and on); decoder (the tiny builder-made Llama decoders carried in ``decoder/``: 16
+greedy steps on the device, each decode step replayed from one captured graph with 0 seams,
+tokens against the CPU provider's, per-token latency beside PyTorch eager decode of the same
+Llama with the same weights, and float16 decoding's tokens against float32's); gpu_tests
+(``pytest -m gpu tests/cuda``); conformance (the ops the CUDA provider claims, in batches,
+within what is left of the budget).
 
 ``GPU_CHECK_DEVICE=cpu`` rehearses the GPU stages on another device (plugrt's CPU provider,
 no PyTorch peer) to try the check's own code on a machine without a GPU; its figures mean
 nothing. ``GPU_CHECK_DRY=1`` runs what needs no GPU: the environment, discovery (cuda unavailable,
 with its reason), NVRTC on every kernel source, and the references (inputs and random
 weights regenerated and checked against their digests, the CPU provider on one model
-against its reference); it exits 0 when all of that holds.
+against its reference) and the decoder stage's host side (the carried decoders' CPU tokens
+against prep's, the PyTorch twin's weights read from the float32 model); it exits 0 when
+all of that holds.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ STAGES = [
     ("light", 120, True),
     ("exports", 150, True),
     ("latency", 180, True),
+    ("decoder", 150, False),  # its host side runs in a dry run too
     ("gpu_tests", 120, True),
     ("conformance", 600, True),
 ]
@@ -207,6 +214,33 @@ def _section(stage: str, rows: list[dict]) -> list[str]:
                 f"graphs vs torch graphs: geomean {_fmt(geomean(graph_ratios), 2)} (over {len(graph_ratios)} models)",
                 f"eager vs torch eager: geomean {_fmt(geomean(eager_ratios), 2)} (over {len(eager_ratios)} models)",
                 "", "Light models have no PyTorch module: their rows have no peer."]
+    elif stage == "decoder":
+        out += ["Greedy decoding of the prompt, batch 1. per token: median ms of the decode steps after the "
+                "first (which captures); graphs/seams: of the decode step's capture. torch eager: the same Llama "
+                "built by hand in PyTorch from the float32 model's weights, static KV cache, on the same GPU.", "",
+                "| model | device / nodes | tokens = CPU provider's | decode graphs | seams | replayed / eager steps | "
+                "per token ms | first decode ms | prefill ms | torch eager per token ms | plugrt / torch | "
+                "float16 tokens = float32's | ok |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "model" not in r:
+                continue
+            if r.get("kind") == "dry":
+                out.append(f"| {r['model']} | dry run: CPU tokens as prep's: {r.get('cpu_tokens_as_prep')}; "
+                           f"{r.get('detail', '')} ||||||||||| {'yes' if r.get('status') == 'ok' else '**' + str(r.get('status')) + '**'} |")
+                continue
+            out.append(
+                f"| {r['model']} | {r.get('cuda_nodes', '-')} / {r.get('nodes', '-')} | {_fmt(r.get('tokens_equal'))} | "
+                f"{_fmt(r.get('decode_graphs'))} | {_fmt(r.get('decode_seams'))} | {_fmt(r.get('replayed_steps'))} / "
+                f"{_fmt(r.get('eager_steps'))} | {_fmt(r.get('per_token_ms'))} | {_fmt(r.get('first_decode_ms'))} | "
+                f"{_fmt(r.get('prefill_ms'))} | {_fmt(r.get('torch_per_token_ms'))} | "
+                f"{_fmt(_ratio(r.get('per_token_ms'), r.get('torch_per_token_ms')), 2)} | "
+                f"{_fmt(r.get('float16_tokens_equal'))} | {'yes' if r.get('status') == 'ok' else '**' + str(r.get('status')) + '**'} |"
+            )
+        for r in rows:
+            for key in ("torch_peer", "eager_reasons", "seam_reasons", "float16_detail"):
+                if r.get(key):
+                    out.append(f"- {r.get('model')}: {key.replace('_', ' ')}: {str(r[key])[:400]}")
     elif stage == "gpu_tests":
         for r in rows:
             out.append(f"- GPU tests: {r.get('status')}: {r.get('tests', 0)} tests, {r.get('failed', 0)} failed, "
@@ -664,6 +698,167 @@ def stage_latency() -> bool:
     return ok
 
 
+def _decoder_weights(folder: str) -> dict:
+    """The float32 decoder's initializers by name (numpy), checked against the layout the
+    PyTorch twin assumes: fused QKV projection, gate/up/down MLP, RMS norms, rotary caches."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(os.path.join(folder, "model.onnx"))
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    with open(os.path.join(folder, "genai_config.json"), encoding="utf-8") as f:
+        config = json.load(f)["model"]["decoder"]
+    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    heads, kv_heads, size = int(config["num_attention_heads"]), int(config["num_key_value_heads"]), int(config["head_size"])
+    for layer in range(layers):
+        qkv = weights[f"model.layers.{layer}.attn.qkv_proj.MatMul.weight"]
+        if qkv.shape != (hidden, (heads + 2 * kv_heads) * size):
+            raise ValueError(f"layer {layer}'s qkv projection is {qkv.shape}, not ({hidden}, {(heads + 2 * kv_heads) * size})")
+    weights["config"] = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "size": size}
+    return weights
+
+
+def _torch_decode(weights: dict, prompt: list[int], steps: int) -> tuple[list[int], float]:
+    """Greedy tokens and the median ms per decode step of the hand-built PyTorch Llama
+    (eager, batch 1, a static KV cache of the whole sequence) with ``weights``."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = weights["config"]
+    layers, heads, kv_heads, size = config["layers"], config["heads"], config["kv_heads"], config["size"]
+    w = {k: torch.from_numpy(v).cuda() for k, v in weights.items() if k != "config"}
+    total = len(prompt) + steps
+    keys = torch.zeros(layers, kv_heads, total, size, device="cuda")
+    values = torch.zeros_like(keys)
+    cos, sin = w["cos_cache"], w["sin_cache"]
+    group = heads // kv_heads
+
+    def rms(x: Any, name: str) -> Any:
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w[name]
+
+    def rotate(x: Any, at: Any) -> Any:  # (n, S, D), non-interleaved halves
+        c, s_ = cos[at][None], sin[at][None]
+        half = c.shape[-1]
+        first, second = x[..., :half], x[..., half:2 * half]
+        return torch.cat([first * c - second * s_, first * s_ + second * c, x[..., 2 * half:]], -1)
+
+    @torch.no_grad()
+    def forward(tokens: Any, start: int) -> Any:
+        seq = tokens.shape[0]
+        at = torch.arange(start, start + seq, device="cuda")
+        h = w["model.embed_tokens.weight"][tokens]
+        for layer in range(layers):
+            p = f"model.layers.{layer}"
+            x = rms(h, f"{p}.input_layernorm.weight")
+            qkv = x @ w[f"{p}.attn.qkv_proj.MatMul.weight"]
+            q = rotate(qkv[:, : heads * size].reshape(seq, heads, size).transpose(0, 1), at)
+            k = rotate(qkv[:, heads * size : (heads + kv_heads) * size].reshape(seq, kv_heads, size).transpose(0, 1), at)
+            v = qkv[:, (heads + kv_heads) * size :].reshape(seq, kv_heads, size).transpose(0, 1)
+            keys[layer, :, start:start + seq] = k
+            values[layer, :, start:start + seq] = v
+            end = start + seq
+            kk = keys[layer, :, :end].repeat_interleave(group, 0)
+            vv = values[layer, :, :end].repeat_interleave(group, 0)
+            scores = (q @ kk.transpose(1, 2)) / math.sqrt(size)
+            mask = torch.arange(end, device="cuda")[None, :] > at[:, None]
+            scores = scores.masked_fill(mask, float("-inf"))
+            attended = (torch.softmax(scores, -1) @ vv).transpose(0, 1).reshape(seq, heads * size)
+            h = h + attended @ w[f"{p}.attn.o_proj.MatMul.weight"]
+            x = rms(h, f"{p}.post_attention_layernorm.weight")
+            gate = x @ w[f"{p}.mlp.gate_proj.MatMul.weight"]
+            h = h + (torch.nn.functional.silu(gate) * (x @ w[f"{p}.mlp.up_proj.MatMul.weight"])) @ w[
+                f"{p}.mlp.down_proj.MatMul.weight"]
+        return rms(h[-1:], f"model.layers.{layers}.final_norm_layernorm.weight") @ w["lm_head.MatMul.weight"]
+
+    tokens = [int(forward(torch.tensor(prompt, device="cuda"), 0).argmax())]
+    times = []
+    while len(tokens) < steps:
+        t = time.perf_counter()
+        tokens.append(int(forward(torch.tensor(tokens[-1:], device="cuda"), len(prompt) + len(tokens) - 1).argmax()))
+        times.append(time.perf_counter() - t)
+    return tokens, statistics.median(times) * 1e3
+
+
+def _plugrt_decode(folder: str, prompt: list[int], steps: int, **options: Any) -> dict:
+    """16 greedy steps on DEVICE with captured decode steps: tokens, capture and timings."""
+    from plugrt import genai
+
+    model = genai.Model(folder, device=DEVICE, **options)
+    fields: dict[str, Any] = placement_fields(model.session)
+    generator = genai.Generator(model, max_length=len(prompt) + steps)
+    generator.append_tokens(prompt)
+    t = time.perf_counter()
+    tokens = [generator.generate_next_token()]
+    fields["prefill_ms"] = (time.perf_counter() - t) * 1e3
+    times = []
+    while not generator.is_done():
+        t = time.perf_counter()
+        tokens.append(generator.generate_next_token())  # its logits reach the host: the step is done
+        times.append(time.perf_counter() - t)
+    use = generator.capture_use
+    report = use.reports.get("decode")
+    fields.update(
+        tokens=tokens, first_decode_ms=times[0] * 1e3 if times else None,
+        per_token_ms=statistics.median(times[1:]) * 1e3 if len(times) > 1 else None,
+        replayed_steps=use.replayed.get("decode", 0), eager_steps=use.eager.get("decode", 0),
+        decode_graphs=len(report.segments) if report is not None else None,
+        decode_seams=len(report.seams) if report is not None else None,
+    )
+    if use.eager_reasons:
+        fields["eager_reasons"] = dict(use.eager_reasons)
+    if report is not None and report.seams:
+        fields["seam_reasons"] = sorted({f"{n}: {w}" for n, w in report.seams})[:8]
+    return fields
+
+
+def stage_decoder() -> bool:
+    from plugrt import genai
+
+    entry = _manifest().get("decoder")
+    if not entry:
+        record("decoder", kind="stage", status="fail", detail="prep carried no decoder (manifest.json has no 'decoder')")
+        return False
+    prompt, steps = list(entry["prompt"]), int(entry["steps"])
+    ok = True
+    for precision in ("fp32", "int4"):
+        folder = os.path.join(HERE, "decoder", precision)
+        fields: dict[str, Any] = {"model": f"tiny llama {precision}"}
+        try:
+            cpu = genai.generate(genai.Model(folder, device="cpu"), prompt, max_length=len(prompt) + steps)
+            fields["cpu_tokens_as_prep"] = cpu == entry["cpu_tokens"][precision]
+            if DRY:  # no GPU: the host side of the stage
+                detail = ""
+                if precision == "fp32":
+                    weights = _decoder_weights(folder)
+                    detail = f"PyTorch twin's weights: {len(weights) - 1} tensors, {weights['config']}"
+                fields.update(kind="dry", detail=detail, status="ok" if fields["cpu_tokens_as_prep"] else "fail")
+            else:
+                fields.update(_plugrt_decode(folder, prompt, steps))
+                fields["tokens_equal"] = fields["tokens"] == cpu
+                good = fields["tokens_equal"] and fields["decode_seams"] == 0 and fields["decode_graphs"] == 1
+                good = good and fields["eager_steps"] == 0
+                if precision == "fp32":
+                    half = _plugrt_decode(folder, prompt, steps, **{"cuda.float16_decoding": True})
+                    fields["float16_tokens_equal"] = half["tokens"] == fields["tokens"]
+                    fields["float16_detail"] = (f"per token {_fmt(half.get('per_token_ms'))} ms, seams "
+                                                f"{half.get('decode_seams')}, tokens {half['tokens']}")
+                    if DEVICE == "cuda":
+                        try:  # the peer failing must not lose plugrt's figures
+                            torch_tokens, fields["torch_per_token_ms"] = _torch_decode(
+                                _decoder_weights(folder), prompt, steps)
+                            fields["torch_peer"] = f"tokens equal plugrt's: {torch_tokens == fields['tokens']}"
+                        except Exception as exc:
+                            fields["torch_peer"] = f"failed: {type(exc).__name__}: {exc}"[:500]
+                    else:
+                        fields["torch_peer"] = f"not run: a rehearsal on {DEVICE} has no GPU for PyTorch"
+                fields["status"] = "ok" if good and fields["cpu_tokens_as_prep"] else "fail"
+        except Exception as exc:
+            fields.update(status="error", detail=f"{type(exc).__name__}: {exc}"[:1500] + traceback.format_exc()[-800:])
+        ok &= fields["status"] == "ok"
+        record("decoder", **fields)
+    return ok
+
+
 def stage_gpu_tests(limit: float) -> bool:
     import xml.etree.ElementTree as ET
 
@@ -746,6 +941,7 @@ def run_stage(name: str, limit: float) -> bool:
         "light": stage_light,
         "exports": stage_exports,
         "latency": stage_latency,
+        "decoder": stage_decoder,
         "gpu_tests": lambda: stage_gpu_tests(limit),
         "conformance": lambda: stage_conformance(limit),
     }

@@ -10,6 +10,8 @@ What it writes (at most 8 MB in all):
 - ``references.npz`` and ``manifest.json``: the CPU provider's outputs for those models and
   for their random-weight variants (computed here with ``PLUGRT_NUMBA=0``), the digests that
   let the GPU machine check it regenerated the same inputs and weights, and the commit;
+- ``decoder/``: the tiny builder-made Llama decoders of tests/genai (float32 and int4,
+  about 0.6 MB), and in the manifest the CPU provider's greedy tokens for the check's prompt;
 - ``run.sh``, ``driver.py``: the device command and its stages;
 
 then compiles every CUDA C source for sm_90 with NVRTC, and makes (or reuses)
@@ -162,6 +164,26 @@ def write_models_and_references(out: str) -> dict:
     return {"models": entries}
 
 
+#: the tiny decoders the decoder stage runs, and what it decodes
+DECODER_ASSETS = os.path.join(ROOT, "tests", "genai", "assets", "tiny_llama")
+DECODER_PROMPT = [1, 17, 42, 99, 7, 200, 3]
+DECODER_STEPS = 16
+
+
+def write_decoders(out: str) -> dict:
+    """Copy the tiny decoders and record the CPU provider's greedy tokens for each
+    (the manifest's ``decoder`` entry)."""
+    from plugrt import genai
+
+    tokens = {}
+    for precision in ("fp32", "int4"):
+        target = os.path.join(out, "decoder", precision)
+        shutil.copytree(os.path.join(DECODER_ASSETS, precision), target)
+        model = genai.Model(target, device="cpu")
+        tokens[precision] = genai.generate(model, DECODER_PROMPT, max_length=len(DECODER_PROMPT) + DECODER_STEPS)
+    return {"decoder": {"prompt": DECODER_PROMPT, "steps": DECODER_STEPS, "cpu_tokens": tokens}}
+
+
 def check_nvrtc() -> dict:
     """Every CUDA C source compiles for sm_90 (float32 and float16) with this machine's NVRTC."""
     from plugrt_cuda import _sources
@@ -208,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest = {"commit": _commit(), "prepared": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "wheels": wheels}
     manifest.update(write_models_and_references(out))
+    print("prep: the tiny decoders and the CPU provider's tokens", flush=True)
+    manifest.update(write_decoders(out))
     print(f"prep: NVRTC compiles every kernel source for {NVRTC_ARCH}", flush=True)
     manifest["nvrtc_check"] = check_nvrtc()
     for name in ("run.sh", "driver.py"):

@@ -43,9 +43,15 @@ def test_an_op_without_a_kernel_is_declined_naming_what_is_claimed():
 
 
 def test_another_domain_is_declined():
+    text = '<ir_version: 8, opset_import: ["" : 17, "com.example" : 1]> m (float[2] x) => (float[2] y) { y = com.example.Gelu(x) }'
+    decision = _decide(text)
+    assert not decision.supported and "ai.onnx and com.microsoft ops only" in decision.reason
+
+
+def test_a_contrib_op_without_a_kernel_is_declined_by_name():
     text = '<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]> m (float[2] x) => (float[2] y) { y = com.microsoft.FastGelu(x) }'
     decision = _decide(text)
-    assert not decision.supported and "ai.onnx ops only" in decision.reason
+    assert not decision.supported and "no kernel for com.microsoft::FastGelu" in decision.reason
 
 
 def test_a_reshape_whose_shape_is_computed_at_run_time_is_declined():

@@ -20,7 +20,8 @@ __all__ = ["capture_partition", "seam_reason", "allocation_counter", "stream_err
 
 _GEMM_OPS = frozenset({"MatMul", "Gemm", "Conv", "FusedConv", "FusedMatMul"})
 # ops whose output is built on the host and copied up: cupy refuses that copy under capture
-_HOST_BUILT = frozenset({"Shape"})
+# (Shape is not one: it copies its shape up once per input shape, in the warm-up)
+_HOST_BUILT: frozenset[str] = frozenset()
 
 
 def seam_reason(step: Step, backend: CupyBackend) -> str | None:
@@ -30,6 +31,21 @@ def seam_reason(step: Step, backend: CupyBackend) -> str | None:
     if step.op_type in _HOST_BUILT:
         return f"{step.op_type} builds its output on the host; a host-to-device copy cannot be captured"
     return None
+
+
+def _recorded_fn(step: Step, ctx: CaptureContext) -> Callable[..., Any]:
+    """What the recording runs for ``step``: its in-place variant when the step declares
+    one (``writes_over_inputs``, {output index: input index}) and one binding carries each
+    such input in and output out, no later step reading the input; else the step itself."""
+    pairs = getattr(step.fn, "writes_over_inputs", None)
+    in_place = getattr(step.fn, "in_place", None)
+    carried_over = getattr(ctx, "carried_over", None)
+    if not pairs or in_place is None or carried_over is None:
+        return step.fn
+    for output, input in pairs.items():
+        if output >= len(step.outputs) or input >= len(step.inputs) or not carried_over(step.outputs[output], step.inputs[input]):
+            return step.fn
+    return in_place
 
 
 def _results(step: Step, result: Any) -> list:
@@ -69,7 +85,7 @@ def _capture(compiled: CompiledPartition, ctx: CaptureContext, backend: CupyBack
         """``part`` as one graph; a step whose recording fails becomes a seam and the
         steps around it are recorded without it."""
         try:
-            runs.append(_segment(part, array, made, cp, backend))
+            runs.append(_segment(part, array, made, cp, backend, [_recorded_fn(s, ctx) for s in part]))
         except _RecordingFailed as failure:
             if failure.position is None and len(part) > 1:  # the failing step is unknown: halve
                 middle = len(part) // 2
@@ -115,14 +131,15 @@ class _RecordingFailed(Exception):
 
 
 def _segment(
-    steps: list[Step], array: Callable[[Any], Any], made: dict, cp: Any, backend: CupyBackend
+    steps: list[Step], array: Callable[[Any], Any], made: dict, cp: Any, backend: CupyBackend,
+    fns: list[Callable[..., Any]],
 ) -> Callable[[], None]:
     # Warm up outside capture, running each step as it will be recorded (the own GEMM, not
     # cuBLAS): every kernel compiles (NVRTC) and every module loads before the recording.
     warm: dict[Any, Any] = {}
     with backend.warming_for_capture():
-        for step in steps:
-            results = step.fn(*[warm[v] if v in warm else array(v) for v in step.inputs])
+        for step, fn in zip(steps, fns):
+            results = fn(*[warm[v] if v in warm else array(v) for v in step.inputs])
             warm.update(zip(step.outputs, _results(step, results)))
     del warm
     cp.cuda.get_current_stream().synchronize()
@@ -140,9 +157,9 @@ def _segment(
         stream.begin_capture()
         position = 0  # the step being recorded
         try:
-            for step in steps:
+            for step, fn in zip(steps, fns):
                 inputs = [value_of(v) for v in step.inputs]
-                outputs = _results(step, step.fn(*inputs))
+                outputs = _results(step, fn(*inputs))
                 keep.extend(inputs)
                 keep.extend(outputs)
                 recorded.update((v, a) for v, a in zip(step.outputs, outputs) if v is not None)

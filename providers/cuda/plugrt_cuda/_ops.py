@@ -37,13 +37,15 @@ Check = Callable[[OpInfo], "str | None"]
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
-    """One claimed op. ``math`` ops take float32/float16 tensors only; ``constant_inputs``
+    """One claimed op. ``math`` ops take float32/float16 tensors only (and int32/int64 with
+    ``integers``); ``constant_inputs``
     are the input positions that must be constants (shapes, axes, pads: reading them from
     device memory would stall the stream and cannot be captured)."""
 
     builder: Builder
     since: int = 1
     math: bool = True
+    integers: bool = False  # a math op that also takes int32/int64 tensors
     constant_inputs: tuple[int, ...] = ()
     check: Check | None = None
     multi_output: bool = False
@@ -410,6 +412,11 @@ for _name in _REDUCTIONS:
     _reduction(_name)
 
 
+# -- the decoder's ops (and Shape), registered from their own module ---------------------
+
+from . import _decoder_ops  # noqa: E402,F401  (after the arithmetic it extends to integers)
+
+
 # -- shapes and data movement (any dtype) ------------------------------------------------
 
 @_op("Reshape", since=5, math=False, constant_inputs=(1,))
@@ -610,13 +617,6 @@ def _resize(info: OpInfo) -> Callable[..., Any]:
         return _xp.resize(xp, x, sizes, scales, **options)
 
     return run
-
-
-@_op("Shape", math=False)
-def _shape(info: OpInfo) -> Callable[..., Any]:
-    xp = info.backend.xp
-    start, end = info.attributes.get("start", 0), info.attributes.get("end")
-    return lambda x: xp.asarray(x.shape[slice(start, end)], dtype=xp.int64)
 
 
 @_op("ConstantOfShape", since=9, math=False, constant_inputs=(0,))

@@ -25,7 +25,8 @@ from plugrt.provider import (
 
 from . import __version__, _context, _probe
 from ._backend import Backend, CupyBackend
-from ._ops import FLOAT_DTYPES, OPS, PRIVATE_DOMAIN, OpInfo, inputs_not_constant
+from ._ops import FLOAT_DTYPES, OPS, OpInfo, inputs_not_constant
+from ._decoder_ops import INTEGER_DTYPES  # noqa: I001 (after _ops, which registers it)
 
 if TYPE_CHECKING:  # onnx_ir is imported where a model is placed: discovery stays cheap
     import onnx_ir as ir
@@ -123,8 +124,8 @@ class CUDAProvider:
 
         domain = "" if node.domain in _ONNX_DOMAINS else node.domain
         shown = f"{domain or 'ai.onnx'}::{node.op_type}"
-        if domain not in ("", PRIVATE_DOMAIN):
-            return Support.no(f"the CUDA provider runs ai.onnx ops only, not {shown}")
+        if not any(domain == claimed for claimed, _ in OPS):
+            return Support.no(f"the CUDA provider runs ai.onnx and com.microsoft ops only, not {shown}")
         spec = OPS.get((domain, node.op_type))
         if spec is None:
             return Support.no(f"the CUDA provider has no kernel for {shown}; it claims {_claimed()}")
@@ -144,7 +145,7 @@ class CUDAProvider:
         if spec.math:
             first = next((v for v in inputs if v is not None), None)
             dtype = _dtype_name(first)
-            if dtype not in FLOAT_DTYPES:
+            if dtype not in FLOAT_DTYPES and not (spec.integers and dtype in INTEGER_DTYPES):
                 return Support.no(
                     f"{shown}: the CUDA provider computes float32 and float16 only; input "
                     f"{first.name if first is not None else '?'!r} is {dtype or 'of unknown type'}"
@@ -162,6 +163,16 @@ class CUDAProvider:
             if why:
                 return Support.no(why)
         return Support.yes()
+
+    def rewrite_model(self, model: ir.Model, options: Any) -> bool:
+        """float16 decoding when the session asks for it (``cuda.float16_decoding``)."""
+        from ._float16 import OPTION, to_float16
+
+        try:
+            wanted = bool(options[OPTION])
+        except KeyError:  # a core that does not know the option
+            return False
+        return to_float16(model) if wanted else False
 
     # -- compile -----------------------------------------------------------------------
 

@@ -274,6 +274,17 @@ SOURCES: dict[str, KernelSource] = {
 }
 
 
+def _register_decoder_sources() -> None:
+    # the decoder's kernels live in their own module; imported here so that every source
+    # is in SOURCES (and compiled by tests/cuda/test_nvrtc.py) whoever imports this module
+    from ._decoder_sources import DECODER_SOURCES
+
+    SOURCES.update((s.name, s) for s in DECODER_SOURCES)
+
+
+_register_decoder_sources()
+
+
 def module_source(name: str, dtype: str) -> str:
     """The complete CUDA C of module ``name`` for numpy dtype name ``dtype``."""
     try:
