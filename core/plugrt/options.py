@@ -121,6 +121,12 @@ OPTIONS: dict[str, _Option] = {
     "limits.nodes": _Option(_positive_int, _LIMITS.nodes, "most nodes accepted, subgraphs and inlined functions included"),
     "limits.subgraph_depth": _Option(_positive_int, _LIMITS.subgraph_depth, "deepest nesting of subgraphs accepted"),
     "limits.context_bytes": _Option(_positive_int, _LIMITS.context_bytes, "largest EPContext blob file read, in bytes"),
+    "cuda.tf32": _Option(
+        _boolean,
+        True,
+        "the CUDA provider's float32 GEMMs and convolutions on TF32 tensor cores (10-bit mantissa inputs, "
+        "float32 accumulation), as onnxruntime's CUDA provider does by default; false computes exact float32",
+    ),
     "ep.context_enable": _Option(_boolean, False, "export compiled partitions as EPContext nodes"),
     "ep.context_file_path": _Option(_optional_str, None, "where the EPContext model goes (default <model>_ctx.onnx; never replaced if it exists); with a model given as bytes, its folder is where embed_mode=0 blobs are read from"),
     "ep.context_embed_mode": _Option(
