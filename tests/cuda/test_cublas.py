@@ -526,3 +526,15 @@ def test_without_cublaslt_auto_falls_back_and_cublaslt_engine_refuses(monkeypatc
     monkeypatch.setenv(GEMM_ENV, "cublaslt")
     with pytest.raises(ProviderUnavailableError, match="cuBLASLt cannot be used"):
         CupyBackend(_fake_cupy()).matmul(a, a)
+
+
+def test_a_shape_cublaslt_has_no_algorithm_for_runs_on_another_engine(lt_backend):
+    backend, lib = lt_backend
+    lib.fail["cublasLtMatmulAlgoGetHeuristic"] = 15
+    a, b = np.ones((3, 5), np.float32), np.ones((5, 2), np.float32)
+    np.testing.assert_array_equal(backend.matmul(a, b), a @ b)  # cupy's matmul (eager) instead
+    np.testing.assert_array_equal(backend.matmul(a, b), a @ b)
+    assert lib.count("cublasLtMatmulAlgoGetHeuristic") == 1  # refused once, remembered
+    lib.fail = {"cublasLtMatmul": 13}  # an execution failure is an error, not a fallback
+    with pytest.raises(CublasError, match="CUBLAS_STATUS_EXECUTION_FAILED"):
+        backend.matmul(np.ones((4, 4), np.float32), np.ones((4, 4), np.float32))

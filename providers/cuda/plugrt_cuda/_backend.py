@@ -349,9 +349,20 @@ class CupyBackend(Backend):
             a_stride=a_stride, b_stride=b_stride, bias=bias_arg is not None, relu=relu and (bias is None or bias_arg is not None),
             tf32=self.tf32, pointers=pointers, itemsize=dtype.itemsize,
         )
+        refused = self._shared.setdefault("lt_refused", {})
+        if shape in refused:
+            return None
         stream = cp.cuda.get_current_stream()
-        lt.matmul(shape, a_ptr, b_ptr, out_ptr, stream=stream.ptr, workspace=self.workspace(stream), alpha=alpha,
-                  bias_ptr=bias_ptr)
+        try:
+            lt.matmul(shape, a_ptr, b_ptr, out_ptr, stream=stream.ptr, workspace=self.workspace(stream), alpha=alpha,
+                      bias_ptr=bias_ptr)
+        except _cublas.CublasError as exc:
+            if exc.status not in _cublas.FALLBACK_STATUSES:
+                raise
+            # no algorithm for this shape and alignment (an odd float16 leading dimension, say):
+            # the caller's other engine runs it, now and on every later call
+            refused[shape] = str(exc)
+            return None
         if bias is not None and bias_arg is None:
             out += bias
             if relu:

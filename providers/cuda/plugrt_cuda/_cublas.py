@@ -94,6 +94,11 @@ _STATUS = {
 }
 
 
+#: statuses that mean "not this shape" (no algorithm, an unsupported layout or alignment):
+#: the provider runs that GEMM on another engine instead of failing the run
+FALLBACK_STATUSES = frozenset({7, 15})
+
+
 def status_name(status: int) -> str:
     return _STATUS.get(int(status), f"cublasStatus_t {int(status)}")
 
@@ -409,16 +414,16 @@ class Lt:
         lib = self.lib
         desc, layouts = self.descriptors(shape)
         pref = ctypes.c_void_p()
-        _check("cublasLtMatmulPreferenceCreate", lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)))
+        result = HeuristicResult()
+        count = ctypes.c_int(0)
         try:
+            _check("cublasLtMatmulPreferenceCreate", lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)))
             pset = lib.cublasLtMatmulPreferenceSetAttribute
             self._set("cublasLtMatmulPreferenceSetAttribute", pset, pref, PREF_MAX_WORKSPACE_BYTES,
                       ctypes.c_uint64(self.workspace_bytes))
             if shape.align < 256:
                 for attribute in PREF_MIN_ALIGNMENT.values():
                     self._set("cublasLtMatmulPreferenceSetAttribute", pset, pref, attribute, ctypes.c_uint32(shape.align))
-            result = HeuristicResult()
-            count = ctypes.c_int(0)
             _check(
                 "cublasLtMatmulAlgoGetHeuristic",
                 lib.cublasLtMatmulAlgoGetHeuristic(
@@ -427,8 +432,12 @@ class Lt:
                 ),
                 f"m={shape.m} n={shape.n} k={shape.k} {shape.dtype}",
             )
+        except BaseException:
+            self._destroy(desc, layouts)
+            raise
         finally:
-            lib.cublasLtMatmulPreferenceDestroy(pref)
+            if pref:
+                lib.cublasLtMatmulPreferenceDestroy(pref)
         if count.value < 1 or result.state != 0:
             self._destroy(desc, layouts)
             raise CublasError(
