@@ -310,3 +310,13 @@ def test_fused_conv_with_a_residual_and_no_activation_is_claimed_and_adds_it():
     relu = OpInfo({"activation": "Relu", "pads": [1, 1, 1, 1]}, [None] * 4, 1, 4, 1, NumpyBackend())
     np.testing.assert_allclose(spec.builder(relu)(x, w, b, z), np.maximum(y, 0), rtol=1e-6)
     assert _conv.IM2COL  # the fallback engine stays named
+
+
+def test_the_provider_notes_say_which_engine_each_convolution_got_and_why(backend):
+    from plugrt_cuda._provider import CUDAProvider
+
+    provider = CUDAProvider(importer=lambda: backend.xp, backend=backend)
+    backend.conv(np.ones((1, 8, 5, 5), np.float32), np.ones((4, 8, 1, 1), np.float32), None, False, {})
+    notes = provider.notes()
+    assert notes[0].startswith("GEMMs: cuBLASLt")
+    assert "Conv x[1, 8, 5, 5] w[4, 8, 1, 1] float32: gemm1x1: 1x1 convolution" in notes[1]

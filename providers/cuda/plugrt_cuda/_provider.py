@@ -105,6 +105,24 @@ class CUDAProvider:
             self._backend = CupyBackend(self._importer(), arch=self.architecture)
         return self._backend
 
+    def notes(self) -> list[str]:
+        """What the provider chose and why, for a user reading why a model runs as it does:
+        the GEMM engine, and the engine of each convolution shape run so far."""
+        backend = self._backend
+        if not isinstance(backend, CupyBackend):
+            return []
+        shared = backend._shared
+        if shared["lt"] is not None:
+            lines = [f"GEMMs: cuBLASLt {shared['lt'].version} on the provider's handle, eager and in CUDA graphs"]
+        elif shared["lt_reason"] is not None:
+            lines = [f"GEMMs: cuBLAS eager and the own kernel in CUDA graphs (cuBLASLt not used: {shared['lt_reason']})"]
+        else:
+            lines = []
+        for (x_shape, w_shape, dtype, _, residual), plan in shared.get("conv_notes", {}).items():
+            shown = f"Conv x{list(x_shape)} w{list(w_shape)} {dtype}{' + residual' if residual else ''}"
+            lines.append(f"{shown}: {plan.engine}: {plan.reason}")
+        return lines
+
     # -- placement ---------------------------------------------------------------------
 
     #: Seconds a partition costs here (placement by estimate): a synchronisation with the
