@@ -252,3 +252,41 @@ def test_the_numpy_backend_is_unaffected():
     session = plugrt.load(model, device="cuda", registry=registry_of(provider), **{"cuda.tf32": False})
     x = np.ones((4, 3), np.float32)
     np.testing.assert_array_equal(session.run({"x": x})["y"], x @ np.arange(6, dtype=np.float32).reshape(3, 2))
+
+
+def test_a_float16_model_runs_wholly_on_the_provider():
+    """float16 end to end: every node claimed (none falls back for its dtype), outputs
+    against onnxruntime's float16 CPU run."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(5)
+    w = helper.make_tensor("w", TensorProto.FLOAT16, [16, 8], rng.standard_normal((16, 8)).astype(np.float16).tobytes(),
+                           raw=True)
+    b = helper.make_tensor("b", TensorProto.FLOAT16, [8], rng.standard_normal(8).astype(np.float16).tobytes(), raw=True)
+    k = helper.make_tensor("k", TensorProto.FLOAT16, [2, 16, 3, 3],
+                           (rng.standard_normal((2, 16, 3, 3)) / 12).astype(np.float16).tobytes(), raw=True)
+    nodes = [
+        helper.make_node("Conv", ["img", "k"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node("MatMul", ["x", "w"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["a"]),
+        helper.make_node("Softmax", ["a"], ["y"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4, 16]),
+         helper.make_tensor_value_info("img", TensorProto.FLOAT16, [1, 16, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [4, 8]),
+         helper.make_tensor_value_info("f", TensorProto.FLOAT16, [1, 2])], [w, b, k],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    session = plugrt.load(model, device="cuda", registry=registry_of(NumpyCUDA()))
+    assert session.placement.fallbacks == [], session.placement.summary()
+    feeds = {"x": rng.standard_normal((4, 16)).astype(np.float16),
+             "img": rng.standard_normal((1, 16, 6, 6)).astype(np.float16)}
+    got = session.run(feeds)
+    want = dict(zip(["y", "f"], ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(["y", "f"], feeds)))
+    for name in ("y", "f"):
+        assert got[name].dtype == np.float16
+        np.testing.assert_allclose(got[name].astype(np.float32), want[name].astype(np.float32), rtol=2e-2, atol=2e-3)
