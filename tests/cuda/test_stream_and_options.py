@@ -290,3 +290,13 @@ def test_a_float16_model_runs_wholly_on_the_provider():
     for name in ("y", "f"):
         assert got[name].dtype == np.float16
         np.testing.assert_allclose(got[name].astype(np.float32), want[name].astype(np.float32), rtol=2e-2, atol=2e-3)
+
+
+def test_importing_the_provider_loads_no_cuda_library():
+    import subprocess
+    import sys
+
+    code = ("import sys, plugrt_cuda.plugin, plugrt_cuda._provider; "
+            "print(sorted(m for m in ('cupy', 'cudnn', 'plugrt_cuda._cublas', 'plugrt_cuda._cudnn') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
