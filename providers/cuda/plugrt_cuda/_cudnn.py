@@ -148,14 +148,18 @@ class Cudnn:
         """Run the graph of ``key`` on the current stream; returns the new output array."""
         cp = self.cp
         graph, tensors, workspace = self.build(key)
+        from ._backend import _address
+
         y = cp.empty(self.output_shape(key), x.dtype)
-        pack = {tensors["x"]: x, tensors["w"]: w, tensors["y"]: y}
+        # bare device addresses: an array would be read through DLPack, whose producer-side
+        # stream synchronisation touches the legacy stream, which a capture must not
+        pack = {tensors["x"]: _address(x), tensors["w"]: _address(w), tensors["y"]: _address(y)}
         if key.bias:
-            pack[tensors["b"]] = b
+            pack[tensors["b"]] = _address(b)
         if key.residual:
-            pack[tensors["r"]] = residual
+            pack[tensors["r"]] = _address(residual)
         handle = self.handle()
         # the handle's stream is the one being run or recorded now, set before every call
         self._cudnn.set_stream(handle, cp.cuda.get_current_stream().ptr)
-        graph.execute(pack, workspace, handle=handle)
+        graph.execute(pack, _address(workspace), handle=handle)
         return y
