@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import onnx_ir as ir
 
@@ -133,6 +133,7 @@ def _compile_all(
     costs: "CostModel | None",
     by_estimate: bool,
     passes_model: ir.Model | None,
+    provider_options: Mapping[str, Any] | None = None,
 ) -> _Placed:
     ctx = SupportContext(dict(opset_imports), graph)
     active = list(providers)
@@ -184,8 +185,9 @@ def _compile_all(
                 continue
             provider = by_name[provider_name]
             partition.device = devices.get(provider_name)
+            partition.options = _options_of(provider_name, provider_options)
             partition.build_subgraph = functools.partial(
-                _build_subgraph, provider=provider, opset_imports=opset_imports
+                _build_subgraph, provider=provider, opset_imports=opset_imports, provider_options=provider_options
             )
             try:
                 with span("compile", partition=partition.name, provider=provider_name, nodes=len(partition.nodes)):
@@ -226,12 +228,20 @@ def _constant_on(target: MemoryCapability, array: Any) -> Any:
     return shared_transform(array, ("to_device", target.memory, str(device)), lambda: target.to_device(array, device))
 
 
+def _options_of(provider_name: str, provider_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options that belong to ``provider_name``: keys ``<name>.<option>``."""
+    prefix = provider_name + "."
+    return {k: v for k, v in (provider_options or {}).items() if k.startswith(prefix)}
+
+
 def _build_subgraph(
-    graph: ir.Graph, outer: Sequence[ir.Value], *, provider: ExecutionProvider, opset_imports: dict[str, int]
+    graph: ir.Graph, outer: Sequence[ir.Value], *, provider: ExecutionProvider, opset_imports: dict[str, int],
+    provider_options: Mapping[str, Any] | None = None,
 ) -> Plan:
     """A subgraph (an If branch, a Loop body) planned on ``provider`` alone."""
     return build_graph(
-        graph, [provider], opset_imports, extra_inputs=outer, pinned=frozenset({provider.name})
+        graph, [provider], opset_imports, extra_inputs=outer, pinned=frozenset({provider.name}),
+        provider_options=provider_options,
     ).plan
 
 
@@ -252,6 +262,7 @@ def build_graph(
     costs: "CostModel | None" = None,
     by_estimate: bool = False,
     passes_model: ir.Model | None = None,
+    provider_options: Mapping[str, Any] | None = None,
 ) -> BuiltGraph:
     """Place, partition and compile ``graph`` on ``providers`` (priority order, fallback
     last) and return its plan. ``extra_inputs`` are outer-scope values a subgraph reads;
@@ -261,7 +272,8 @@ def build_graph(
     ``costs`` puts estimates in the report; with ``by_estimate`` (and not ``strict``) the
     placement is the fastest the estimates find, else each node goes to the first provider
     that supports it. ``passes_model`` (the model whose graph this is, at optimisation
-    level "all") runs each provider's own passes on the nodes placed on it."""
+    level "all") runs each provider's own passes on the nodes placed on it. ``provider_options``
+    (the session's options) gives each partition the keys of its provider (``Partition.options``)."""
     providers = list(providers)
     if spaces is None:
         spaces = MemorySpaces([m for m in map(memory_of, providers) if m is not None])
@@ -270,7 +282,7 @@ def build_graph(
     else:
         outcome = _compile_all(
             graph, providers, opset_imports, registry, strict, pinned, devices or {}, restored or {},
-            costs, by_estimate, passes_model,
+            costs, by_estimate, passes_model, provider_options,
         )
     compiled, fallbacks = outcome.compiled, outcome.fallbacks
     by_name = {p.name: p for p in providers}

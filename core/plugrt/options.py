@@ -148,6 +148,12 @@ OPTIONS: dict[str, _Option] = {
         "accumulation in float32), its inputs and outputs staying float32: for decoders, about half the memory "
         "traffic per token",
     ),
+    "cuda.tf32": _Option(
+        _boolean,
+        True,
+        "the CUDA provider's float32 GEMMs and convolutions on TF32 tensor cores (10-bit mantissa inputs, "
+        "float32 accumulation), as onnxruntime's CUDA provider does by default; false computes exact float32",
+    ),
     "ep.context_enable": _Option(_boolean, False, "export compiled partitions as EPContext nodes"),
     "ep.context_file_path": _Option(_optional_str, None, "where the EPContext model goes (default <model>_ctx.onnx; never replaced if it exists); with a model given as bytes, its folder is where embed_mode=0 blobs are read from"),
     "ep.context_embed_mode": _Option(

@@ -346,6 +346,23 @@ def _provider_entries(providers: Any, provider_options: Sequence[Mapping[str, An
     return entries
 
 
+#: onnxruntime provider options that are plugrt session options: (provider, its key) -> ours
+_PROVIDER_OPTION_KEYS = {("cuda", "use_tf32"): "cuda.tf32"}
+
+
+def _session_options_of(entries: Sequence[tuple[str, Mapping[str, str]]]) -> dict[str, str]:
+    """The plugrt session options onnxruntime's provider options mean (CUDAExecutionProvider's
+    ``use_tf32`` is ``cuda.tf32``); the values are validated with the session's options."""
+    found = {}
+    for name, options in entries:
+        provider = _ORT_NAMES.get(name, name)
+        for key, value in options.items():
+            ours = _PROVIDER_OPTION_KEYS.get((provider, key))
+            if ours is not None:
+                found[ours] = value
+    return found
+
+
 def _available_names() -> dict[str, str]:
     """plugrt name of each available provider, keyed by the names a user may give."""
     from .registry import default_registry
@@ -460,7 +477,8 @@ class InferenceSession:
         if self._sess_options is not None:
             logger.setLevel(_LOG_LEVELS.get(int(self._sess_options.log_severity_level), logging.WARNING))
         try:
-            self._session = Session(self._model, device="auto", providers=names, options=self._options)
+            options = {**self._options, **_session_options_of(entries)}
+            self._session = Session(self._model, device="auto", providers=names, options=options)
             # onnxruntime logs its session's creation at verbose level; so does plugrt
             logger.debug("InferenceSession created on %s", ", ".join(self._session.providers))
         finally:

@@ -195,6 +195,9 @@ class Partition:
     # on this partition's provider alone; the result's ``run(*inputs, *outer)`` returns
     # the subgraph's outputs. Set by the session before ``compile``.
     build_subgraph: "Callable[[ir.Graph, Sequence[ir.Value]], SubgraphPlan] | None" = None
+    # The session's options for this partition's provider: the validated values of the
+    # option keys that start with its name and a dot (``cuda.tf32``). Set before ``compile``.
+    options: "Mapping[str, Any]" = dataclasses.field(default_factory=dict)
 
 
 class SubgraphPlan(Protocol):

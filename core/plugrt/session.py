@@ -140,6 +140,7 @@ class Session(SessionIntrospection, ProfiledSession):
                 by_estimate=self._by_estimate and len(providers) > 1,
                 # the providers' own fusions run on the nodes placed on them
                 passes_model=model if self.options["optimization"] == "all" else None,
+                provider_options=self.options.values,
                 **how,
             )
 

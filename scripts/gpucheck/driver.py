@@ -14,9 +14,10 @@ replay per model, beside PyTorch eager and ``torch.cuda.CUDAGraph`` replays on t
 TF32 off and on); decoder (the tiny builder-made Llama decoders carried in ``decoder/``: 16
 greedy steps on the device, each decode step replayed from one captured graph with 0 seams,
 tokens against the CPU provider's, per-token latency beside PyTorch eager decode of the same
-Llama with the same weights, and float16 decoding's tokens against float32's); gpu_tests
-(``pytest -m gpu tests/cuda``); conformance (the ops the CUDA provider claims, in batches,
-within what is left of the budget).
+Llama with the same weights, and float16 decoding's tokens against float32's); engines (the
+GEMM and convolution engines on network shapes: the own GEMM, cuBLASLt, cuDNN, im2col, TF32
+on and off, eager and replayed); gpu_tests (``pytest -m gpu tests/cuda``); conformance (the
+ops the CUDA provider claims, in batches, within what is left of the budget).
 
 ``GPU_CHECK_DEVICE=cpu`` rehearses the GPU stages on another device (plugrt's CPU provider,
 no PyTorch peer) to try the check's own code on a machine without a GPU; its figures mean
@@ -31,6 +32,7 @@ all of that holds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -67,6 +69,7 @@ STAGES = [
     ("exports", 150, True),
     ("latency", 180, True),
     ("decoder", 150, False),  # its host side runs in a dry run too
+    ("engines", 120, True),
     ("gpu_tests", 120, True),
     ("conformance", 600, True),
 ]
@@ -241,6 +244,8 @@ def _section(stage: str, rows: list[dict]) -> list[str]:
             for key in ("torch_peer", "eager_reasons", "seam_reasons", "float16_detail"):
                 if r.get(key):
                     out.append(f"- {r.get('model')}: {key.replace('_', ' ')}: {str(r[key])[:400]}")
+    elif stage == "engines":
+        out += _engines_section(rows)
     elif stage == "gpu_tests":
         for r in rows:
             out.append(f"- GPU tests: {r.get('status')}: {r.get('tests', 0)} tests, {r.get('failed', 0)} failed, "
@@ -931,6 +936,263 @@ def stage_conformance(limit: float) -> bool:
     return ok
 
 
+# -- the engines stage: cuBLASLt against the own GEMM, cuDNN against im2col, TF32 on and off ----
+#
+# Each GEMM and convolution of a few batch-1 network shapes runs on every engine the CUDA
+# provider has, eager and replayed from a CUDA graph, beside PyTorch's cuBLAS/cuDNN on the same
+# GPU, with its error against a float64 reference: what decides the default engine (the own
+# GEMM stays only where it is measured faster) and what TF32 costs in accuracy.
+
+#: (label, m, n, k): row-major (m, k) @ (k, n)
+ENGINE_GEMMS = [
+    ("vgg fc6", 1, 4096, 25088),
+    ("resnet fc", 1, 1000, 2048),
+    ("encoder qkv", 128, 2304, 768),
+    ("encoder ffn", 128, 3072, 768),
+    ("im2col 3x3x64 56x56", 64, 3136, 576),
+    ("square 1024", 1024, 1024, 1024),
+]
+#: (label, x shape, w shape, Conv attributes); each with a bias and a ReLU
+ENGINE_CONVS = [
+    ("resnet conv1 7x7/2", (1, 3, 224, 224), (64, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}),
+    ("resnet 3x3 64 56x56", (1, 64, 56, 56), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ("resnet 1x1 64->256 56x56", (1, 64, 56, 56), (256, 64, 1, 1), {}),
+    ("resnet 3x3/2 128 56x56", (1, 128, 56, 56), (128, 128, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("resnet 3x3 512 7x7", (1, 512, 7, 7), (512, 512, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ("mobilenet depthwise 3x3 144", (1, 144, 56, 56), (144, 1, 3, 3), {"group": 144, "pads": [1, 1, 1, 1]}),
+]
+#: relative error (max |got - want| / max |want|) allowed against float64: exact FP32, TF32
+ENGINE_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2}
+ENGINE_RUNS = 20
+
+
+def _engine_ms(fn: Callable[[], Any]) -> float:
+    return median_ms(fn, runs=ENGINE_RUNS, warmup=2, cap_s=2.0)
+
+
+def _engine_replay_ms(cp: Any, backend: Any, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(median ms of a replay, the recorded output) of ``fn`` captured into one CUDA graph on a
+    stream of its own, warmed first (kernels compiled, plans chosen), as the provider captures."""
+    fn()
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    backend.prepare_capture(stream)
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        try:
+            out = fn()
+        finally:
+            graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    ms = _engine_ms(lambda: (graph.launch(stream), stream.synchronize()))
+    _engine_replay_ms.keep = (graph, pool, stream)  # type: ignore[attr-defined]
+    return ms, out
+
+
+def _engine_error(got: Any, want: Any) -> float:
+    import numpy as np
+
+    got = np.asarray(got, dtype=np.float64)
+    return float(np.max(np.abs(got - want)) / max(1e-30, float(np.max(np.abs(want)))))
+
+
+def _engine_run(cp: Any, backend: Any, fn: Callable[[], Any], want: Any, precision: str, capture: bool = True) -> dict:
+    fields: dict[str, Any] = {"precision": precision}
+    try:
+        fields["eager"] = _engine_ms(lambda: (fn(), cp.cuda.get_current_stream().synchronize()))
+        fields["rel_err"] = _engine_error(cp.asnumpy(fn()), want)
+        if capture:
+            fields["replay"], out = _engine_replay_ms(cp, backend, fn)
+            fields["replay_rel_err"] = _engine_error(cp.asnumpy(out), want)
+        fields["status"] = "ok" if max(fields["rel_err"], fields.get("replay_rel_err", 0.0)) <= \
+            ENGINE_TOLERANCE[precision] else "fail"
+    except Exception as exc:
+        fields.update(status="error", detail=f"{type(exc).__name__}: {exc}"[:600])
+    return fields
+
+
+def _torch_run(fn: Callable[[], Any], want: Any, precision: str) -> dict:
+    import torch
+
+    fields: dict[str, Any] = {"precision": precision, "capture": False}
+    try:
+        tf32 = precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        with torch.no_grad():
+            fields["eager"] = _engine_ms(lambda: (fn(), torch.cuda.synchronize()))
+            fields["rel_err"] = _engine_error(fn().cpu().numpy(), want)
+        fields["status"] = "ok" if fields["rel_err"] <= ENGINE_TOLERANCE[precision] else "fail"
+    except Exception as exc:
+        fields.update(status="error", detail=f"{type(exc).__name__}: {exc}"[:600])
+    return fields
+
+
+def _engines_backend() -> tuple[Any, Any]:
+    import cupy
+
+    from plugrt_cuda._provider import CUDAProvider
+
+    provider = CUDAProvider()
+    if not provider.devices():
+        raise RuntimeError(f"the CUDA provider is unavailable: {provider.unavailable_reason}")
+    return cupy, provider.backend()
+
+
+def _engines_gemm_case(cp: Any, backend: Any, torch: Any, rng: Any, label: str, m: int, n: int, k: int) -> bool:
+    import numpy as np
+
+    exact, fast = backend.configured(tf32=False), backend.configured(tf32=True)
+    a_host = rng.standard_normal((m, k)).astype(np.float32)
+    b_host = (rng.standard_normal((k, n)) / math.sqrt(k)).astype(np.float32)
+    want = a_host.astype(np.float64) @ b_host.astype(np.float64)
+    a, b = cp.asarray(a_host), cp.asarray(b_host)
+    engines: dict[str, dict] = {
+        "own 64x64": _engine_run(cp, exact, lambda: exact.gemm(a, b), want, "fp32"),
+        "cuBLASLt fp32": _engine_run(cp, exact, lambda: exact.lt_gemm(a, b), want, "fp32"),
+        "cuBLASLt tf32": _engine_run(cp, fast, lambda: fast.lt_gemm(a, b), want, "tf32"),
+        "cupy cuBLAS fp32": _engine_run(cp, exact, lambda: cp.matmul(a, b), want, "fp32", capture=False),
+    }
+    if torch is not None:
+        ta, tb = torch.from_numpy(a_host).cuda(), torch.from_numpy(b_host).cuda()
+        engines["torch fp32"] = _torch_run(lambda: ta @ tb, want, "fp32")
+        engines["torch tf32"] = _torch_run(lambda: ta @ tb, want, "tf32")
+    status = "ok" if all(e["status"] == "ok" for e in engines.values()) else "fail"
+    record("engines", kind="gemm", case=label, shape=[m, n, k], engines=engines, status=status)
+    return status == "ok"
+
+
+def _engines_gemm(cp: Any, backend: Any) -> bool:
+    import numpy as np
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(25)
+    results = [_engines_gemm_case(cp, backend, torch, rng, *case) for case in ENGINE_GEMMS]
+    return all(results)
+
+
+def _engines_conv_case(cp: Any, backend: Any, torch: Any, rng: Any, label: str, x_shape: tuple, w_shape: tuple,
+                       attributes: dict) -> bool:
+    import copy
+
+    import numpy as np
+
+    from plugrt_cuda import _conv, _xp
+
+    cudnn_reason = backend.cudnn().unavailable_reason
+
+    def forced(engine: str, tf32: bool) -> Any:
+        view = copy.copy(backend)
+        view.tf32 = tf32
+        view.conv_plan = lambda *args, **kw: _conv.ConvPlan(engine, "chosen by the engines stage")
+        return view
+
+    x_host = rng.standard_normal(x_shape).astype(np.float32)
+    w_host = (rng.standard_normal(w_shape) / math.sqrt(float(np.prod(w_shape[1:])))).astype(np.float32)
+    b_host = rng.standard_normal(w_shape[0]).astype(np.float32)
+    group = int(attributes.get("group", 1))
+    strides = list(attributes.get("strides", [1, 1]))
+    x, w, b = cp.asarray(x_host), cp.asarray(w_host), cp.asarray(b_host)
+    begin, end, _ = _xp.conv_pads(x_shape[2:], w_shape[2:], strides, [1, 1], attributes.get("pads"), "NOTSET")
+    if torch is not None:
+        import torch.nn.functional as F
+
+        padded = np.pad(x_host.astype(np.float64), [(0, 0), (0, 0), (begin[0], end[0]), (begin[1], end[1])])
+        want = torch.relu(F.conv2d(torch.from_numpy(padded), torch.from_numpy(w_host.astype(np.float64)),
+                                   torch.from_numpy(b_host.astype(np.float64)), stride=strides, groups=group)).numpy()
+    else:
+        want = np.maximum(_xp.conv(np, x_host.astype(np.float64), w_host.astype(np.float64),
+                                   b_host.astype(np.float64), **attributes), 0)
+    names = [("im2col", _conv.IM2COL)]
+    if tuple(w_shape[2:]) == (1, 1) and group == 1 and strides == [1, 1]:
+        names.append(("1x1 GEMM", _conv.GEMM_1X1))
+    if group == x_shape[1] == w_shape[0] and w_shape[1] == 1:
+        names.append(("own depthwise", _conv.DEPTHWISE))
+    if cudnn_reason is None:
+        names.append(("cuDNN", _conv.CUDNN))
+    engines: dict[str, dict] = {}
+    for name, engine in names:
+        for precision in ("fp32", "tf32") if engine != _conv.DEPTHWISE else ("fp32",):
+            view = forced(engine, precision == "tf32")
+            engines[f"{name} {precision}"] = _engine_run(
+                cp, view, functools.partial(view.conv, x, w, b, True, attributes), want, precision)
+    if torch is not None:
+        import torch.nn.functional as F
+
+        tx, tw, tb = (torch.from_numpy(v).cuda() for v in (x_host, w_host, b_host))
+        widths = (begin[1], end[1], begin[0], end[0])
+
+        def peer() -> Any:
+            return torch.relu(F.conv2d(F.pad(tx, widths), tw, tb, stride=strides, groups=group))
+
+        for precision in ("fp32", "tf32"):
+            engines[f"torch {precision}"] = _torch_run(peer, want, precision)
+    status = "ok" if all(e["status"] == "ok" for e in engines.values()) else "fail"
+    record("engines", kind="conv", case=label, x=list(x_shape), w=list(w_shape), engines=engines, status=status,
+           cudnn="used" if cudnn_reason is None else f"not used: {cudnn_reason}")
+    return status == "ok"
+
+
+def _engines_conv(cp: Any, backend: Any) -> bool:
+    import numpy as np
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(26)
+    results = [_engines_conv_case(cp, backend, torch, rng, *case) for case in ENGINE_CONVS]
+    return all(results)
+
+
+def stage_engines() -> bool:
+    if DEVICE != "cuda":
+        record("engines", kind="stage", status="skipped", detail=f"needs the CUDA provider (device {DEVICE})")
+        return True
+    cp, backend = _engines_backend()
+    lt = backend.lt()
+    cudnn = backend.cudnn()
+    record("engines", kind="libraries", status="ok",
+           cublaslt=f"version {lt.version}" if lt is not None else f"not used: {backend.lt_reason}",
+           cudnn_frontend=_version("nvidia-cudnn-frontend") or "not installed",
+           cudnn="usable" if cudnn.available else f"not used: {cudnn.unavailable_reason}")
+    ok = _engines_gemm(cp, backend)
+    return _engines_conv(cp, backend) and ok
+
+
+def _engines_section(rows: list[dict]) -> list[str]:
+    out = ["Median ms of one call (eager: call and synchronise; replay: one CUDA graph of it), and the error "
+           "against float64 (max |diff| / max |reference|). Batch-1 network shapes; convolutions with bias and "
+           "ReLU.", ""]
+    for r in rows:
+        if r.get("kind") == "libraries":
+            out.append(f"- cuBLASLt: {r.get('cublaslt')}; cuDNN frontend: {r.get('cudnn_frontend')}; "
+                       f"cuDNN: {r.get('cudnn')}")
+    out += ["", "| kind | case | engine | eager ms | replay ms | rel err | ok |", "|---|---|---|---|---|---|---|"]
+    fastest: list[str] = []
+    for r in rows:
+        if r.get("kind") not in ("gemm", "conv"):
+            continue
+        best: tuple[float, str] | None = None
+        for name, e in (r.get("engines") or {}).items():
+            ok = "yes" if e.get("status") == "ok" else f"**{e.get('status')}** {str(e.get('detail', ''))[:120]}"
+            out.append(f"| {r['kind']} | {r.get('case')} | {name} | {_fmt(e.get('eager'))} | {_fmt(e.get('replay'))} | "
+                       f"{_fmt(e.get('rel_err'))} | {ok} |")
+            if e.get("status") == "ok" and isinstance(e.get("replay"), float) and e.get("precision") == "fp32":
+                if best is None or e["replay"] < best[0]:
+                    best = (e["replay"], name)
+        if best is not None:
+            fastest.append(f"{r.get('case')}: {best[1]} ({_fmt(best[0])} ms)")
+    if fastest:
+        out += ["", "Fastest captured FP32 engine per case: " + "; ".join(fastest)]
+    return out
+
+
 # -- the run -------------------------------------------------------------------------------
 
 
@@ -942,6 +1204,7 @@ def run_stage(name: str, limit: float) -> bool:
         "exports": stage_exports,
         "latency": stage_latency,
         "decoder": stage_decoder,
+        "engines": stage_engines,
         "gpu_tests": lambda: stage_gpu_tests(limit),
         "conformance": lambda: stage_conformance(limit),
     }

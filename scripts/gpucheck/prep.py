@@ -37,6 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 #: what the image lacks for plugrt (DESIGN.md §9; the device tool's KINDS.md lists the rest)
 MISSING_WHEELS = ("importlib-metadata", "zipp", "lazy-importer", "google-re2")
+#: what the engines stage adds: cuDNN 9 is on the image, its Python frontend is not. 1.12.0
+#: needs nothing else (later releases pull nvidia-cutlass-dsl) and is 1.7 MB
+ENGINE_WHEELS = ("nvidia-cudnn-frontend==1.12.0",)
 #: CPython 3.12 on manylinux x86-64, as pip matches platform tags exactly
 PLATFORMS = (
     "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
@@ -121,7 +124,7 @@ def build_wheels(wheels: str) -> list[str]:
         for project in projects:
             shutil.rmtree(os.path.join(ROOT, project, "build"), ignore_errors=True)
     pins = _pins()
-    wanted = [f"{name}=={pins[name]}" if name in pins else name for name in MISSING_WHEELS]
+    wanted = [f"{name}=={pins[name]}" if name in pins else name for name in MISSING_WHEELS] + list(ENGINE_WHEELS)
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
     _pip("download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation",
          "cp", *platforms, "-d", wheels, *wanted)

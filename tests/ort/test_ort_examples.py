@@ -246,3 +246,13 @@ def test_inputs_outputs_and_metadata(session):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert session.get_overridable_initializers() == []
+
+
+def test_cuda_use_tf32_is_the_cuda_tf32_option():
+    from plugrt.options import parse_options
+    from plugrt.ort import _provider_entries, _session_options_of
+
+    entries = _provider_entries(["CUDAExecutionProvider", "CPUExecutionProvider"], [{"use_tf32": "0"}, {}])
+    options = _session_options_of(entries)
+    assert options == {"cuda.tf32": "0"} and parse_options(options)["cuda.tf32"] is False
+    assert _session_options_of(_provider_entries(["CPUExecutionProvider"], [{"use_tf32": "0"}])) == {}

@@ -59,6 +59,34 @@ def test_records_are_appended_one_json_object_a_line(monkeypatch, tmp_path):
     assert "GPU tests: ok: 42 tests, 0 failed, 0 skipped" in (tmp_path / "summary.md").read_text()
 
 
+def test_the_engines_summary_names_the_fastest_captured_engine(monkeypatch, tmp_path):
+    driver = _driver(monkeypatch, tmp_path)
+    driver.record("engines", kind="libraries", status="ok", cublaslt="version 130100", cudnn_frontend="1.12.0",
+                  cudnn="usable")
+    driver.record("engines", kind="gemm", case="vgg fc6", status="ok", engines={
+        "own 64x64": {"precision": "fp32", "eager": 1.6, "replay": 1.5, "rel_err": 1e-7, "status": "ok"},
+        "cuBLASLt fp32": {"precision": "fp32", "eager": 0.2, "replay": 0.12, "rel_err": 1e-7, "status": "ok"},
+        "cuBLASLt tf32": {"precision": "tf32", "eager": 0.1, "replay": 0.05, "rel_err": 1e-3, "status": "ok"},
+    })
+    driver.record("engines", kind="conv", case="3x3", status="fail", engines={
+        "im2col fp32": {"precision": "fp32", "eager": 0.3, "replay": 0.2, "rel_err": 0.5, "status": "fail"},
+    })
+    summary = (tmp_path / "summary.md").read_text()
+    assert "- cuBLASLt: version 130100; cuDNN frontend: 1.12.0; cuDNN: usable" in summary
+    assert "| gemm | vgg fc6 | cuBLASLt fp32 | 0.200 | 0.120 |" in summary
+    # the TF32 engine is faster but not the same precision: the fastest FP32 one is named
+    assert "Fastest captured FP32 engine per case: vgg fc6: cuBLASLt fp32 (0.120 ms)" in summary
+    assert "**fail**" in summary and "engines: fail" in summary.split("## Not measured or failed", 1)[1]
+
+
+def test_the_engines_stage_is_skipped_in_a_rehearsal(monkeypatch, tmp_path):
+    driver = _driver(monkeypatch, tmp_path)
+    monkeypatch.setattr(driver, "DEVICE", "cpu")
+    assert driver.stage_engines() is True
+    (line,) = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert json.loads(line)["status"] == "skipped"
+
+
 def _prep_module():
     spec = importlib.util.spec_from_file_location("gpucheck_prep", os.path.join(ROOT, "scripts", "gpucheck", "prep.py"))
     module = importlib.util.module_from_spec(spec)

@@ -1,8 +1,8 @@
 """Segmented CUDA-graph capture of a compiled partition, with cupy's stream capture.
 
 Consecutive capturable steps form a segment recorded into one ``cupy.cuda.Graph``; a step
-that cannot be captured (cuBLAS under ``PLUGRT_CUDA_GEMM=cublas``, or one whose recording
-fails) is a seam run eagerly between graphs, copying its result into a persistent buffer,
+that cannot be captured (cupy's cuBLAS under ``PLUGRT_CUDA_GEMM=cublas``, or one whose
+recording fails; cuBLASLt on the provider's own handle is recorded) is a seam run eagerly between graphs, copying its result into a persistent buffer,
 and the steps around it are still recorded. Every segment allocates from
 its own memory pool, kept alive with its graph, so no address baked into a graph is ever
 handed to anything else.
@@ -10,6 +10,7 @@ handed to anything else.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 from plugrt.provider import CaptureContext, CaptureMiss, CapturedPartition, CompiledPartition, NotCapturable, Step
@@ -143,9 +144,17 @@ def _segment(
             warm.update(zip(step.outputs, _results(step, results)))
     del warm
     cp.cuda.get_current_stream().synchronize()
+    synchronize = getattr(backend, "synchronize", None)
+    if synchronize is not None:  # the warm-up ran on the provider's stream
+        synchronize()
 
     pool = cp.cuda.MemoryPool()
     stream = cp.cuda.Stream(non_blocking=True)
+    # cuBLASLt's workspace for this stream, made before recording: a recorded GEMM never
+    # allocates, and no other stream's GEMMs share it
+    prepare = getattr(backend, "prepare_capture", None)
+    if prepare is not None and any(step.op_type in _GEMM_OPS for step in steps):
+        prepare(stream)
     keep: list[Any] = []  # every array the graph reads or writes stays referenced with it
     recorded: dict[Any, Any] = {}  # joins ``made`` only once the whole segment is recorded
 
@@ -181,6 +190,9 @@ def _segment(
         graph.launch(cp.cuda.get_current_stream())
 
     replay.keep = (graph, pool, stream, keep)  # type: ignore[attr-defined]
+    release = getattr(backend, "release_workspace", None)
+    if release is not None:
+        weakref.finalize(replay, release, stream)  # the workspace goes with the graph
     return replay
 
 

@@ -271,13 +271,17 @@ def _conv(info: OpInfo) -> Callable[..., Any]:
 
 def _check_fused_conv(info: OpInfo) -> str | None:
     activation = info.attributes.get("activation")
-    return None if activation == "Relu" else f"FusedConv with activation {activation!r} (only Relu)"
+    residual = info.num_inputs > 3  # FusedConv(x, w, b, z): Conv + z, then the activation if any
+    if activation == "Relu" or (residual and activation is None):
+        return None
+    return f"FusedConv with activation {activation!r} (only Relu)"
 
 
 @_op("FusedConv", domain=PRIVATE_DOMAIN, check=_check_fused_conv)
 def _fused_conv(info: OpInfo) -> Callable[..., Any]:
     backend, attributes = info.backend, _conv_attributes(info)
-    return lambda x, w, b=None: backend.conv(x, w, b, True, attributes)
+    relu = info.attributes.get("activation") == "Relu"
+    return lambda x, w, b=None, z=None: backend.conv(x, w, b, relu, attributes, residual=z)
 
 
 def _check_pool(info: OpInfo) -> str | None:

@@ -106,6 +106,24 @@ class CUDAProvider:
             self._backend = CupyBackend(self._importer(), arch=self.architecture)
         return self._backend
 
+    def notes(self) -> list[str]:
+        """What the provider chose and why, for a user reading why a model runs as it does:
+        the GEMM engine, and the engine of each convolution shape run so far."""
+        backend = self._backend
+        if not isinstance(backend, CupyBackend):
+            return []
+        shared = backend._shared
+        if shared["lt"] is not None:
+            lines = [f"GEMMs: cuBLASLt {shared['lt'].version} on the provider's handle, eager and in CUDA graphs"]
+        elif shared["lt_reason"] is not None:
+            lines = [f"GEMMs: cuBLAS eager and the own kernel in CUDA graphs (cuBLASLt not used: {shared['lt_reason']})"]
+        else:
+            lines = []
+        for (x_shape, w_shape, dtype, _, residual), plan in shared.get("conv_notes", {}).items():
+            shown = f"Conv x{list(x_shape)} w{list(w_shape)} {dtype}{' + residual' if residual else ''}"
+            lines.append(f"{shown}: {plan.engine}: {plan.reason}")
+        return lines
+
     # -- placement ---------------------------------------------------------------------
 
     #: Seconds a partition costs here (placement by estimate): a synchronisation with the
@@ -180,6 +198,10 @@ class CUDAProvider:
         return self._compile(partition, self.backend())
 
     def _compile(self, partition: Partition, backend: Backend, verdict: str = "", restored: bool = False) -> CompiledPartition:
+        if isinstance(backend, CupyBackend):
+            # the partition's precision, from the session's options (``cuda.tf32``)
+            options = getattr(partition, "options", None) or {}
+            backend = backend.configured(tf32=bool(options.get("cuda.tf32", True)))
         steps = [self._bind(node, partition.opset_imports, backend) for node in partition.nodes]
         return CompiledPartition(partition, steps, self.name, restored=restored, state=CompiledState(backend, verdict))
 
@@ -209,6 +231,8 @@ class CUDAProvider:
         info = self._info(node, opset, constants, backend)
         fn = spec.builder(info)
         multi = spec.multi_output or bool(getattr(fn, "multi_output", False))
+        if isinstance(backend, CupyBackend):
+            fn = _on_stream(fn, backend)
         # Constant inputs (weights) are not uploaded here: the plan moves each to the device
         # once (shared by every session of a WeightStore) and passes it at run time.
         outputs: list[ir.Value | None] = [v for v in list(node.outputs)[: info.num_outputs]]
@@ -227,31 +251,50 @@ class CUDAProvider:
             return self._cupy().empty(tuple(shape), np.dtype(dtype))
 
     def to_device(self, array: Any, device: Device | None) -> Any:
-        """A device copy of a host array; a CUDA array from another library (torch, JAX,
-        anything with ``__cuda_array_interface__`` or ``__dlpack__``) is taken without a copy."""
+        """A device copy of a host array, through pinned staging, asynchronous on the
+        provider's stream; a CUDA array from another library (torch, JAX, anything with
+        ``__cuda_array_interface__`` or ``__dlpack__``) is taken without a copy, its
+        producer's work ordered before the provider's stream (DLPack's consumer stream)."""
         cp = self._cupy()
         if isinstance(array, cp.ndarray):
             return array
+        backend = self.backend()
         if hasattr(array, "__cuda_array_interface__"):
             return cp.asarray(array)
         if hasattr(array, "__dlpack__") and not isinstance(array, np.ndarray):
             device_type = array.__dlpack_device__()[0] if hasattr(array, "__dlpack_device__") else None
             if device_type in (2, 3, 13):  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+                if isinstance(backend, CupyBackend):
+                    with backend.stream:  # cupy passes the current stream as the consumer's
+                        return cp.from_dlpack(array)
                 return cp.from_dlpack(array)
         with self._on(device):
-            return cp.asarray(np.ascontiguousarray(array))
+            host = np.ascontiguousarray(array)
+            if isinstance(backend, CupyBackend):
+                return backend.upload(host)
+            return cp.asarray(host)
 
     def to_host(self, array: Any) -> np.ndarray:
         cp = self._cupy()
-        return cp.asnumpy(array) if isinstance(array, cp.ndarray) else np.asarray(array)
+        if not isinstance(array, cp.ndarray):
+            return np.asarray(array)
+        backend = self.backend()
+        if isinstance(backend, CupyBackend):
+            return backend.download(array)
+        return cp.asnumpy(array)
 
     def copy_into(self, source: Any, target: Any) -> None:
         cp = self._cupy()
+        backend = self.backend()
+        staged = isinstance(backend, CupyBackend)
         if isinstance(target, np.ndarray):
-            np.copyto(target, cp.asnumpy(source))
+            np.copyto(target, backend.download(source) if staged else cp.asnumpy(source))  # type: ignore[attr-defined]
         elif isinstance(source, np.ndarray):
             if target.flags.c_contiguous and source.flags.c_contiguous:
-                target.set(source)
+                if staged:
+                    backend.upload(source, out=target)  # type: ignore[attr-defined]
+                else:
+                    target.set(source)
             else:
                 cp.copyto(target, cp.asarray(source))
         else:
@@ -343,6 +386,25 @@ class CUDAProvider:
             return self._compile(partition, self.backend(), verdict=f"recompiled: {why}")
         backend = CupyBackend(self._importer(), saved.cubins, arch=self.architecture, cubins_nvrtc=saved.nvrtc_version)
         return self._compile(partition, backend, verdict="restored", restored=True)
+
+
+def _on_stream(fn: Callable[..., Any], backend: CupyBackend) -> Callable[..., Any]:
+    """``fn`` run on the provider's own stream when the caller left the default one current;
+    under a capture (or a stream the caller chose) it runs where it is called."""
+    current = backend.xp.cuda.get_current_stream
+
+    def run(*args: Any) -> Any:
+        if current().ptr != 0:
+            return fn(*args)
+        with backend.stream:
+            return fn(*args)
+
+    if hasattr(fn, "multi_output"):  # what the core reads off a kernel
+        run.multi_output = fn.multi_output  # type: ignore[attr-defined]
+    if getattr(fn, "into", None) is not None:
+        run.into = _on_stream(fn.into, backend)  # type: ignore[attr-defined]
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    return run
 
 
 def _dtype_name(value: ir.Value | None) -> str | None:
