@@ -55,7 +55,8 @@ def test_the_session_gives_each_partition_its_providers_options(given, expected)
     session = plugrt.load(_matmul_model(), device="cuda", registry=registry_of(provider), **given)
     x = np.ones((4, 3), np.float32)
     np.testing.assert_array_equal(session.run({"x": x})["y"], x @ np.arange(6, dtype=np.float32).reshape(3, 2))
-    assert provider.seen and all(set(seen) == {"cuda.tf32"} for seen in provider.seen)  # only its own keys
+    # only its own keys: every cuda.* option, nothing of the session's or another provider's
+    assert provider.seen and all(set(seen) == {"cuda.tf32", "cuda.float16_decoding"} for seen in provider.seen)
     assert provider.seen[-1]["cuda.tf32"] is (True if expected is None else expected)
 
 
