@@ -191,31 +191,45 @@ def _section(stage: str, rows: list[dict]) -> list[str]:
         out += ["", f"- {stage}: {passed} of {sum(1 for r in rows if 'model' in r)} within {TOLERANCE:g} "
                 f"(relative to each tensor's largest value) of the {'CPU provider' if stage == 'light' else 'PyTorch'}"]
     elif stage == "latency":
-        out += ["Median ms over up to %d runs, batch 1. plugrt eager: session.run with inputs and outputs bound "
-                "on the device; host: session.run with numpy in and out; replay: try_capture then replay (CUDA "
-                "graphs). PyTorch: the same network (exports only), input on the device, TF32 off (the same "
-                "precision as plugrt's FP32 kernels) and on." % RUNS, "",
-                "| model | plugrt host | plugrt eager | plugrt replay | seams | replay speed-up | torch eager | "
-                "torch graph | torch eager tf32 | torch graph tf32 | eager / torch eager | replay / torch graph |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        eager_ratios, graph_ratios = [], []
+        out += ["Median ms over up to %d runs, batch 1, exact float32 unless tf32 is named. plugrt plain: "
+                "session.run with numpy in and out and the defaults' graphs (captured at the second run, "
+                "replayed from the third); host: the same with graphs=False; eager: graphs=False, inputs and "
+                "outputs bound on the device; replay: try_capture then replay with those bindings; plain tf32: "
+                "a session with every default (cuda.tf32 on, graphs on). PyTorch: the same network (exports "
+                "only), input on the device, TF32 off and on." % RUNS, "",
+                "| model | plugrt plain | graph hits | plugrt host | plugrt eager | plugrt replay | seams | "
+                "replay speed-up | plugrt plain tf32 | torch eager | torch graph | torch eager tf32 | "
+                "torch graph tf32 | plain / torch graph | eager / torch eager | replay / torch graph | "
+                "plain tf32 / torch graph tf32 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        eager_ratios, graph_ratios, replay_ratios, tf32_ratios, speedups = [], [], [], [], []
         for r in rows:
             if "model" not in r:  # a stage record: said below the table
                 continue
             er = _ratio(r.get("plugrt_eager"), r.get("torch_eager"))
-            gr = _ratio(r.get("plugrt_replay"), r.get("torch_graph"))
-            eager_ratios += [er] if er else []
-            graph_ratios += [gr] if gr else []
+            gr = _ratio(r.get("plugrt_plain"), r.get("torch_graph"))
+            rr = _ratio(r.get("plugrt_replay"), r.get("torch_graph"))
+            tr = _ratio(r.get("plugrt_plain_tf32"), r.get("torch_graph_tf32"))
+            speedup = _ratio(r.get("plugrt_eager"), r.get("plugrt_replay"))
+            for bucket, value in ((eager_ratios, er), (graph_ratios, gr), (replay_ratios, rr), (tf32_ratios, tr),
+                                  (speedups, speedup)):
+                bucket += [value] if value else []
             out.append(
-                f"| {r['model']} | {_fmt(r.get('plugrt_host'))} | {_fmt(r.get('plugrt_eager'))} | "
-                f"{_fmt(r.get('plugrt_replay'))} | {_fmt(r.get('seams'))} | "
-                f"{_fmt(_ratio(r.get('plugrt_eager'), r.get('plugrt_replay')), 2)} | {_fmt(r.get('torch_eager'))} | "
+                f"| {r['model']} | {_fmt(r.get('plugrt_plain'))} | {_fmt(r.get('graph_hits'))} | "
+                f"{_fmt(r.get('plugrt_host'))} | {_fmt(r.get('plugrt_eager'))} | "
+                f"{_fmt(r.get('plugrt_replay'))} | {_fmt(r.get('seams'))} | {_fmt(speedup, 2)} | "
+                f"{_fmt(r.get('plugrt_plain_tf32'))} | {_fmt(r.get('torch_eager'))} | "
                 f"{_fmt(r.get('torch_graph'))} | {_fmt(r.get('torch_eager_tf32'))} | {_fmt(r.get('torch_graph_tf32'))} | "
-                f"{_fmt(er, 2)} | {_fmt(gr, 2)} |"
+                f"{_fmt(gr, 2)} | {_fmt(er, 2)} | {_fmt(rr, 2)} | {_fmt(tr, 2)} |"
             )
         out += ["",
-                f"graphs vs torch graphs: geomean {_fmt(geomean(graph_ratios), 2)} (over {len(graph_ratios)} models)",
+                f"graphs vs torch graphs: geomean {_fmt(geomean(graph_ratios), 2)} (over {len(graph_ratios)} models; "
+                "plugrt's plain run against torch.cuda.CUDAGraph replay)",
                 f"eager vs torch eager: geomean {_fmt(geomean(eager_ratios), 2)} (over {len(eager_ratios)} models)",
+                f"bound replay vs torch graphs: geomean {_fmt(geomean(replay_ratios), 2)}; plain tf32 vs torch graphs "
+                f"tf32: geomean {_fmt(geomean(tf32_ratios), 2)}",
+                f"replay speed-up over plugrt eager: smallest {_fmt(min(speedups) if speedups else None, 2)} "
+                f"(acceptance: at least 1.5 on every model)",
                 "", "Light models have no PyTorch module: their rows have no peer."]
     elif stage == "decoder":
         out += ["Greedy decoding of the prompt, batch 1. per token: median ms of the decode steps after the "
@@ -624,8 +638,16 @@ def stage_exports() -> bool:
 def _plugrt_latency(data: Any, feeds: dict) -> dict:
     import plugrt
 
-    session = plugrt.load(data, device=DEVICE)
-    fields: dict[str, Any] = {"plugrt_host": median_ms(lambda: session.run(feeds))}
+    # exact float32, as PyTorch's TF32-off runs; the default session (TF32 on) is timed last
+    exact = {"cuda.tf32": False}
+    plain = plugrt.load(data, device=DEVICE, **exact)  # graphs="auto": replays from the third run
+    fields: dict[str, Any] = {"plugrt_plain": median_ms(lambda: plain.run(feeds))}
+    stats = plain.stats()
+    fields.update(graph_hits=stats.graph_hits, graph_misses=stats.graph_misses, graph_captures=stats.graph_captures)
+    if stats.graph_refusals:
+        fields["graph_refusals"] = {str(k)[:200]: v for k, v in stats.graph_refusals.items()}
+    session = plugrt.load(data, device=DEVICE, graphs=False, **exact)
+    fields["plugrt_host"] = median_ms(lambda: session.run(feeds))
     outputs = session.run(feeds)
     bindings = []
     for name, value in feeds.items():
@@ -644,6 +666,8 @@ def _plugrt_latency(data: Any, feeds: dict) -> dict:
         fields["plugrt_replay"] = median_ms(lambda: (session.replay(bindings=bindings), sync()))
     else:
         fields["capture"] = "not capturable: " + "; ".join(f"{n}: {w}" for n, w in captured.report[:5])[:500]
+    default = plugrt.load(data, device=DEVICE)  # what a user gets: TF32 on, graphs on
+    fields["plugrt_plain_tf32"] = median_ms(lambda: default.run(feeds))
     return fields
 
 
