@@ -43,9 +43,18 @@ def test_an_op_without_a_kernel_is_declined_naming_what_is_claimed():
 
 
 def test_another_domain_is_declined():
-    text = '<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]> m (float[2] x) => (float[2] y) { y = com.microsoft.FastGelu(x) }'
+    text = '<ir_version: 8, opset_import: ["" : 17, "com.example" : 1]> m (float[2] x) => (float[2] y) { y = com.example.FastGelu(x) }'
     decision = _decide(text)
-    assert not decision.supported and "ai.onnx ops only" in decision.reason
+    assert not decision.supported and "com.microsoft ops only" in decision.reason
+
+
+@pytest.mark.parametrize("op_type", ["Gelu", "FastGelu"])
+def test_the_contrib_gelus_the_core_writes_are_claimed(op_type):
+    text = (
+        f'<ir_version: 8, opset_import: ["" : 17, "com.microsoft" : 1]> m (float[2, 8] x) => (float[2, 8] y) '
+        f'{{ y = com.microsoft.{op_type}(x) }}'
+    )
+    assert _decide(text).supported
 
 
 def test_a_reshape_whose_shape_is_computed_at_run_time_is_declined():

@@ -25,7 +25,7 @@ from plugrt.provider import (
 
 from . import __version__, _context, _probe
 from ._backend import Backend, CupyBackend
-from ._ops import FLOAT_DTYPES, OPS, PRIVATE_DOMAIN, OpInfo, inputs_not_constant
+from ._ops import DOMAINS, FLOAT_DTYPES, OPS, OpInfo, inputs_not_constant
 
 if TYPE_CHECKING:  # onnx_ir is imported where a model is placed: discovery stays cheap
     import onnx_ir as ir
@@ -123,8 +123,8 @@ class CUDAProvider:
 
         domain = "" if node.domain in _ONNX_DOMAINS else node.domain
         shown = f"{domain or 'ai.onnx'}::{node.op_type}"
-        if domain not in ("", PRIVATE_DOMAIN):
-            return Support.no(f"the CUDA provider runs ai.onnx ops only, not {shown}")
+        if domain not in DOMAINS:
+            return Support.no(f"the CUDA provider runs ai.onnx and a few com.microsoft ops only, not {shown}")
         spec = OPS.get((domain, node.op_type))
         if spec is None:
             return Support.no(f"the CUDA provider has no kernel for {shown}; it claims {_claimed()}")
@@ -162,6 +162,15 @@ class CUDAProvider:
             if why:
                 return Support.no(why)
         return Support.yes()
+
+    # -- passes ------------------------------------------------------------------------
+
+    def passes(self, model: "ir.Model") -> list:
+        """This provider's own fusions (``_fusions``), run after placement on the nodes
+        placed on it: SiLU as one kernel, Conv + Relu as one convolution."""
+        from . import _fusions
+
+        return _fusions.fusion_passes()
 
     # -- compile -----------------------------------------------------------------------
 
