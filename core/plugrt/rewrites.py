@@ -50,6 +50,7 @@ __all__ = [
     "other_input",
     "scalar_constant",
     "add_constant",
+    "PlacedNodePass",
 ]
 
 #: onnxruntime's contrib-op domain: Gelu and FastGelu below opset 20.
@@ -165,6 +166,25 @@ def _supports(provider: ExecutionProvider, node: ir.Node, ctx: SupportContext) -
         return bool(provider.supports_op(node, ctx))
     except Exception:  # a provider that cannot answer does not claim the node
         return False
+
+
+class PlacedNodePass(InPlacePass):
+    """Base of a provider's own fusions: visit every main-graph node ``placed`` takes (the
+    nodes placed on the provider) once, in order; ``rewrite`` returns whether it changed
+    the graph at that node."""
+
+    def placed(self, node: ir.Node) -> bool:
+        raise NotImplementedError
+
+    def call(self, model: ir.Model) -> PassResult:
+        modified = False
+        for node in list(model.graph):
+            if node.graph is model.graph and self.placed(node):  # not removed by an earlier rewrite
+                modified |= self.rewrite(model, node)
+        return PassResult(model, modified)
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        raise NotImplementedError
 
 
 class _RewritePass(InPlacePass):

@@ -19,6 +19,8 @@ from plugrt import rewrites
 from plugrt.provider import Support
 from plugrt_cpu import CPUProvider
 
+from helpers import written_out_gelu
+
 
 def _random(*shape: int, seed: int = 0, low: float | None = None) -> np.ndarray:
     rng = np.random.default_rng(seed)
@@ -215,39 +217,11 @@ def test_layer_norm_whose_centred_value_is_read_elsewhere_is_left_alone():
 
 
 def _erf_gelu(opset: int, outputs: str = "float[4, 32] y") -> onnx.ModelProto:
-    return _proto(
-        f"""
-        <ir_version: 9, opset_import: ["" : {opset}]>
-        g (float[4, 32] x) => ({outputs}) {{
-            s = Div (x, divisor)
-            e = Erf (s)
-            a = Add (e, one)
-            h = Mul (x, a)
-            y = Mul (h, half)
-        }}
-        """,
-        divisor=np.float32(math.sqrt(2.0)), one=np.float32(1.0), half=np.float32(0.5),
-    )
+    return written_out_gelu("erf", opset, outputs)
 
 
 def _tanh_gelu(opset: int) -> onnx.ModelProto:
-    return _proto(
-        f"""
-        <ir_version: 9, opset_import: ["" : {opset}]>
-        g (float[4, 32] x) => (float[4, 32] y) {{
-            c = Pow (x, three)
-            k = Mul (c, kappa)
-            i = Add (x, k)
-            s = Mul (i, root)
-            t = Tanh (s)
-            a = Add (t, one)
-            h = Mul (x, a)
-            y = Mul (h, half)
-        }}
-        """,
-        three=np.float32(3.0), kappa=np.float32(0.044715), root=np.float32(math.sqrt(2 / math.pi)),
-        one=np.float32(1.0), half=np.float32(0.5),
-    )
+    return written_out_gelu("tanh", opset)
 
 
 def test_erf_gelu_at_opset_20_becomes_gelu():

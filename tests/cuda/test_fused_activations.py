@@ -5,8 +5,6 @@ which tests/cuda/test_nvrtc.py compiles)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import onnx
 import pytest
@@ -16,6 +14,7 @@ import plugrt
 from plugrt_cuda import _xp
 
 from cuda_helpers import NumpyCUDA, registry_of
+from helpers import written_out_gelu
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -45,48 +44,12 @@ def _random(*shape: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-_ERF_GELU = """
-<ir_version: 9, opset_import: ["" : 17]>
-g (float[4, 32] x) => (float[4, 32] y) {
-    s = Div (x, divisor)
-    e = Erf (s)
-    a = Add (e, one)
-    h = Mul (x, a)
-    y = Mul (h, half)
-}
-"""
-
-_TANH_GELU = """
-<ir_version: 9, opset_import: ["" : 17]>
-g (float[4, 32] x) => (float[4, 32] y) {
-    c = Pow (x, three)
-    k = Mul (c, kappa)
-    i = Add (x, k)
-    s = Mul (i, root)
-    t = Tanh (s)
-    a = Add (t, one)
-    h = Mul (x, a)
-    y = Mul (h, half)
-}
-"""
-
-
-def test_a_written_out_erf_gelu_runs_on_cuda_as_the_contrib_gelu():
-    model = _model(_ERF_GELU, divisor=np.float32(math.sqrt(2.0)), one=np.float32(1.0), half=np.float32(0.5))
+@pytest.mark.parametrize(("form", "op_type"), [("erf", "Gelu"), ("tanh", "FastGelu")])
+def test_a_written_out_gelu_runs_on_cuda_as_the_contrib_op(form, op_type):
+    model = written_out_gelu(form, 17).SerializeToString()
     feeds = {"x": _random(4, 32, seed=1) * 3}
     steps, (y,) = _steps_and_outputs(model, feeds)
-    assert steps == ["Gelu"]
-    np.testing.assert_allclose(y, _onnxruntime(model, feeds)[0], rtol=1e-5, atol=1e-6)
-
-
-def test_a_written_out_tanh_gelu_runs_on_cuda_as_fast_gelu():
-    model = _model(
-        _TANH_GELU, three=np.float32(3.0), kappa=np.float32(0.044715), root=np.float32(math.sqrt(2 / math.pi)),
-        one=np.float32(1.0), half=np.float32(0.5),
-    )
-    feeds = {"x": _random(4, 32, seed=2) * 3}
-    steps, (y,) = _steps_and_outputs(model, feeds)
-    assert steps == ["FastGelu"]
+    assert steps == [op_type]
     np.testing.assert_allclose(y, _onnxruntime(model, feeds)[0], rtol=1e-5, atol=1e-6)
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
-from onnx_ir.passes import InPlacePass, PassResult
+from onnx_ir.passes import InPlacePass
 
 from plugrt import rewrites
 from plugrt.ir_utils import constant_array
@@ -110,19 +110,11 @@ def _private_node(
     return ir.Node(DOMAIN, op_type, inputs, attributes, num_outputs=1, name=name)
 
 
-class _NodePass(InPlacePass):
-    """Visit every node of the main graph once, in order; ``rewrite`` returns whether it
-    changed the graph at that node."""
+class _NodePass(rewrites.PlacedNodePass):
+    """Visit every node placed on the CPU provider once, in order."""
 
-    def call(self, model: ir.Model) -> PassResult:
-        modified = False
-        for node in list(model.graph):
-            if node.graph is model.graph and _ours(node):  # not removed by an earlier rewrite
-                modified |= self.rewrite(model, node)
-        return PassResult(model, modified)
-
-    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
-        raise NotImplementedError
+    def placed(self, node: ir.Node) -> bool:
+        return _ours(node)
 
 
 # ---------------------------------------------------------------------------------------

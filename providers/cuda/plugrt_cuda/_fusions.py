@@ -18,10 +18,10 @@ from typing import Sequence
 
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
-from onnx_ir.passes import InPlacePass, PassResult
+from onnx_ir.passes import InPlacePass
 
 from plugrt.passes import CLAIMED_BY
-from plugrt.rewrites import sole_reader
+from plugrt.rewrites import PlacedNodePass, sole_reader
 
 from ._ops import CUDA_DOMAIN
 
@@ -54,16 +54,9 @@ def _replace(model: ir.Model, pattern: Sequence[ir.Node], op_type: str, inputs: 
     replace_nodes_and_values(model.graph, last, pattern, [node], [last.outputs[0]], [node.outputs[0]])
 
 
-class _NodePass(InPlacePass):
-    def call(self, model: ir.Model) -> PassResult:
-        modified = False
-        for node in list(model.graph):
-            if node.graph is model.graph and _ours(node):  # not removed by an earlier rewrite
-                modified |= self.rewrite(model, node)
-        return PassResult(model, modified)
-
-    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
-        raise NotImplementedError
+class _NodePass(PlacedNodePass):
+    def placed(self, node: ir.Node) -> bool:
+        return _ours(node)
 
 
 class FuseSiluPass(_NodePass):
