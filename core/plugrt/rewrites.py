@@ -29,7 +29,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
-from onnx_ir.passes import InPlacePass, PassResult, PostconditionError, PreconditionError
+from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
 from .ir_utils import constant_array
 from .provider import ExecutionProvider, SupportContext
@@ -147,7 +147,8 @@ def _detach(node: ir.Node) -> None:
 
 class _PlacementGuard:
     """Says whether a rewrite keeps placement out of the result: every provider that
-    supports all the pattern's nodes supports the node that replaces them."""
+    supports all the pattern's nodes supports the node that replaces them, and at least
+    one provider supports that node."""
 
     def __init__(self, providers: Sequence[ExecutionProvider]) -> None:
         self.providers = list(providers)
@@ -155,10 +156,13 @@ class _PlacementGuard:
     def allows(self, model: ir.Model, pattern: Sequence[ir.Node], node: ir.Node) -> bool:
         opsets = {("" if d == "ai.onnx" else d): v for d, v in model.opset_imports.items()}
         ctx = SupportContext(opsets, model.graph)
+        runs_it = False
         for provider in self.providers:
-            if all(_supports(provider, n, ctx) for n in pattern) and not _supports(provider, node, ctx):
+            supported = _supports(provider, node, ctx)
+            if not supported and all(_supports(provider, n, ctx) for n in pattern):
                 return False
-        return bool(self.providers)
+            runs_it = runs_it or supported
+        return runs_it  # and someone must run it: the pattern may be split between providers
 
 
 def _supports(provider: ExecutionProvider, node: ir.Node, ctx: SupportContext) -> bool:
@@ -189,7 +193,8 @@ class PlacedNodePass(InPlacePass):
 
 class _RewritePass(InPlacePass):
     """Visit every node of the main graph once, in order; ``rewrite`` returns whether it
-    changed the graph at that node. Pre-condition: the model has a default opset.
+    changed the graph at that node (a model importing no default opset, ai.onnx.ml or
+    training ops alone, has no pattern to rewrite).
     Post-condition: the graph's outputs are the values they were (a rewrite hands its
     last value's name, type and readers to the node replacing the pattern)."""
 
@@ -199,9 +204,7 @@ class _RewritePass(InPlacePass):
         self._outputs: list[str | None] = []
 
     def requires(self, model: ir.Model) -> None:
-        if model.opset_imports.get("", model.opset_imports.get("ai.onnx")) is None:
-            raise PreconditionError("the model imports no default (ai.onnx) opset")
-        self._outputs = [v.name for v in model.graph.outputs]
+        self._outputs = [v.name for v in model.graph.outputs]  # for ensures
 
     def ensures(self, model: ir.Model) -> None:
         if [v.name for v in model.graph.outputs] != self._outputs:

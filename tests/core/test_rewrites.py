@@ -256,6 +256,19 @@ def test_gelu_whose_inner_value_is_a_graph_output_is_left_alone():
     assert "Gelu" not in ops and "Erf" in ops
 
 
+def test_a_model_without_the_default_opset_is_left_as_it_is():
+    model = _proto(
+        """
+        <ir_version: 8, opset_import: ["ai.onnx.ml" : 1]>
+        g (float[2, 3] x) => (float[2, 3] y) {
+            y = ai.onnx.ml.Binarizer <threshold = 0.5> (x)
+        }
+        """
+    )
+    _, ops = _rewritten(model)
+    assert ops == ["ai.onnx.ml::Binarizer"]
+
+
 # ---------------------------------------------------------------------------------------
 # Placement: a rewrite only where no provider loses what it could run
 
@@ -273,6 +286,23 @@ class _Elementwise:
 
 def test_a_rewrite_a_provider_able_to_run_the_pattern_could_not_run_is_not_made():
     _, ops = _rewritten(_erf_gelu(20), providers=[_Elementwise(), CPUProvider()])
+    assert ops == ["Div", "Erf", "Add", "Mul", "Mul"]
+
+
+def test_a_pattern_split_between_providers_is_not_rewritten_into_an_op_none_runs():
+    class ErfOnly:
+        name = "erf_only"
+
+        def supports_op(self, node, ctx):
+            return Support.yes() if node.op_type == "Erf" else Support.no("Erf only")
+
+    class ArithmeticOnly:
+        name = "arithmetic_only"
+
+        def supports_op(self, node, ctx):
+            return Support.yes() if node.op_type in ("Div", "Add", "Mul") else Support.no("arithmetic only")
+
+    _, ops = _rewritten(_erf_gelu(17), providers=[ErfOnly(), ArithmeticOnly()])
     assert ops == ["Div", "Erf", "Add", "Mul", "Mul"]
 
 
