@@ -317,3 +317,34 @@ def fresh_venv(path: str) -> str:
     with open(os.path.join(own_site, "inherit.pth"), "w", encoding="utf-8") as f:
         f.write("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in site.getsitepackages()) + "\n")
     return python
+
+
+# --- GELU written out, as exporters write it (the rewrites' and fusions' tests) ----------
+
+
+def written_out_gelu(form: str, opset: int, outputs: str = "float[4, 32] y") -> onnx.ModelProto:
+    """0.5 * x * (1 + erf(x / sqrt(2))) (``form`` "erf") or its tanh approximation ("tanh")
+    over a float[4, 32] input, its constants as initializers."""
+    import math
+
+    if form == "erf":
+        body = "s = Div (x, divisor)\n e = Erf (s)"
+        constants = {"divisor": math.sqrt(2.0)}
+    else:
+        body = "c = Pow (x, three)\n k = Mul (c, kappa)\n i = Add (x, k)\n s = Mul (i, root)\n e = Tanh (s)"
+        constants = {"three": 3.0, "kappa": 0.044715, "root": math.sqrt(2 / math.pi)}
+    model = onnx.parser.parse_model(
+        f"""
+        <ir_version: 9, opset_import: ["" : {opset}]>
+        g (float[4, 32] x) => ({outputs}) {{
+            {body}
+            a = Add (e, one)
+            h = Mul (x, a)
+            y = Mul (h, half)
+        }}
+        """
+    )
+    constants.update(one=1.0, half=0.5)
+    model.graph.initializer.extend(numpy_helper.from_array(np.float32(v), k) for k, v in constants.items())
+    onnx.checker.check_model(model)
+    return model

@@ -268,14 +268,23 @@ def optimize(
     max_fold_bytes: int = 1 << 34,
 ) -> dict[str, int]:
     """Run the core's passes of optimisation ``level`` ("none", "basic", "all"); return
-    counts. They do not depend on a provider; each provider's own passes run after
-    placement on the nodes placed on it (``plugrt.build``)."""
+    counts. They do not depend on a provider: at "all" the rewrites of ``plugrt.rewrites``
+    write ops any provider may claim (asking ``providers`` only whether one that could run
+    a pattern could run what replaces it); each provider's own passes run after placement
+    on the nodes placed on it (``plugrt.build``)."""
     stats: dict[str, int] = {}
     if level == "none":
         return stats
     check_value_sizes(model, max_fold_bytes)
     if fold_provider is not None:
         stats["folded"] = traced("pass:fold_constants", fold_constants, model, fold_provider, max_bytes=max_fold_bytes)
+    if level == "all" and providers:
+        # provider-independent rewrites, before placement: every provider sees their ops
+        from .rewrites import rewrite_passes
+
+        for graph_pass in rewrite_passes(providers):
+            result = traced(f"pass:{type(graph_pass).__name__}", graph_pass, model)
+            stats[type(graph_pass).__name__] = int(result.modified)
     stats["dead_removed"] = int(traced("pass:remove_dead_nodes", remove_dead_nodes, model))
     return stats
 

@@ -512,7 +512,7 @@ class PassesCapability(Protocol):
     ``meta["plugrt.claimed_by"]``, the provider it was placed on; the passes must rewrite
     only nodes that name this provider and mark what they write with it, so that no other
     provider is ever asked about a node they invented. Rewrites that do not depend on a
-    provider belong in the core's passes (``plugrt.passes``).
+    provider belong in the core's rewrites (``plugrt.rewrites``), run before placement.
     """
 
     def passes(self, model: "ir.Model") -> list: ...

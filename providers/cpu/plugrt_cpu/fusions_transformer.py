@@ -25,6 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from plugrt.ir_utils import constant_array
+from plugrt.rewrites import CONTRIB_DOMAIN
 from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, threads_for
 
 from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
@@ -268,7 +269,10 @@ class FuseSkipLayerNormPass(_NodePass):
 
 
 def _exact_gelu(node: ir.Node | None) -> bool:
-    """Whether ``node`` is an erf GELU: plugrt.cpu::Gelu or ONNX Gelu with approximate="none"."""
+    """Whether ``node`` is an erf GELU: plugrt.cpu::Gelu or ONNX Gelu with approximate="none",
+    or com.microsoft::Gelu (the core's rewrite below opset 20)."""
+    if node is not None and node.domain == CONTRIB_DOMAIN and node.op_type == "Gelu":
+        return True
     if not (_is(node, "Gelu") or _is_ours(node, "Gelu")) or node is None:
         return False
     return node.attributes.get_string("approximate", "none") == "none"

@@ -9,13 +9,19 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _xp
+from . import _sources, _xp
 from ._backend import Backend
 
-__all__ = ["OpInfo", "OpSpec", "OPS", "FLOAT_DTYPES", "PRIVATE_DOMAIN"]
+__all__ = ["OpInfo", "OpSpec", "OPS", "FLOAT_DTYPES", "PRIVATE_DOMAIN", "CONTRIB_DOMAIN", "CUDA_DOMAIN", "DOMAINS"]
 
 #: The domain of the CPU provider's fused nodes, which this provider also runs.
 PRIVATE_DOMAIN = "plugrt.cpu"
+#: onnxruntime's contrib ops the core's rewrites write (Gelu, FastGelu below opset 20).
+CONTRIB_DOMAIN = "com.microsoft"
+#: This provider's own fused nodes (``_fusions``), on the nodes placed on it only.
+CUDA_DOMAIN = "plugrt.cuda"
+#: The domains ``supports_op`` looks up in ``OPS`` ("" is ai.onnx).
+DOMAINS = ("", PRIVATE_DOMAIN, CONTRIB_DOMAIN, CUDA_DOMAIN)
 FLOAT_DTYPES = ("float32", "float16")
 
 
@@ -110,8 +116,6 @@ _unary(
     lambda xp, x, a: _activation(xp, x, lambda v: xp.clip(a.get("alpha", 0.2) * v + a.get("beta", 0.5), 0, 1)),
 )
 _unary("HardSwish", lambda xp, x, a: _activation(xp, x, lambda v: v * xp.clip(v / 6 + 0.5, 0, 1)))
-_unary("Gelu", lambda xp, x, a: _xp.gelu(xp, x, approximate=a.get("approximate", "none")), since=20)
-_unary("Gelu", lambda xp, x, a: _xp.gelu(xp, x, approximate=a.get("approximate", "none")), domain=PRIVATE_DOMAIN)
 _unary("Identity", lambda xp, x, a: x, math=False)
 
 
@@ -335,9 +339,24 @@ def _batch_normalization(info: OpInfo) -> Callable[..., Any]:
 
 @_op("LRN")
 def _lrn(info: OpInfo) -> Callable[..., Any]:
-    xp, a = info.backend.xp, info.attributes
+    backend, a = info.backend, info.attributes
     size, alpha, beta, bias = int(a["size"]), float(a.get("alpha", 1e-4)), float(a.get("beta", 0.75)), float(a.get("bias", 1.0))
-    return lambda x: _xp.lrn(xp, x, size=size, alpha=alpha, beta=beta, bias=bias)
+
+    def run(x: Any) -> Any:
+        kernel = _activation_kernel(backend, x, "lrn_channels") if x.ndim >= 2 else None
+        if kernel is None:
+            return _xp.lrn(backend.xp, x, size=size, alpha=alpha, beta=beta, bias=bias)
+        cp = backend.xp
+        x = cp.ascontiguousarray(x)
+        y = cp.empty_like(x)
+        inner = x.size // (x.shape[0] * x.shape[1]) if x.size else 1
+        kernel(_blocks(x.size), (256,), (
+            x, y, cp.int64(x.size), cp.int32(x.shape[1]), cp.int64(inner), cp.int32(size),
+            cp.float32(alpha), cp.float32(beta), cp.float32(bias),
+        ))
+        return y
+
+    return run
 
 
 def _softmax(op_type: str, log: bool) -> None:
@@ -635,3 +654,81 @@ def _constant_of_shape(info: OpInfo) -> Callable[..., Any]:
 def inputs_not_constant(spec: OpSpec, constants: Sequence[Any], present: Sequence[bool]) -> list[int]:
     """Positions of inputs ``spec`` needs constant that are given but not constant."""
     return [i for i in spec.constant_inputs if i < len(present) and present[i] and constants[i] is None]
+
+
+# -- fused elementwise chains: one NVRTC kernel each (``_sources`` "activation") --------
+# On the numpy backend (and for dtypes the kernels do not store) the same math runs in
+# ``_xp``: that is the copy the tests check against onnxruntime.
+
+
+def _activation_kernel(backend: Backend, x: Any, name: str) -> Any:
+    """The device kernel ``name`` for x's dtype, or None where ``_xp`` computes instead."""
+    launch = getattr(backend, "kernel", None)
+    if launch is None or x.dtype.name not in _sources.DTYPES or x.size == 0:
+        return None
+    return launch("activation", x.dtype, name)
+
+
+def _blocks(total: int) -> tuple[int]:
+    return (max(1, min((total + 255) // 256, 65535 * 8)),)
+
+
+def _gelu_kernel(backend: Backend, approximate: str) -> Callable[..., Any]:
+    """Gelu of x (+ bias over the last axis), erf or tanh form."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"Gelu approximate={approximate!r}: use 'none' or 'tanh'")
+
+    def run(x: Any, bias: Any = None) -> Any:
+        fits = bias is None or (bias.ndim == 1 and x.ndim >= 1 and bias.shape[0] == x.shape[-1] and bias.dtype == x.dtype)
+        name = "gelu_tanh" if approximate == "tanh" else "gelu_erf"
+        kernel = _activation_kernel(backend, x, name) if fits and (bias is None or approximate == "tanh") else None
+        if kernel is None:
+            return _xp.gelu(backend.xp, x if bias is None else x + bias, approximate=approximate)
+        cp = backend.xp
+        x = cp.ascontiguousarray(x)
+        y = cp.empty_like(x)
+        if approximate == "tanh":
+            hidden = 0 if bias is None else int(bias.shape[0])
+            kernel(_blocks(x.size), (256,), (x, x if bias is None else cp.ascontiguousarray(bias), y,
+                                             cp.int64(x.size), cp.int32(hidden)))
+        else:
+            kernel(_blocks(x.size), (256,), (x, y, cp.int64(x.size)))
+        return y
+
+    return run
+
+
+def _check_gelu(info: OpInfo) -> str | None:
+    approximate = info.attributes.get("approximate", "none")
+    return None if approximate in ("none", "tanh") else f"Gelu approximate={approximate!r} (only 'none' and 'tanh')"
+
+
+def _gelu(info: OpInfo) -> Callable[..., Any]:
+    return _gelu_kernel(info.backend, str(info.attributes.get("approximate", "none")))
+
+
+_op("Gelu", since=20, check=_check_gelu)(_gelu)
+_op("Gelu", domain=PRIVATE_DOMAIN, check=_check_gelu)(_gelu)
+_op("Gelu", domain=CONTRIB_DOMAIN)(lambda info: _gelu_kernel(info.backend, "none"))
+_op("FastGelu", domain=CONTRIB_DOMAIN)(lambda info: _gelu_kernel(info.backend, "tanh"))
+
+
+@_op("Silu", domain=CUDA_DOMAIN)
+def _silu(info: OpInfo) -> Callable[..., Any]:
+    """x * sigmoid(x), from Sigmoid and Mul placed here (``_fusions.FuseSiluPass``)."""
+    backend = info.backend
+
+    def run(x: Any) -> Any:
+        kernel = _activation_kernel(backend, x, "silu")
+        if kernel is None:
+            return _xp.silu(backend.xp, x)
+        cp = backend.xp
+        x = cp.ascontiguousarray(x)
+        y = cp.empty_like(x)
+        kernel(_blocks(x.size), (256,), (x, y, cp.int64(x.size)))
+        return y
+
+    return run
+
+
+_op("FusedConv", domain=CUDA_DOMAIN, check=_check_fused_conv)(_fused_conv)

@@ -25,7 +25,7 @@ from plugrt.provider import (
 
 from . import __version__, _context, _probe
 from ._backend import Backend, CupyBackend
-from ._ops import FLOAT_DTYPES, OPS, OpInfo, inputs_not_constant
+from ._ops import DOMAINS, FLOAT_DTYPES, OPS, OpInfo, inputs_not_constant
 from ._decoder_ops import INTEGER_DTYPES  # noqa: I001 (after _ops, which registers it)
 
 if TYPE_CHECKING:  # onnx_ir is imported where a model is placed: discovery stays cheap
@@ -142,7 +142,7 @@ class CUDAProvider:
 
         domain = "" if node.domain in _ONNX_DOMAINS else node.domain
         shown = f"{domain or 'ai.onnx'}::{node.op_type}"
-        if not any(domain == claimed for claimed, _ in OPS):
+        if domain not in DOMAINS:
             return Support.no(f"the CUDA provider runs ai.onnx and com.microsoft ops only, not {shown}")
         spec = OPS.get((domain, node.op_type))
         if spec is None:
@@ -191,6 +191,15 @@ class CUDAProvider:
         except KeyError:  # a core that does not know the option
             return False
         return to_float16(model) if wanted else False
+
+    # -- passes ------------------------------------------------------------------------
+
+    def passes(self, model: "ir.Model") -> list:
+        """This provider's own fusions (``_fusions``), run after placement on the nodes
+        placed on it: SiLU as one kernel, Conv + Relu as one convolution."""
+        from . import _fusions
+
+        return _fusions.fusion_passes()
 
     # -- compile -----------------------------------------------------------------------
 

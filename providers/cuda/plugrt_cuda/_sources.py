@@ -261,6 +261,61 @@ extern "C" __global__ void layernorm_rows(
 }
 """
 
+# Fused elementwise chains, one launch each (grid-stride loops over the flat tensor),
+# float32 arithmetic: erf and tanh GELU (FastGelu's optional bias added first, broadcast
+# over the last axis), SiLU (x * sigmoid(x)), and LRN across channels. erf is the same
+# Chebyshev fit as ``_xp.erf`` (~1.2e-7), so the numpy-tested math is what runs here.
+_ACTIVATION = r"""
+__device__ __forceinline__ float erf_fit(float x) {
+    float z = fabsf(x);
+    float t = 1.f / (1.f + 0.5f * z);
+    float poly = -z * z - 1.26551223f + t * (1.00002368f + t * (0.37409196f + t * (0.09678418f + t * (
+        -0.18628806f + t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f
+        + t * 0.17087277f))))))));
+    float v = 1.f - t * __expf(poly);
+    return x >= 0.f ? v : -v;
+}
+extern "C" __global__ void gelu_erf(const T* __restrict__ x, T* __restrict__ y, long long n)
+{
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = ld(x[i]);
+        st(&y[i], 0.5f * v * (1.f + erf_fit(v * 0.70710678118654752f)));
+    }
+}
+extern "C" __global__ void gelu_tanh(
+    const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ y, long long n, int hidden)
+{
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = ld(x[i]);
+        if (hidden > 0) v += ld(bias[i % hidden]);
+        float inner = 0.79788456080286536f * (v + 0.044715f * v * v * v);
+        st(&y[i], 0.5f * v * (1.f + tanhf(inner)));
+    }
+}
+extern "C" __global__ void silu(const T* __restrict__ x, T* __restrict__ y, long long n)
+{
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = ld(x[i]);
+        st(&y[i], v / (1.f + __expf(-v)));
+    }
+}
+extern "C" __global__ void lrn_channels(
+    const T* __restrict__ x, T* __restrict__ y, long long n, int channels, long long inner,
+    int size, float alpha, float beta, float bias)
+{
+    const int before = (size - 1) / 2, after = size / 2;  // the spec's floor/ceil split of the window
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long s = i % inner;
+        int c = (int)((i / inner) % channels);
+        const T* base = x + (i / (inner * channels)) * channels * inner + s;
+        int lo = c - before < 0 ? 0 : c - before, hi = c + after >= channels ? channels - 1 : c + after;
+        float sum = 0.f;
+        for (int k = lo; k <= hi; ++k) { float v = ld(base[k * inner]); sum += v * v; }
+        st(&y[i], ld(x[i]) / powf(bias + (alpha / size) * sum, beta));
+    }
+}
+"""
+
 SOURCES: dict[str, KernelSource] = {
     s.name: s
     for s in (
@@ -270,6 +325,7 @@ SOURCES: dict[str, KernelSource] = {
         KernelSource("pool", _POOL, ("pool2d",), 256),
         KernelSource("softmax", _SOFTMAX, ("softmax_rows",), 256),
         KernelSource("layernorm", _LAYERNORM, ("layernorm_rows",), 256),
+        KernelSource("activation", _ACTIVATION, ("gelu_erf", "gelu_tanh", "silu", "lrn_channels"), 256),
     )
 }
 

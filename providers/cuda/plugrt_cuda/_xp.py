@@ -22,6 +22,7 @@ __all__ = [
     "layer_normalization",
     "erf",
     "gelu",
+    "silu",
     "resize",
     "gemm",
 ]
@@ -235,6 +236,12 @@ def gelu(xp: Any, x: Any, *, approximate: str = "none") -> Any:
     else:
         y = 0.5 * x32 * (1.0 + erf(xp, x32 * (1.0 / math.sqrt(2.0))))
     return y.astype(x.dtype)
+
+
+def silu(xp: Any, x: Any) -> Any:
+    """x * sigmoid(x) (SiLU, swish) in float32."""
+    x32 = x.astype(xp.float32)
+    return (x32 / (1.0 + xp.exp(-x32))).astype(x.dtype)
 
 
 def _source_coordinates(xp: Any, out_size: int, in_size: int, scale: float, mode: str) -> Any:

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from .._registry import declare_into, kernel
+from .._registry import declare_into, kernel, kernel_builder
 from ._compiled import compiled_module
-from .elementwise import _sigmoid_into, erf, scratch, sigmoid
+from .elementwise import _sigmoid_into, erf, gelu, scratch, sigmoid
 
 _MS = "com.microsoft"
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -251,6 +251,11 @@ def _fast_gelu_into(out, x, bias=None):
 
 
 declare_into(_fast_gelu_into, fast_gelu)
+
+
+# the erf Gelu of the standard opset 20 (its one attribute absent: approximate="none"),
+# which the core's rewrite writes below opset 20
+kernel_builder("Gelu", 1, domain=_MS)(gelu)
 
 
 @kernel("BiasGelu", 1, domain=_MS)

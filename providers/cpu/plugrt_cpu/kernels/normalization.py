@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 
 import ml_dtypes
 import numpy as np
+from plugrt.rewrites import batch_norm_affine
 from plugrt.threads import parallel_for
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
@@ -98,14 +99,6 @@ def _channel_shape(x: np.ndarray) -> tuple[int, ...]:
 
 
 # --- BatchNormalization
-
-
-def batch_norm_affine(scale, bias, mean, var, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
-    """(multiplier, shift) such that y = x * multiplier + shift, computed in float64 (also
-    by the fusion that turns BatchNormalization + Relu into ``plugrt.cpu::ChannelAffine``)."""
-    multiplier = np.asarray(scale, np.float64) / np.sqrt(np.asarray(var, np.float64) + epsilon)
-    shift = np.asarray(bias, np.float64) - np.asarray(mean, np.float64) * multiplier
-    return multiplier, shift
 
 
 @kernel_builder("BatchNormalization", 1, 7, 9, 14, multi_output=True)
