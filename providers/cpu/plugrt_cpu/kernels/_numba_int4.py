@@ -38,7 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._int4_layout import ROWS, pack
-from ._numba_parallel import int64_pointer
+from ._numba_parallel import float32_pointer, int64_pointer
 
 __all__ = [
     "BODIES",
@@ -50,6 +50,7 @@ __all__ = [
     "pack",
     "prepare",
     "CONTEXT_WORDS",
+    "FLOAT_BODY",
 ]
 
 _GROUP = 32  # K values per packed group: four 64-byte chunks of a tile
@@ -116,9 +117,11 @@ def choose_body(requested: str | None = None) -> str:
 # The context of the job bodies (int64 words).
 (
     CTX_WEIGHTS, CTX_SCALES, CTX_ZEROS, CTX_ACTIVATIONS, CTX_ASCALES, CTX_ASUMS, CTX_OUT, CTX_ROWS_M, CTX_N,
-    CTX_TILES, CTX_BLOCKS, CTX_GROUPS, CTX_UNITS, CTX_BODY,
-) = range(14)
-CONTEXT_WORDS = 14
+    CTX_TILES, CTX_BLOCKS, CTX_GROUPS, CTX_UNITS, CTX_BODY, CTX_PADDED,
+) = range(15)
+CONTEXT_WORDS = 15
+# CTX_BODY: an int8 body's code (``body_code``), or FLOAT_BODY for the float tiles.
+FLOAT_BODY = -1
 
 _FLAGS: dict[str, Any] = dict(nogil=True, boundscheck=False, error_model="numpy", cache=True)
 _IN2 = types.Array(types.float32, 2, "A", readonly=True)
@@ -152,37 +155,23 @@ def _quantize(a, block_size, quantized, scales, sums):  # pragma: no cover  (com
             sums[m, b] = total
 
 
-@numba.njit(
-    [
-        types.void(
-            _IN2, types.float32[:, ::1], types.int8[:, ::1], types.float32[:, ::1], types.int32[:, ::1],
-            types.float32[:, ::1], types.int64[::1], types.int64, types.boolean,
-        )
-    ],
-    **_FLAGS,
-)
-def prepare(a, out, quantized, scales, sums, padded, context, block_size, int8):  # pragma: no cover  (compiled)
-    """Make ``context`` ready for a product of ``a`` (M, K) into ``out`` (M, N): the
-    activations quantized per block into ``quantized``, ``scales`` and ``sums`` (``int8``),
-    else ``a`` itself when contiguous in whole blocks, else copied into ``padded`` with
-    zeros past K (then it has M rows); the context's activation, output and row words set."""
-    rows, k = a.shape
-    if int8:
-        _quantize(a, block_size, quantized, scales, sums)
-        context[CTX_ACTIVATIONS] = quantized.ctypes.data
-        context[CTX_ASCALES] = scales.ctypes.data
-        context[CTX_ASUMS] = sums.ctypes.data
-    elif padded.shape[0] == rows:
-        for m in range(rows):
-            for i in range(k):
-                padded[m, i] = a[m, i]
-            for i in range(k, padded.shape[1]):
-                padded[m, i] = 0.0
-        context[CTX_ACTIVATIONS] = padded.ctypes.data
-    else:
-        context[CTX_ACTIVATIONS] = a.ctypes.data
-    context[CTX_OUT] = out.ctypes.data
-    context[CTX_ROWS_M] = rows
+def _pointer_intrinsic(kind):  # type: ignore[no-untyped-def]
+    llvm_kind = ir.IntType(kind.bitwidth)
+
+    @intrinsic
+    def pointer(typingctx, address):  # type: ignore[no-untyped-def]
+        """``address`` as a pointer, for ``numba.carray``."""
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.inttoptr(args[0], llvm_kind.as_pointer())
+
+        return types.CPointer(kind)(types.int64), codegen
+
+    return pointer
+
+
+_int8_pointer = _pointer_intrinsic(types.int8)
+_int32_pointer = _pointer_intrinsic(types.int32)
 
 
 # ----------------------------------------------------------------------------- tile bodies (LLVM IR)
@@ -449,15 +438,39 @@ def float_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         _float_span(context, unit * tiles // units, (unit + 1) * tiles // units)
 
 
-@numba.njit(types.void(types.int64, types.int64, types.int64), **_FLAGS)
-def run_alone(body, context, count):  # pragma: no cover  (compiled)
-    """Every tile of a job on the calling thread (no pool): ``body`` 0 the int8 tiles,
-    1 the float ones; ``count`` (the job's units) does not matter here."""
-    words = numba.carray(int64_pointer(context), CONTEXT_WORDS)
-    if body == 0:
-        _int8_span(words, 0, words[CTX_TILES])
+@numba.njit([types.void(_IN2, types.float32[:, ::1], types.int64[::1], types.boolean)], **_FLAGS)
+def prepare(a, out, context, run):  # pragma: no cover  (compiled)
+    """Make ``context`` ready for the product of ``a`` (M, K) into ``out`` (M, N), and
+    with ``run`` compute it on this thread. The context names the buffers (M rows each):
+    int8 bodies quantize ``a`` per block into its activation, scale and sum buffers; the
+    float tiles read ``a`` itself, or a copy in the padded buffer (zeros past K) when that
+    is named. One call: a decode step's products are small enough that each Python-level
+    dispatch counts."""
+    rows, k = a.shape
+    blocks, block_size = context[CTX_BLOCKS], context[CTX_GROUPS] * _GROUP
+    width = blocks * block_size
+    if context[CTX_BODY] != FLOAT_BODY:
+        quantized = numba.carray(_int8_pointer(context[CTX_ACTIVATIONS]), (rows, width))
+        scales = numba.carray(float32_pointer(context[CTX_ASCALES]), (rows, blocks))
+        sums = numba.carray(_int32_pointer(context[CTX_ASUMS]), (rows, blocks))
+        _quantize(a, block_size, quantized, scales, sums)
+    elif context[CTX_PADDED] != 0:
+        padded = numba.carray(float32_pointer(context[CTX_PADDED]), (rows, width))
+        for m in range(rows):
+            for i in range(k):
+                padded[m, i] = a[m, i]
+            for i in range(k, width):
+                padded[m, i] = 0.0
+        context[CTX_ACTIVATIONS] = context[CTX_PADDED]
     else:
-        _float_span(words, 0, words[CTX_TILES])
+        context[CTX_ACTIVATIONS] = a.ctypes.data
+    context[CTX_OUT] = out.ctypes.data
+    context[CTX_ROWS_M] = rows
+    if run:
+        if context[CTX_BODY] == FLOAT_BODY:
+            _float_span(context, 0, context[CTX_TILES])
+        else:
+            _int8_span(context, 0, context[CTX_TILES])
 
 
 def body_code(name: str) -> int:

@@ -59,15 +59,19 @@ def _nbits_rows(
     block_size: int,
     work: np.dtype,
     rows: slice = slice(None),
+    scratch: np.ndarray | None = None,
 ) -> np.ndarray:
     """Rows ``rows`` of the dequantized weight (output columns of the product) as an
-    (rows, K) array of ``work`` type, one vectorised pass over only those rows."""
+    (rows, K) array of ``work`` type, one vectorised pass over only those rows (4-bit
+    float32 ones into ``scratch`` when it is given and large enough)."""
     blocks = -(-k // block_size)
     blob = block_size * bits // 8
     if b.dtype != np.uint8 or b.size != n * blocks * blob:
         raise ValueError(f"B must be uint8 of shape ({n}, {blocks}, {blob}) for N={n}, K={k}, got {b.dtype} {b.shape}")
     if scales.size != n * blocks:
         raise ValueError(f"scales must hold N x k_blocks = {n} x {blocks} values, got shape {scales.shape}")
+    if bits == 4 and g_idx is None and work == np.float32:
+        return _four_bit_rows(b.reshape(n, blocks * blob)[rows], scales, zero_points, n, k, block_size, rows, scratch)
     q = _unpack(b.reshape(n, blocks, blob)[rows], bits).reshape(-1, blocks * block_size)[:, :k]
     count = q.shape[0]
     scale = scales.reshape(n, blocks)[rows].astype(work, copy=False)
@@ -96,6 +100,53 @@ def _nbits_rows(
     full -= zero[..., None]
     full *= scale[..., None]
     return full.reshape(count, padded)[:, :k]
+
+
+def _byte_table(offset: float) -> np.ndarray:
+    """Each byte's two 4-bit values (low, high) less ``offset`` as float32 pairs, one
+    uint64 per byte: one ``take`` then unpacks and converts a packed row."""
+    values = np.arange(256)
+    pairs = np.stack([values & 15, values >> 4], axis=1).astype(np.float32) - np.float32(offset)
+    return np.ascontiguousarray(pairs).view(np.uint64).reshape(256)
+
+
+_BYTE_PAIRS = _byte_table(0.0)
+_CENTERED_PAIRS = _byte_table(8.0)  # the default zero point folded in
+
+
+def _four_bit_rows(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None,
+    n: int,
+    k: int,
+    block_size: int,
+    rows: slice,
+    scratch: np.ndarray | None,
+) -> np.ndarray:
+    """``_nbits_rows`` for 4-bit weights and float32: a table look-up per byte gives its
+    two values as floats (0.3 ns a weight, where unpacking by shifts and converting took
+    4), then the zero points and scales per block."""
+    count, half = packed.shape
+    blocks = -(-k // block_size)
+    if scratch is None or scratch.size < count * half:
+        scratch = np.empty(count * half, np.uint64)
+    pairs = scratch[: count * half].reshape(count, half)
+    np.take(_BYTE_PAIRS if zero_points is not None else _CENTERED_PAIRS, packed, out=pairs, mode="wrap")
+    weight = pairs.view(np.float32).reshape(count, blocks, block_size)
+    if zero_points is not None:
+        if zero_points.dtype == np.uint8:
+            per_row = -(-blocks // 2)
+            if zero_points.size != n * per_row:
+                raise ValueError(f"packed zero_points must have shape ({n}, {per_row}), got {zero_points.shape}")
+            zero = _unpack(zero_points.reshape(n, per_row)[rows], 4)[:, :blocks].astype(np.float32)
+        else:
+            if zero_points.size != n * blocks:
+                raise ValueError(f"float zero_points must have shape ({n}, {blocks}), got {zero_points.shape}")
+            zero = zero_points.reshape(n, blocks)[rows].astype(np.float32, copy=False)
+        weight -= zero[..., None]
+    weight *= scales.reshape(n, blocks)[rows].astype(np.float32, copy=False)[..., None]
+    return weight.reshape(count, blocks * block_size)[:, :k]
 
 
 # Weight rows the numpy path dequantizes at a time: a slab of about this many bytes, so that
@@ -175,23 +226,38 @@ class _Job:
     """One thread's buffers and context for compiled products of ``rows`` rows of A:
     made once, reused by every call of that many rows (a decode step's 1, a prompt's)."""
 
-    __slots__ = ("quantized", "scales", "sums", "padded", "context", "address")
+    __slots__ = ("buffers", "context", "address")
 
-    def __init__(self, packed: _Packed, rows: int, n: int, block_size: int, int8: bool, padded: bool) -> None:
+    def __init__(self, loops: Any, packed: _Packed, rows: int, n: int, block_size: int, body: int, padded: bool) -> None:
         width = packed.blocks * block_size
-        empty = np.zeros((0, 0), np.float32)
-        self.quantized = np.zeros((rows, width) if int8 else (0, 0), np.int8)
-        self.scales = np.zeros((rows, packed.blocks), np.float32) if int8 else empty
-        self.sums = np.zeros((rows, packed.blocks), np.int32) if int8 else np.zeros((0, 0), np.int32)
-        self.padded = np.zeros((rows, width), np.float32) if padded else empty
-        zeros = packed.zeros
-        self.context = np.array(
-            [
-                packed.weights.ctypes.data, packed.scales.ctypes.data, 0 if zeros is None else zeros.ctypes.data,
-                0, 0, 0, 0, rows, n, packed.tiles, packed.blocks, packed.groups, 1, 0,
-            ],
-            np.int64,
+        int8 = body != loops.FLOAT_BODY
+        self.buffers = (
+            np.zeros((rows, width) if int8 else 0, np.int8),
+            np.zeros((rows, packed.blocks) if int8 else 0, np.float32),
+            np.zeros((rows, packed.blocks) if int8 else 0, np.int32),
+            np.zeros((rows, width) if padded else 0, np.float32),
         )
+        quantized, scales, sums, padding = self.buffers
+        zeros = packed.zeros
+        words = [0] * loops.CONTEXT_WORDS
+        for index, value in (
+            (loops.CTX_WEIGHTS, packed.weights.ctypes.data),
+            (loops.CTX_SCALES, packed.scales.ctypes.data),
+            (loops.CTX_ZEROS, 0 if zeros is None else zeros.ctypes.data),
+            (loops.CTX_ACTIVATIONS, quantized.ctypes.data if int8 else 0),
+            (loops.CTX_ASCALES, scales.ctypes.data if int8 else 0),
+            (loops.CTX_ASUMS, sums.ctypes.data if int8 else 0),
+            (loops.CTX_ROWS_M, rows),
+            (loops.CTX_N, n),
+            (loops.CTX_TILES, packed.tiles),
+            (loops.CTX_BLOCKS, packed.blocks),
+            (loops.CTX_GROUPS, packed.groups),
+            (loops.CTX_UNITS, 1),
+            (loops.CTX_BODY, body),
+            (loops.CTX_PADDED, padding.ctypes.data if padded else 0),
+        ):
+            words[index] = value
+        self.context = np.array(words, np.int64)
         self.address = int(self.context.ctypes.data)
 
 
@@ -200,6 +266,7 @@ class _Jobs(threading.local):
 
     def __init__(self) -> None:
         self.by_rows: dict[tuple[int, bool], _Job] = {}
+        self.slab: np.ndarray | None = None  # the numpy path's slab of weight rows
 
 
 # Multiply-adds from which a compiled product shares its tiles out over the free cores (the
@@ -287,19 +354,19 @@ def matmul_nbits(ctx: KernelContext):
         padded = not int8_activations and (blocks * block_size != k or not a2.flags.c_contiguous)
         job = jobs.by_rows.get((rows, padded))
         if job is None:
-            job = jobs.by_rows[(rows, padded)] = _Job(packed, rows, n, block_size, int8_activations, padded)
             # the body is read once per job: PLUGRT_INT4_BODY forces one (tests), else the fastest here
-            job.context[loops.CTX_BODY] = loops.body_code(loops.choose_body()) if int8_activations else -1
-        loops.prepare(a2, out.reshape(rows, n), job.quantized, job.scales, job.sums, job.padded, job.context, block_size, int8_activations)
-        work = rows * n * k
-        count = threads_for(PARALLEL_MIN_WORK) if work >= _COMPILED_MIN_WORK else 1
+            body = loops.body_code(loops.choose_body()) if int8_activations else loops.FLOAT_BODY
+            job = jobs.by_rows[(rows, padded)] = _Job(loops, packed, rows, n, block_size, body, padded)
+        y = out.reshape(rows, n)
+        count = threads_for(PARALLEL_MIN_WORK) if rows * n * k >= _COMPILED_MIN_WORK else 1
         pool = compiled_pool() if count > 1 else None
-        if pool is not None:
-            units = min(packed.tiles, count * _UNITS_PER_THREAD)
-            job.context[loops.CTX_UNITS] = units
-            pool.run((loops.int8_units if int8_activations else loops.float_units).address, job.address, units, count)
-        else:
-            loops.run_alone(0 if int8_activations else 1, job.address, 1)
+        if pool is None:
+            loops.prepare(a2, y, job.context, True)
+            return True
+        loops.prepare(a2, y, job.context, False)
+        units = min(packed.tiles, count * _UNITS_PER_THREAD)
+        job.context[loops.CTX_UNITS] = units
+        pool.run((loops.int8_units if int8_activations else loops.float_units).address, job.address, units, count)
         return True
 
     def _slab_product(a, out, b, scales, zero_points, g_idx) -> None:
@@ -314,9 +381,12 @@ def matmul_nbits(ctx: KernelContext):
         y = out.reshape(rows, n)
         step = max(16, (_SLAB_BYTES // (k * work.itemsize)) // 16 * 16)
         direct = out.dtype == work and out.flags.c_contiguous and a2.flags.c_contiguous
+        scratch = jobs.slab
+        if scratch is None or scratch.size < step * blocks * block_size // 2:
+            scratch = jobs.slab = np.empty(step * blocks * block_size // 2, np.uint64)
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
-            slab = _nbits_rows(b, scales, zero_points, g_idx, n, k, bits, block_size, work, slice(n0, n1))
+            slab = _nbits_rows(b, scales, zero_points, g_idx, n, k, bits, block_size, work, slice(n0, n1), scratch)
             if direct and n1 - n0 == n:
                 np.matmul(a2, slab.T, out=y)
             else:
