@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from plugrt.provider import shared_transform
-from plugrt.threads import PARALLEL_MIN_WORK, threads_for
+from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, threads_for
 
 from .._registry import KernelContext, declare_into, kernel, kernel_builder
 from ._compiled import compiled_enabled, compiled_module
@@ -319,6 +319,7 @@ def matmul_nbits(ctx: KernelContext):
             ("MatMulNBits.int4", n, k, block_size),
             lambda: _Packed(constants[1], constants[2], constants[3], n, k, block_size),
         )
+        compiled_module("_numba_int4")  # the background build starts now, while the session is still being built
 
     def run(a, b, scales, zero_points=None, g_idx=None, bias=None):
         out = np.empty(a.shape[:-1] + (n,), a.dtype)
@@ -387,6 +388,7 @@ def matmul_nbits(ctx: KernelContext):
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
             slab = _nbits_rows(b, scales, zero_points, g_idx, n, k, bits, block_size, work, slice(n0, n1), scratch)
+            blas_threads(rows * (n1 - n0) * k)
             if direct and n1 - n0 == n:
                 np.matmul(a2, slab.T, out=y)
             else:
