@@ -266,7 +266,11 @@ class _Jobs(threading.local):
 
     def __init__(self) -> None:
         self.by_rows: dict[tuple[int, bool], _Job] = {}
-        self.slab: np.ndarray | None = None  # the numpy path's slab of weight rows
+
+
+# Each thread's slab of dequantized weight rows for the numpy path, shared by every
+# MatMulNBits (one a node would hold a megabyte for each of a decoder's hundreds).
+_SLABS = threading.local()
 
 
 # Multiply-adds from which a compiled product shares its tiles out over the free cores (the
@@ -382,9 +386,9 @@ def matmul_nbits(ctx: KernelContext):
         y = out.reshape(rows, n)
         step = max(16, (_SLAB_BYTES // (k * work.itemsize)) // 16 * 16)
         direct = out.dtype == work and out.flags.c_contiguous and a2.flags.c_contiguous
-        scratch = jobs.slab
+        scratch = getattr(_SLABS, "slab", None)
         if scratch is None or scratch.size < step * blocks * block_size // 2:
-            scratch = jobs.slab = np.empty(step * blocks * block_size // 2, np.uint64)
+            scratch = _SLABS.slab = np.empty(step * blocks * block_size // 2, np.uint64)
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
             slab = _nbits_rows(b, scales, zero_points, g_idx, n, k, bits, block_size, work, slice(n0, n1), scratch)
