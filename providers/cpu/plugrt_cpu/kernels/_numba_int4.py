@@ -117,9 +117,11 @@ def choose_body(requested: str | None = None) -> str:
 # The context of the job bodies (int64 words).
 (
     CTX_WEIGHTS, CTX_SCALES, CTX_ZEROS, CTX_ACTIVATIONS, CTX_ASCALES, CTX_ASUMS, CTX_OUT, CTX_ROWS_M, CTX_N,
-    CTX_TILES, CTX_BLOCKS, CTX_GROUPS, CTX_UNITS, CTX_BODY, CTX_PADDED,
-) = range(15)
-CONTEXT_WORDS = 15
+    CTX_TILES, CTX_BLOCKS, CTX_GROUPS, CTX_UNITS, CTX_BODY, CTX_PADDED, CTX_SCRATCH,
+) = range(16)
+CONTEXT_WORDS = 16
+#: Rows of A the float tiles take together once a tile's weights are dequantized (accumulators)
+MULTI_ROWS = 8
 # CTX_BODY: an int8 body's code (``body_code``), or FLOAT_BODY for the float tiles.
 FLOAT_BODY = -1
 
@@ -359,6 +361,65 @@ def _float_codegen(context, builder, signature, args):  # type: ignore[no-untype
     return context.get_dummy_value()
 
 
+def _float_rows_codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    """Several rows of A by one tile: its weights dequantized once, ``(q - z) * s``, into
+    ``scratch`` (K x 16 floats), then ``MULTI_ROWS`` rows of A at a time, each step one
+    vector of the tile's 16 rows by a broadcast activation per row (independent
+    accumulators, so the fused multiply-adds do not wait on each other)."""
+    w, scales, zeros, a, lda, m_rows, blocks, groups, out, ldo, rows, scratch = args
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
+    low_bits = ir.Constant(_V32, [0x0F] * ROWS)
+    zero = ir.Constant(_VF, [0.0] * ROWS)
+    table = _pointer(builder, scratch, _VF)
+    with cgutils.for_range(builder, blocks) as block_loop:
+        block = block_loop.index
+        offsets = builder.sitofp(_zero_lanes(builder, zeros, block), _VF)
+        scale = _load(builder, builder.add(scales, builder.mul(block, _c(4 * ROWS))), _VF)
+        with cgutils.for_range(builder, groups) as group_loop:
+            group = builder.add(builder.mul(block, groups), group_loop.index)
+            base = builder.add(w, builder.mul(group, _c(4 * _CHUNK)))
+            first = builder.mul(group, _c(_GROUP))
+            for c in range(4):
+                chunk = _load(builder, builder.add(base, _c(c * _CHUNK)), _V32)
+                for j in range(4):
+                    for nibble in range(2):
+                        shift = ir.Constant(_V32, [8 * j + 4 * nibble] * ROWS)
+                        value = builder.and_(builder.lshr(chunk, shift), low_bits)
+                        weight = builder.fmul(builder.fsub(builder.sitofp(value, _VF), offsets), scale)
+                        index = builder.add(first, _c(16 * nibble + 4 * c + j))
+                        builder.store(weight, builder.gep(table, [index]), align=64)
+    width = builder.mul(builder.mul(blocks, groups), _c(_GROUP))
+    floats = _pointer(builder, a, _F32)
+    accumulators = [cgutils.alloca_once(builder, _VF) for _ in range(MULTI_ROWS)]
+    passes = builder.sdiv(builder.add(m_rows, _c(MULTI_ROWS - 1)), _c(MULTI_ROWS))
+    last = builder.sub(m_rows, _c(1))
+    with cgutils.for_range(builder, passes) as pass_loop:
+        m0 = builder.mul(pass_loop.index, _c(MULTI_ROWS))
+        starts = []
+        for i in range(MULTI_ROWS):  # rows past the last read the last one and are not stored
+            row = builder.add(m0, _c(i))
+            row = builder.select(builder.icmp_signed("<", row, m_rows), row, last)
+            starts.append(builder.mul(row, lda))
+            builder.store(zero, accumulators[i])
+        with cgutils.for_range(builder, width) as k_loop:
+            k = k_loop.index
+            weight = builder.load(builder.gep(table, [k]), align=64)
+            for i in range(MULTI_ROWS):
+                activation = _splat(builder, builder.load(builder.gep(floats, [builder.add(starts[i], k)])), _VF)
+                builder.store(builder.call(fma, [weight, activation, builder.load(accumulators[i])]), accumulators[i])
+        for i in range(MULTI_ROWS):
+            row = builder.add(m0, _c(i))
+            with builder.if_then(builder.icmp_signed("<", row, m_rows)):
+                _store_rows(builder, builder.load(accumulators[i]), builder.add(out, builder.mul(row, builder.mul(ldo, _c(4)))), rows)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _float_rows(typingctx, w, scales, zeros, a, lda, m_rows, blocks, groups, out, ldo, rows, scratch):  # type: ignore[no-untyped-def]
+    """Float tiles for several rows of A (prompts), the tile dequantized once."""
+    return types.void(*([types.int64] * 12)), _float_rows_codegen
+
+
 @intrinsic
 def _float_tile(typingctx, w, scales, zeros, a, blocks, groups, out, rows):  # type: ignore[no-untyped-def]
     """One float tile (accuracy levels 0-3)."""
@@ -402,7 +463,7 @@ def _int8_span(context, first, last):  # pragma: no cover  (compiled)
 
 
 @numba.njit(**_FLAGS)
-def _float_span(context, first, last):  # pragma: no cover  (compiled)
+def _float_span(context, first, last, slot):  # pragma: no cover  (compiled)
     m_rows, n = context[CTX_ROWS_M], context[CTX_N]
     blocks, groups = context[CTX_BLOCKS], context[CTX_GROUPS]
     tile_bytes = blocks * groups * 4 * _CHUNK
@@ -412,10 +473,14 @@ def _float_span(context, first, last):  # pragma: no cover  (compiled)
         scales = context[CTX_SCALES] + t * blocks * ROWS * 4
         zeros = context[CTX_ZEROS] + t * blocks * ROWS if context[CTX_ZEROS] != 0 else 0
         rows = min(ROWS, n - t * ROWS)
+        out = context[CTX_OUT] + t * ROWS * 4
+        if m_rows > 1 and context[CTX_SCRATCH] != 0:
+            scratch = context[CTX_SCRATCH] + slot * padded * ROWS * 4
+            _float_rows(w, scales, zeros, context[CTX_ACTIVATIONS], padded, m_rows, blocks, groups, out, n, rows, scratch)
+            continue
         for m in range(m_rows):
             a = context[CTX_ACTIVATIONS] + m * padded * 4
-            out = context[CTX_OUT] + (m * n + t * ROWS) * 4
-            _float_tile(w, scales, zeros, a, blocks, groups, out, rows)
+            _float_tile(w, scales, zeros, a, blocks, groups, out + m * n * 4, rows)
 
 
 @numba.cfunc(types.void(types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True)
@@ -435,7 +500,7 @@ def float_units(c, start, stop, slot):  # pragma: no cover  (compiled)
     context = numba.carray(int64_pointer(c), CONTEXT_WORDS)
     tiles, units = context[CTX_TILES], context[CTX_UNITS]
     for unit in range(start, stop):
-        _float_span(context, unit * tiles // units, (unit + 1) * tiles // units)
+        _float_span(context, unit * tiles // units, (unit + 1) * tiles // units, slot)
 
 
 @numba.njit([types.void(_IN2, types.float32[:, ::1], types.int64[::1], types.boolean)], **_FLAGS)
@@ -468,7 +533,7 @@ def prepare(a, out, context, run):  # pragma: no cover  (compiled)
     context[CTX_ROWS_M] = rows
     if run:
         if context[CTX_BODY] == FLOAT_BODY:
-            _float_span(context, 0, context[CTX_TILES])
+            _float_span(context, 0, context[CTX_TILES], 0)
         else:
             _int8_span(context, 0, context[CTX_TILES])
 

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import contextlib
 import mmap
+import os
 import threading
 from typing import Any
 
@@ -236,8 +237,12 @@ class _Job:
             np.zeros((rows, packed.blocks) if int8 else 0, np.float32),
             np.zeros((rows, packed.blocks) if int8 else 0, np.int32),
             np.zeros((rows, width) if padded else 0, np.float32),
+            # the float tiles of several rows dequantize a tile here first: K x 16 floats a thread,
+            # on a 64-byte boundary
+            np.zeros(_SLOTS * width * 16 + 16 if not int8 and rows > 1 else 0, np.float32),
         )
-        quantized, scales, sums, padding = self.buffers
+        quantized, scales, sums, padding, tables = self.buffers
+        table = tables.ctypes.data + (-tables.ctypes.data % 64) if tables.size else 0
         zeros = packed.zeros
         words = [0] * loops.CONTEXT_WORDS
         for index, value in (
@@ -255,6 +260,7 @@ class _Job:
             (loops.CTX_UNITS, 1),
             (loops.CTX_BODY, body),
             (loops.CTX_PADDED, padding.ctypes.data if padded else 0),
+            (loops.CTX_SCRATCH, table),
         ):
             words[index] = value
         self.context = np.array(words, np.int64)
@@ -277,6 +283,7 @@ _SLABS = threading.local()
 # compiled pool's workers spin between jobs: a split pays off from tens of microseconds),
 # and units of tiles per thread.
 _COMPILED_MIN_WORK = 1 << 18
+_SLOTS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 _UNITS_PER_THREAD = 4
 
 
@@ -369,6 +376,7 @@ def matmul_nbits(ctx: KernelContext):
             loops.prepare(a2, y, job.context, True)
             return True
         loops.prepare(a2, y, job.context, False)
+        count = min(count, _SLOTS)  # the float tiles' scratch has a table for this many threads
         units = min(packed.tiles, count * _UNITS_PER_THREAD)
         job.context[loops.CTX_UNITS] = units
         pool.run((loops.int8_units if int8_activations else loops.float_units).address, job.address, units, count)
