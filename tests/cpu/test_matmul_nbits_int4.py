@@ -199,3 +199,26 @@ def test_unknown_or_missing_body_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="choose one of vnni, avx2, portable"):
         loops.choose_body("sse9")
     assert loops.choose_body() == loops.bodies()[0]
+
+
+@pytest.mark.parametrize("accuracy", [1, 4])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_products_shared_over_threads_match_onnxruntime(path, monkeypatch, accuracy, rows):
+    """Two threads (forced, whatever the load) share a product's tiles on the compiled pool,
+    each float multi-row tile in its own table; the result is the one thread's."""
+    if path == "numpy":
+        pytest.skip("the numpy path threads inside BLAS")
+    from plugrt_cpu.kernels._compiled_parallel import compiled_pool
+
+    if compiled_pool() is None:
+        pytest.skip("no compiled pool here")
+    monkeypatch.setattr(contrib_quantization, "threads_for", lambda work: 2)
+    model = _model(1000, 576, 32, accuracy, True)
+    a = np.random.default_rng(6).standard_normal((rows, 576)).astype(np.float32)
+    got = plugrt.load(model).run({"A": a})["Y"]
+    if accuracy == 1:
+        assert _relative(got, _onnxruntime(model, a)) <= 1e-4
+    else:
+        exact = _onnxruntime(_model(1000, 576, 32, 1, True), a)
+        quantized = _onnxruntime(model, a)
+        assert _relative(got, quantized) <= _relative(quantized, exact)
