@@ -257,8 +257,13 @@ def _child(runtime: str, folder: Path, prompt: int, tokens: int) -> dict:
         generated.append(step())
         times.append(time.perf_counter() - begin)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"first_ms": first * 1e3, "ms_per_token": statistics.median(times) * 1e3, "peak_rss_mib": rss,
-            "tokens": generated}
+    result = {"first_ms": first * 1e3, "ms_per_token": statistics.median(times) * 1e3, "peak_rss_mib": rss,
+              "tokens": generated}
+    if runtime == "plugrt":  # whether the 4-bit kernels ran compiled (a stale numba cache still builds in the background)
+        from plugrt_cpu.kernels import _compiled
+
+        result["compiled_int4"] = _compiled.compiled_module("_numba_int4") is not None
+    return result
 
 
 def _build(models: Path, shape: str, precision: str) -> Path:
@@ -300,6 +305,8 @@ def measure_shape(shape: str, precisions: list[str], models: Path, prompt: int, 
         print(f"  plugrt / onnxruntime-genai: ms/token {plugrt['ms_per_token'] / peer['ms_per_token']:.2f}x, "
               f"first token {plugrt['first_ms'] / peer['first_ms']:.2f}x, peak RSS "
               f"{plugrt['peak_rss_mib'] / peer['peak_rss_mib']:.2f}x")
+        compiled = [r.get("compiled_int4", False) for r in results["plugrt"]]
+        print(f"  plugrt's compiled 4-bit kernels loaded by the end in {sum(compiled)} of {len(compiled)} processes")
         same = results["plugrt"][0]["tokens"] == results["onnxruntime-genai"][0]["tokens"]
         agree = sum(a == b for a, b in zip(results["plugrt"][0]["tokens"], results["onnxruntime-genai"][0]["tokens"]))
         print(f"  greedy tokens: {'the same' if same else f'{agree} of {tokens} the same'}")

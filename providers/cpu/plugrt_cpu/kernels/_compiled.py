@@ -47,6 +47,7 @@ __all__ = [
     "build_finished",
     "cache_directory",
     "cache_stamp",
+    "compiled_enabled",
     "compiled_module",
     "generation",
     "pinned",
@@ -63,6 +64,7 @@ MODULES: dict[str, str] = {
     "_numba_conv": "Conv units (gather, GEMM, epilogue)",
     "_numba_loops": "GELU, LayerNorm of a sum, attention softmax",
     "_numba_decode": "RMS norms, decode attention, rotary KV caches",
+    "_numba_int4": "4-bit MatMulNBits (int8 and float tiles)",
     "_numba_depthwise": "depthwise Conv",
     "_numba_pool": "MaxPool and AveragePool",
     "_numba_winograd": "Winograd transforms",
@@ -170,6 +172,13 @@ def _numba_installed() -> bool:
         return importlib.util.find_spec("numba") is not None
     except (ImportError, ValueError, AttributeError, RuntimeError):  # a module object that is not one: let its import tell
         return True
+
+
+def compiled_enabled() -> bool:
+    """Whether compiled modules can come in this process (numba installed, not turned
+    off by ``PLUGRT_NUMBA=0``), ready yet or not: for kernels that prepare a weight in
+    the compiled loops' layout at compile time."""
+    return _mode() != "off"
 
 
 def compiled_module(name: str) -> ModuleType | None:

@@ -74,6 +74,16 @@ def skip_rms_rows(a, b, bias, epsilon, gamma, y, inv_std, total):  # pragma: no 
             y[r, c] = total[r, c] * inv * gamma[c]
 
 
+@numba.njit(**_FLAGS, fastmath={"reassoc"})
+def _dot(a, b):  # pragma: no cover  (compiled)
+    """The dot product of two float32 vectors, summed in whatever order vectorizes (a
+    query by a key: one chain of dependent adds took most of a decode step's attention)."""
+    total = np.float32(0.0)
+    for i in range(a.shape[0]):
+        total += a[i] * b[i]
+    return total
+
+
 @_entry(numba.void(_IN4, _IN4, _IN4, _INDICES1, _INDICES1, numba.int64, _OUT1, _OUT3))
 def causal_attention(queries, keys, values, lengths, past_lengths, window, work, out):  # pragma: no cover  (compiled)
     """Grouped causal attention of the scaled queries (B, N, S, D) over the first
@@ -92,10 +102,9 @@ def causal_attention(queries, keys, values, lengths, past_lengths, window, work,
                 end = min(position + 1, valid)
                 start = max(0, position - window + 1) if window > 0 else 0
                 peak = -np.inf
+                query = queries[b, h, s]
                 for t in range(start, end):
-                    dot = np.float32(0.0)
-                    for d in range(head_size):
-                        dot += queries[b, h, s, d] * keys[b, kv, t, d]
+                    dot = _dot(query, keys[b, kv, t])
                     work[t] = dot
                     peak = max(peak, dot)
                 total = np.float32(0.0)
@@ -103,11 +112,17 @@ def causal_attention(queries, keys, values, lengths, past_lengths, window, work,
                     e = np.float32(math.exp(work[t] - peak))
                     work[t] = e
                     total += e
+                # the weighted values summed position by position, every channel at once (a
+                # vector of channels: the sum over t for each channel keeps its order)
+                row = out[b, s, h * head_size : (h + 1) * head_size]
+                row[:] = 0.0
+                for t in range(start, end):
+                    weight = work[t]
+                    value = values[b, kv, t]
+                    for d in range(head_size):
+                        row[d] += weight * value[d]
                 for d in range(head_size):
-                    acc = np.float32(0.0)
-                    for t in range(start, end):
-                        acc += work[t] * values[b, kv, t, d]
-                    out[b, s, h * head_size + d] = acc / total
+                    row[d] /= total
 
 
 @_compiled

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import contextlib
+import mmap
+import os
+import threading
+from typing import Any
+
 from plugrt.provider import shared_transform
+from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, threads_for
 
 from .._registry import KernelContext, declare_into, kernel, kernel_builder
+from ._compiled import compiled_enabled, compiled_module
+from ._compiled_parallel import compiled_pool
 from .quantization import _dequantize, _quantize
 
 _MS = "com.microsoft"
@@ -40,7 +49,7 @@ def _work_dtype(dtype: np.dtype) -> np.dtype:
 # ----------------------------------------------------------------------------- MatMulNBits
 
 
-def _nbits_weight(
+def _nbits_rows(
     b: np.ndarray,
     scales: np.ndarray,
     zero_points: np.ndarray | None,
@@ -50,43 +59,100 @@ def _nbits_weight(
     bits: int,
     block_size: int,
     work: np.dtype,
+    rows: slice = slice(None),
+    scratch: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The dequantized weight as a (K, N) array of ``work`` type, one vectorised pass."""
+    """Rows ``rows`` of the dequantized weight (output columns of the product) as an
+    (rows, K) array of ``work`` type, one vectorised pass over only those rows (4-bit
+    float32 ones into ``scratch`` when it is given and large enough)."""
     blocks = -(-k // block_size)
     blob = block_size * bits // 8
     if b.dtype != np.uint8 or b.size != n * blocks * blob:
         raise ValueError(f"B must be uint8 of shape ({n}, {blocks}, {blob}) for N={n}, K={k}, got {b.dtype} {b.shape}")
     if scales.size != n * blocks:
         raise ValueError(f"scales must hold N x k_blocks = {n} x {blocks} values, got shape {scales.shape}")
-    q = _unpack(b.reshape(n, blocks, blob), bits).reshape(n, blocks * block_size)[:, :k]
-    scale = scales.reshape(n, blocks).astype(work, copy=False)
+    if bits == 4 and g_idx is None and work == np.float32:
+        return _four_bit_rows(b.reshape(n, blocks * blob)[rows], scales, zero_points, n, k, block_size, rows, scratch)
+    q = _unpack(b.reshape(n, blocks, blob)[rows], bits).reshape(-1, blocks * block_size)[:, :k]
+    count = q.shape[0]
+    scale = scales.reshape(n, blocks)[rows].astype(work, copy=False)
     if zero_points is None:
-        zero = np.full((n, blocks), 1 << (bits - 1), dtype=work)
+        zero = np.full((count, blocks), 1 << (bits - 1), dtype=work)
     elif zero_points.dtype == np.uint8:
         per_row = -(-blocks * bits // 8)
         if zero_points.size != n * per_row:
             raise ValueError(f"packed zero_points must have shape ({n}, {per_row}), got {zero_points.shape}")
-        zero = _unpack(zero_points.reshape(n, per_row), bits)[:, :blocks].astype(work)
+        zero = _unpack(zero_points.reshape(n, per_row)[rows], bits)[:, :blocks].astype(work)
     else:
         if zero_points.size != n * blocks:
             raise ValueError(f"float zero_points must have shape ({n}, {blocks}), got {zero_points.shape}")
-        zero = zero_points.reshape(n, blocks).astype(work, copy=False)
+        zero = zero_points.reshape(n, blocks)[rows].astype(work, copy=False)
     if g_idx is not None:
         # deprecated act-order layout: column k belongs to block g_idx[k]
         groups = np.asarray(g_idx, dtype=np.int64).reshape(-1)
         if groups.shape != (k,) or groups.min(initial=0) < 0 or groups.max(initial=0) >= blocks:
             raise ValueError(f"g_idx must hold {k} block indices in [0, {blocks}), got shape {groups.shape}")
-        weight = (q.astype(work) - zero[:, groups]) * scale[:, groups]
-    else:
-        padded = blocks * block_size
-        full = np.empty((n, padded), work)
-        full[:, :k] = q
-        full[:, k:] = 0
-        full = full.reshape(n, blocks, block_size)
-        full -= zero[..., None]
-        full *= scale[..., None]
-        weight = full.reshape(n, padded)[:, :k]
-    return np.ascontiguousarray(weight.T)
+        return (q.astype(work) - zero[:, groups]) * scale[:, groups]
+    padded = blocks * block_size
+    full = np.empty((count, padded), work)
+    full[:, :k] = q
+    full[:, k:] = 0
+    full = full.reshape(count, blocks, block_size)
+    full -= zero[..., None]
+    full *= scale[..., None]
+    return full.reshape(count, padded)[:, :k]
+
+
+def _byte_table(offset: float) -> np.ndarray:
+    """Each byte's two 4-bit values (low, high) less ``offset`` as float32 pairs, one
+    uint64 per byte: one ``take`` then unpacks and converts a packed row."""
+    values = np.arange(256)
+    pairs = np.stack([values & 15, values >> 4], axis=1).astype(np.float32) - np.float32(offset)
+    return np.ascontiguousarray(pairs).view(np.uint64).reshape(256)
+
+
+_BYTE_PAIRS = _byte_table(0.0)
+_CENTERED_PAIRS = _byte_table(8.0)  # the default zero point folded in
+
+
+def _four_bit_rows(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None,
+    n: int,
+    k: int,
+    block_size: int,
+    rows: slice,
+    scratch: np.ndarray | None,
+) -> np.ndarray:
+    """``_nbits_rows`` for 4-bit weights and float32: a table look-up per byte gives its
+    two values as floats (0.3 ns a weight, where unpacking by shifts and converting took
+    4), then the zero points and scales per block."""
+    count, half = packed.shape
+    blocks = -(-k // block_size)
+    if scratch is None or scratch.size < count * half:
+        scratch = np.empty(count * half, np.uint64)
+    pairs = scratch[: count * half].reshape(count, half)
+    np.take(_BYTE_PAIRS if zero_points is not None else _CENTERED_PAIRS, packed, out=pairs, mode="wrap")
+    weight = pairs.view(np.float32).reshape(count, blocks, block_size)
+    if zero_points is not None:
+        if zero_points.dtype == np.uint8:
+            per_row = -(-blocks // 2)
+            if zero_points.size != n * per_row:
+                raise ValueError(f"packed zero_points must have shape ({n}, {per_row}), got {zero_points.shape}")
+            zero = _unpack(zero_points.reshape(n, per_row)[rows], 4)[:, :blocks].astype(np.float32)
+        else:
+            if zero_points.size != n * blocks:
+                raise ValueError(f"float zero_points must have shape ({n}, {blocks}), got {zero_points.shape}")
+            zero = zero_points.reshape(n, blocks)[rows].astype(np.float32, copy=False)
+        weight -= zero[..., None]
+    weight *= scales.reshape(n, blocks)[rows].astype(np.float32, copy=False)[..., None]
+    return weight.reshape(count, blocks * block_size)[:, :k]
+
+
+# Weight rows the numpy path dequantizes at a time: a slab of about this many bytes, so that
+# it stays in the L2 cache while BLAS multiplies it and no float copy of the weight is made.
+_SLAB_BYTES = 1 << 20
 
 
 def _int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
@@ -110,6 +176,117 @@ def _int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
     return quantized.reshape(padded.shape)[..., :k]
 
 
+class _Packed:
+    """A 4-bit weight as the compiled kernels read it (``_numba_int4.pack``)."""
+
+    __slots__ = ("weights", "scales", "zeros", "tiles", "blocks", "groups")
+
+    def __init__(self, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, block_size: int):
+        from ._int4_layout import pack
+
+        self.weights, self.scales, self.zeros = pack(b, scales, zero_points, n, k, block_size)
+        self.tiles, self.blocks = self.weights.shape[:2]
+        self.groups = block_size // 32
+        for source in (b, scales, zero_points):  # read once to repack: not held resident beside the copy
+            if source is not None:
+                _release_pages(source)
+
+
+def _release_pages(array: np.ndarray) -> None:
+    """Let the kernel drop ``array``'s pages from this process's resident memory when it
+    is a read-only memory map of a file (external data): they are read back from the
+    file if it is read again. Arrays in anonymous memory are left alone."""
+    owner: Any = array
+    while owner is not None and not isinstance(owner, mmap.mmap):
+        owner = owner.obj if isinstance(owner, memoryview) else getattr(owner, "base", None)
+    if not isinstance(owner, mmap.mmap) or owner.closed:
+        return
+    start = int(array.ctypes.data) - int(np.frombuffer(owner, np.uint8).ctypes.data)
+    page = mmap.PAGESIZE
+    first = -(-start // page) * page  # whole pages inside the array only
+    last = (start + array.nbytes) // page * page
+    if last > first and hasattr(owner, "madvise"):
+        with contextlib.suppress(OSError, ValueError):
+            owner.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _compiled_kinds(bits: int, block_size: int, scales: np.ndarray | None, zero_points: np.ndarray | None, g_idx: np.ndarray | None) -> bool:
+    """Whether the compiled 4-bit kernels take this weight: 4 bits in whole groups of 32,
+    float scales, packed zero points or none, no act-order ``g_idx``."""
+    return (
+        bits == 4
+        and block_size % 32 == 0
+        and g_idx is None
+        and scales is not None
+        and scales.dtype in (np.float32, np.float16)
+        and (zero_points is None or zero_points.dtype == np.uint8)
+    )
+
+
+class _Job:
+    """One thread's buffers and context for compiled products of ``rows`` rows of A:
+    made once, reused by every call of that many rows (a decode step's 1, a prompt's)."""
+
+    __slots__ = ("buffers", "context", "address")
+
+    def __init__(self, loops: Any, packed: _Packed, rows: int, n: int, block_size: int, body: int, padded: bool) -> None:
+        width = packed.blocks * block_size
+        int8 = body != loops.FLOAT_BODY
+        self.buffers = (
+            np.zeros((rows, width) if int8 else 0, np.int8),
+            np.zeros((rows, packed.blocks) if int8 else 0, np.float32),
+            np.zeros((rows, packed.blocks) if int8 else 0, np.int32),
+            np.zeros((rows, width) if padded else 0, np.float32),
+            # the float tiles of several rows dequantize a tile here first: K x 16 floats a thread,
+            # on a 64-byte boundary
+            np.zeros(_SLOTS * width * 16 + 16 if not int8 and rows > 1 else 0, np.float32),
+        )
+        quantized, scales, sums, padding, tables = self.buffers
+        table = tables.ctypes.data + (-tables.ctypes.data % 64) if tables.size else 0
+        zeros = packed.zeros
+        words = [0] * loops.CONTEXT_WORDS
+        for index, value in (
+            (loops.CTX_WEIGHTS, packed.weights.ctypes.data),
+            (loops.CTX_SCALES, packed.scales.ctypes.data),
+            (loops.CTX_ZEROS, 0 if zeros is None else zeros.ctypes.data),
+            (loops.CTX_ACTIVATIONS, quantized.ctypes.data if int8 else 0),
+            (loops.CTX_ASCALES, scales.ctypes.data if int8 else 0),
+            (loops.CTX_ASUMS, sums.ctypes.data if int8 else 0),
+            (loops.CTX_ROWS_M, rows),
+            (loops.CTX_N, n),
+            (loops.CTX_TILES, packed.tiles),
+            (loops.CTX_BLOCKS, packed.blocks),
+            (loops.CTX_GROUPS, packed.groups),
+            (loops.CTX_UNITS, 1),
+            (loops.CTX_BODY, body),
+            (loops.CTX_PADDED, padding.ctypes.data if padded else 0),
+            (loops.CTX_SCRATCH, table),
+        ):
+            words[index] = value
+        self.context = np.array(words, np.int64)
+        self.address = int(self.context.ctypes.data)
+
+
+class _Jobs(threading.local):
+    """Each thread's ``_Job``s by row count and layout."""
+
+    def __init__(self) -> None:
+        self.by_rows: dict[tuple[int, bool], _Job] = {}
+
+
+# Each thread's slab of dequantized weight rows for the numpy path, shared by every
+# MatMulNBits (one a node would hold a megabyte for each of a decoder's hundreds).
+_SLABS = threading.local()
+
+
+# Multiply-adds from which a compiled product shares its tiles out over the free cores (the
+# compiled pool's workers spin between jobs: a split pays off from tens of microseconds),
+# and units of tiles per thread.
+_COMPILED_MIN_WORK = 1 << 18
+_SLOTS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+_UNITS_PER_THREAD = 4
+
+
 @kernel_builder("MatMulNBits", 1, domain=_MS)
 def matmul_nbits(ctx: KernelContext):
     attrs = ctx.attributes
@@ -128,59 +305,110 @@ def matmul_nbits(ctx: KernelContext):
     # of K as onnxruntime does, so greedy decoding picks the same tokens as it. Lower
     # levels multiply in float32 (float64 for float64 A).
     int8_activations = int(attrs.get("accuracy_level", 0)) == 4
-    a_dtype = ctx.input_dtypes[0] if ctx.input_dtypes else None
-    work = _work_dtype(np.dtype(a_dtype)) if a_dtype is not None else np.dtype(np.float32)
+    blocks = -(-k // block_size)
     constants = list(ctx.constant_inputs) + [None] * (5 - len(ctx.constant_inputs))
+    jobs = _Jobs()
 
     def fixed(i: int) -> bool:  # absent, or an initializer
         if i >= ctx.num_inputs or constants[i] is not None:
             return True
         return ctx.node is not None and ctx.node.inputs[i] is None
 
-    cached = None
-    if all(fixed(i) for i in range(1, 5)) and constants[1] is not None and constants[1].size:
-        # the weight is an initializer: dequantize it once, here
-        # one dequantized weight for every session of a WeightStore (a prefill and a decode graph)
-        cached = shared_transform(
+    packed: _Packed | None = None
+    if (
+        all(fixed(i) for i in range(1, 5))
+        and constants[1] is not None
+        and constants[1].size
+        and _compiled_kinds(bits, block_size, constants[2], constants[3], constants[4])
+        and compiled_enabled()
+    ):
+        # The weight is an initializer: repacked once for the compiled kernels, half a byte
+        # a weight as it came, one copy for every session of a WeightStore (a prefill and a
+        # decode graph). Nothing is dequantized ahead of a call.
+        packed = shared_transform(
             tuple(constants[1:5]),
-            ("MatMulNBits", n, k, bits, block_size, work.str),
-            lambda: _nbits_weight(constants[1], constants[2], constants[3], constants[4], n, k, bits, block_size, work),
+            ("MatMulNBits.int4", n, k, block_size),
+            lambda: _Packed(constants[1], constants[2], constants[3], n, k, block_size),
         )
+        compiled_module("_numba_int4")  # the background build starts now, while the session is still being built
 
     def run(a, b, scales, zero_points=None, g_idx=None, bias=None):
-        if a.shape[-1:] != (k,):
-            raise ValueError(f"A's last dimension must be K={k}, got shape {a.shape}")
-        if b.size == 0:  # an omitted projection: zeros, or the bias
-            out = np.zeros(a.shape[:-1] + (n,), a.dtype)
-            return out + bias.astype(a.dtype, copy=False) if bias is not None else out
-        w = cached
-        if w is None:
-            w = _nbits_weight(b, scales, zero_points, g_idx, n, k, bits, block_size, _work_dtype(a.dtype))
-        y = product(a.astype(w.dtype, copy=False), w, zero_points, bias)
-        return y.astype(a.dtype, copy=False)
-
-    def product(a, w, zero_points, bias, out=None):
-        """A (in w's type) @ w + bias, into ``out`` when given."""
-        # onnxruntime keeps float activations when the zero points are floats
-        if int8_activations and (zero_points is None or zero_points.dtype == np.uint8):
-            a = _int8_blocks(a, block_size)
-        y = np.matmul(a, w, out=out)
-        if bias is not None:
-            y += bias.astype(w.dtype, copy=False)
-        return y
+        out = np.empty(a.shape[:-1] + (n,), a.dtype)
+        into(out, a, b, scales, zero_points, g_idx, bias)
+        return out
 
     def into(out, a, b, scales, zero_points=None, g_idx=None, bias=None):
-        """run written into ``out``: the product straight into it when the weight was
-        dequantized at build and A, the weight and out share a type (int8 activations
-        are still made per call, activation-sized)."""
-        w = cached
-        if w is None or b.size == 0 or a.dtype != w.dtype or out.dtype != w.dtype or a.shape[-1:] != (k,):
-            np.copyto(out, run(a, b, scales, zero_points, g_idx, bias))
-            return
-        product(a, w, zero_points, bias, out)
+        """The product written into ``out`` (A's type): by the compiled kernels from the
+        repacked weight, else by slabs of weight rows dequantized into a scratch and
+        multiplied by BLAS; never a float copy of the whole weight."""
+        if a.shape[-1:] != (k,):
+            raise ValueError(f"A's last dimension must be K={k}, got shape {a.shape}")
+        if out.shape != a.shape[:-1] + (n,):
+            raise ValueError(f"MatMulNBits' output must have shape {a.shape[:-1] + (n,)}, got {out.shape}")
+        if b.size == 0:  # an omitted projection: zeros, or the bias
+            out[...] = 0
+        elif not (packed is not None and _compiled_product(a, out)):
+            _slab_product(a, out, b, scales, zero_points, g_idx)
+        if bias is not None:
+            out += bias.astype(out.dtype, copy=False)
+
+    def _compiled_product(a: np.ndarray, out: np.ndarray) -> bool:
+        """``out = A @ W`` by ``_numba_int4``; False where it does not apply now (numba
+        missing or still building, A or out not float32)."""
+        loops = compiled_module("_numba_int4")
+        if loops is None or a.dtype != np.float32 or out.dtype != np.float32 or not out.flags.c_contiguous:
+            return False
+        assert packed is not None
+        rows = a.size // k if k else 0
+        if rows == 0 or n == 0:
+            return True
+        a2 = a.reshape(rows, k)
+        padded = not int8_activations and (blocks * block_size != k or not a2.flags.c_contiguous)
+        job = jobs.by_rows.get((rows, padded))
+        if job is None:
+            # the body is read once per job: PLUGRT_INT4_BODY forces one (tests), else the fastest here
+            body = loops.body_code(loops.choose_body()) if int8_activations else loops.FLOAT_BODY
+            job = jobs.by_rows[(rows, padded)] = _Job(loops, packed, rows, n, block_size, body, padded)
+        y = out.reshape(rows, n)
+        count = threads_for(PARALLEL_MIN_WORK) if rows * n * k >= _COMPILED_MIN_WORK else 1
+        pool = compiled_pool() if count > 1 else None
+        if pool is None:
+            loops.prepare(a2, y, job.context, True)
+            return True
+        loops.prepare(a2, y, job.context, False)
+        count = min(count, _SLOTS)  # the float tiles' scratch has a table for this many threads
+        units = min(packed.tiles, count * _UNITS_PER_THREAD)
+        job.context[loops.CTX_UNITS] = units
+        pool.run((loops.int8_units if int8_activations else loops.float_units).address, job.address, units, count)
+        return True
+
+    def _slab_product(a, out, b, scales, zero_points, g_idx) -> None:
+        """``out = A @ W`` a slab of weight rows at a time (numpy and BLAS)."""
+        work = _work_dtype(a.dtype)
+        a_work = a.astype(work, copy=False)
+        # onnxruntime keeps float activations when the zero points are floats
+        if int8_activations and (zero_points is None or zero_points.dtype == np.uint8):
+            a_work = _int8_blocks(a_work, block_size)
+        rows = int(np.prod(a.shape[:-1], dtype=np.int64))
+        a2 = a_work.reshape(rows, k)
+        y = out.reshape(rows, n)
+        step = max(16, (_SLAB_BYTES // (k * work.itemsize)) // 16 * 16)
+        direct = out.dtype == work and out.flags.c_contiguous and a2.flags.c_contiguous
+        scratch = getattr(_SLABS, "slab", None)
+        if scratch is None or scratch.size < step * blocks * block_size // 2:
+            scratch = _SLABS.slab = np.empty(step * blocks * block_size // 2, np.uint64)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            slab = _nbits_rows(b, scales, zero_points, g_idx, n, k, bits, block_size, work, slice(n0, n1), scratch)
+            blas_threads(rows * (n1 - n0) * k)
+            if direct and n1 - n0 == n:
+                np.matmul(a2, slab.T, out=y)
+            else:
+                y[:, n0:n1] = a2 @ slab.T
 
     declare_into(into, run)
     return run
+
 
 
 # ----------------------------------------------------------------------------- GatherBlockQuantized
@@ -201,6 +429,9 @@ def gather_block_quantized(ctx: KernelContext):
     block_size = int(attrs.get("block_size", 128))
     quantize_axis = int(attrs.get("quantize_axis", 1))
     gather_axis = int(attrs.get("gather_axis", 0))
+    for table in ctx.constant_inputs[:1] + ctx.constant_inputs[2:4]:
+        if table is not None:  # a call reads a few rows of an embedding table: the rest need not stay resident
+            _release_pages(table)
 
     def run(data, indices, scales, zero_points=None):
         rank = data.ndim

@@ -1,0 +1,58 @@
+"""The tiled layout of a 4-bit MatMulNBits weight that ``_numba_int4``'s kernels read
+(see there), made once from the initializer with numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ROWS", "pack"]
+
+ROWS = 16  # output columns (rows of B) per tile: the int32 / float32 lanes of a vector
+_GROUP = 32  # K values per packed group: four 64-byte chunks of a tile
+_CHUNK = 64
+
+
+def pack(
+    b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, block_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """MatMulNBits' 4-bit ``B`` (N, blocks, block_size / 2), ``scales`` (N x blocks) and
+    packed uint8 ``zero_points`` (N, ceil(blocks / 2)) or None, as the kernels read them:
+    weights uint8 (tiles, blocks, block_size / 8, 64), scales float32 (tiles, blocks, 16),
+    zero points uint8 (tiles, blocks, 16) or None. Rows past N are zero (scale 0)."""
+    blocks = -(-k // block_size)
+    tiles = -(-n // ROWS)
+    padded = tiles * ROWS
+    groups = block_size // _GROUP
+    packed = b.reshape(n, blocks * groups, 16)  # 16 bytes a group of 32 values, two a byte
+    weights = np.empty((tiles, blocks, groups * 4, _CHUNK), np.uint8)
+    words = weights.reshape(tiles, blocks * groups, 4, ROWS, 4).view(np.uint32)[..., 0]  # (tile, group, c, r)
+    # A slab of tiles at a time bounds what repacking adds to the peak memory. Values 4c + j
+    # (j < 4) of a group are bytes 2c, 2c + 1 of its first half, values 16 + 4c + j the same
+    # bytes of its second: byte p of the first half, L, and of the second, H, make the
+    # output bytes (L & 15) | H << 4 (values 2p and 16 + 2p) and L >> 4 | H & 0xF0 (2p + 1).
+    step = max(1, (1 << 21) // (ROWS * blocks * block_size))
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        r0, r1 = t0 * ROWS, min(n, t1 * ROWS)
+        source = np.zeros(((t1 - t0) * ROWS, blocks * groups, 16), np.uint8)
+        source[: r1 - r0] = packed[r0:r1]
+        low, high = np.ascontiguousarray(source[..., :8]), np.ascontiguousarray(source[..., 8:])
+        # ``* 16`` rather than ``<< 4``: numpy's uint8 left shift is not vectorized (60x slower)
+        even = (low & 15) | (high * np.uint8(16))
+        odd = (low >> 4) | (high & np.uint8(0xF0))
+        first, second = (even, odd) if np.little_endian else (odd, even)  # the bytes of a uint16, in memory order
+        pairs = first.astype(np.uint16) | (second.astype(np.uint16) * np.uint16(256))
+        rows = pairs.view(np.uint8).reshape(t1 - t0, ROWS, blocks * groups, 16).view(np.uint32)  # (tile, r, group, c)
+        words[t0:t1] = rows.transpose(0, 2, 3, 1)
+    scale = np.zeros((padded, blocks), np.float32)
+    scale[:n] = scales.reshape(n, blocks)
+    scale = np.ascontiguousarray(scale.reshape(tiles, ROWS, blocks).transpose(0, 2, 1))
+    zeros = None
+    if zero_points is not None:
+        per_row = -(-blocks // 2)
+        zp = zero_points.reshape(n, per_row)
+        z = np.zeros((padded, 2 * per_row), np.uint8)
+        z[:n, 0::2] = zp & 0x0F
+        z[:n, 1::2] = zp >> 4
+        zeros = np.ascontiguousarray(z[:, :blocks].reshape(tiles, ROWS, blocks).transpose(0, 2, 1))
+    return weights, scale, zeros

@@ -1,0 +1,224 @@
+"""MatMulNBits from its packed weights against onnxruntime: every int8 body this host has
+(AVX-512 VNNI, AVX2, portable; forced by PLUGRT_INT4_BODY) and the numpy path, at
+accuracy_level 1 (float products) and 4 (int8 activations), one row and several, with and
+without zero points, ragged N and K."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper
+
+import plugrt
+from plugrt_cpu.kernels import _compiled, contrib_quantization
+from plugrt_cpu.kernels._int4_layout import ROWS, pack
+
+from cpu.numba_paths import _forget_loaders
+
+BODIES = ["vnni", "avx2", "portable"]
+
+# (rows of A, N, K, block_size, zero points)
+SHAPES = [
+    (1, 37, 70, 32, False),  # N and K both ragged: a short last tile, a partial last block
+    (1, 48, 64, 32, True),
+    (4, 100, 200, 64, True),
+    (3, 33, 256, 128, False),
+    (1, 960, 576, 32, False),  # a decoder's QKV projection
+    (7, 17, 96, 32, True),
+]
+
+
+def _model(n: int, k: int, block_size: int, accuracy: int, zero_points: bool, bits: int = 4, seed: int = 0) -> bytes:
+    blocks = -(-k // block_size)
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, blocks, block_size * bits // 8), dtype=np.uint8)
+    scales = (rng.random(n * blocks, dtype=np.float32) * 0.05 + 0.01).astype(np.float32)
+    initializers = [
+        helper.make_tensor("B", TensorProto.UINT8, b.shape, b.tobytes(), raw=True),
+        helper.make_tensor("scales", TensorProto.FLOAT, scales.shape, scales),
+    ]
+    inputs = ["A", "B", "scales"]
+    if zero_points:
+        zeros = rng.integers(0, 256, (n * -(-blocks * bits // 8),), dtype=np.uint8)
+        initializers.append(helper.make_tensor("zero_points", TensorProto.UINT8, zeros.shape, zeros.tobytes(), raw=True))
+        inputs.append("zero_points")
+    node = helper.make_node(
+        "MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block_size, accuracy_level=accuracy
+    )
+    graph = helper.make_graph(
+        [node],
+        "matmul_nbits",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def _onnxruntime(model: bytes, a: np.ndarray) -> np.ndarray:
+    return onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
+
+
+def _relative(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(got - expected).max() / np.abs(expected).max())
+
+
+@pytest.fixture(params=BODIES + ["numpy"])
+def path(request, monkeypatch):
+    """Each compiled int8 body (skipped without numba or where the CPU lacks it), with the
+    numpy path made to fail if it runs; or the numpy path (PLUGRT_NUMBA=0)."""
+    if request.param == "numpy":
+        monkeypatch.setenv("PLUGRT_NUMBA", "0")
+        _forget_loaders()
+        yield "numpy"
+        _forget_loaders()
+        return
+    pytest.importorskip("numba")
+    monkeypatch.setenv("PLUGRT_NUMBA", "wait")
+    _compiled._mode.cache_clear()
+    loops = _compiled.compiled_module("_numba_int4")
+    if loops is None:
+        pytest.skip("the compiled loops are off here")
+    if request.param not in loops.bodies():
+        pytest.skip(f"this CPU has no {request.param} instructions")
+    monkeypatch.setenv("PLUGRT_INT4_BODY", request.param)
+
+    def numpy_rows(*args, **kwargs):
+        raise AssertionError("the numpy path ran where the compiled kernels apply")
+
+    monkeypatch.setattr(contrib_quantization, "_nbits_rows", numpy_rows)
+    yield request.param
+    _compiled._mode.cache_clear()
+
+
+@pytest.mark.parametrize("rows, n, k, block_size, zero_points", SHAPES)
+def test_accuracy_level_1_matches_onnxruntime(path, rows, n, k, block_size, zero_points):
+    model = _model(n, k, block_size, 1, zero_points)
+    a = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
+    got = plugrt.load(model).run({"A": a})["Y"]
+    assert _relative(got, _onnxruntime(model, a)) <= 1e-4
+
+
+@pytest.mark.parametrize("rows, n, k, block_size, zero_points", SHAPES)
+def test_accuracy_level_4_is_within_onnxruntimes_own_spread(path, rows, n, k, block_size, zero_points):
+    """int8 activations move the result by design: plugrt's acc4 must stay as close to
+    onnxruntime's acc4 as onnxruntime's acc1 and acc4 are to each other."""
+    a = np.random.default_rng(2).standard_normal((rows, k)).astype(np.float32)
+    exact = _onnxruntime(_model(n, k, block_size, 1, zero_points), a)
+    model = _model(n, k, block_size, 4, zero_points)
+    quantized = _onnxruntime(model, a)
+    spread = _relative(quantized, exact)
+    assert spread > 0  # onnxruntime did quantize its activations
+    got = plugrt.load(model).run({"A": a})["Y"]
+    assert _relative(got, quantized) <= spread
+
+
+def test_one_session_serves_one_row_and_many(path):
+    """A decode step's one row and a prompt's many, alternating, through one session (each
+    row count keeps its own buffers)."""
+    model = _model(96, 128, 32, 4, True)
+    session = plugrt.load(model)
+    for rows in (1, 9, 1, 9, 3):
+        a = np.random.default_rng(rows).standard_normal((rows, 128)).astype(np.float32)
+        np.testing.assert_allclose(session.run({"A": a})["Y"], _onnxruntime(model, a), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits, block_size", [(2, 32), (8, 32), (4, 16)])
+def test_other_widths_and_blocks_stay_correct(bits, block_size):
+    """Widths and blocks the compiled kernels do not take go the numpy way, still exact."""
+    model = _model(40, 96, block_size, 1, True, bits=bits)
+    a = np.random.default_rng(3).standard_normal((2, 96)).astype(np.float32)
+    try:
+        expected = _onnxruntime(model, a)
+    except Exception as e:  # noqa: BLE001  (an onnxruntime without this width)
+        pytest.skip(f"onnxruntime does not run bits={bits}: {e}")
+    assert _relative(plugrt.load(model).run({"A": a})["Y"], expected) <= 1e-5
+
+
+def test_numpy_path_dequantizes_a_slab_of_rows_at_a_time(monkeypatch):
+    """Without numba no float copy of the whole weight is made: the weight is dequantized
+    a bounded slab of rows at a time."""
+    monkeypatch.setenv("PLUGRT_NUMBA", "0")
+    _forget_loaders()
+    n, k = 4096, 512
+    seen: list[int] = []
+    real = contrib_quantization._nbits_rows
+
+    def spy(*args, **kwargs):
+        slab = real(*args, **kwargs)
+        seen.append(slab.shape[0])
+        return slab
+
+    monkeypatch.setattr(contrib_quantization, "_nbits_rows", spy)
+    model = _model(n, k, 32, 1, False)
+    a = np.random.default_rng(4).standard_normal((1, k)).astype(np.float32)
+    got = plugrt.load(model).run({"A": a})["Y"]
+    _forget_loaders()
+    assert _relative(got, _onnxruntime(model, a)) <= 1e-4
+    assert sum(seen) == n and max(seen) * k * 4 <= contrib_quantization._SLAB_BYTES
+
+
+def test_pack_keeps_half_a_byte_a_weight_in_the_documented_layout():
+    """Every 4-bit value lands where the layout says (chunk c of group s: byte r * 4 + j,
+    low nibble k = 32 s + 4 c + j, high nibble k + 16), and nothing else is added."""
+    n, k, block_size = 40, 96, 32
+    blocks = k // block_size
+    rng = np.random.default_rng(5)
+    b = rng.integers(0, 256, (n, blocks, block_size // 2), dtype=np.uint8)
+    scales = rng.random(n * blocks, dtype=np.float32)
+    weights, tiled_scales, zeros = pack(b, scales, None, n, k, block_size)
+    tiles = -(-n // ROWS)
+    assert zeros is None and weights.nbytes == tiles * ROWS * k // 2
+    flat = b.reshape(n, k // 2)
+    values = np.empty((n, k), np.uint8)
+    values[:, 0::2], values[:, 1::2] = flat & 15, flat >> 4  # onnx: element 2i low, 2i + 1 high
+    for row in (0, 15, 16, 39):
+        t, r = divmod(row, ROWS)
+        for kk in (0, 5, 16, 31, 33, 95):
+            block, inner = divmod(kk, block_size)
+            group, within = divmod(inner, 32)
+            high, rest = divmod(within, 16)
+            c, j = divmod(rest, 4)
+            byte = weights[t, block, group * 4 + c, r * 4 + j]
+            assert (byte >> 4 if high else byte & 15) == values[row, kk]
+        assert np.array_equal(tiled_scales[t, :, r], scales.reshape(n, blocks)[row])
+    assert not weights[tiles - 1, :, :, (n % ROWS) * 4 :].any()  # rows past N are zero
+
+
+def test_unknown_or_missing_body_is_refused(monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.setenv("PLUGRT_NUMBA", "wait")
+    _compiled._mode.cache_clear()
+    loops = _compiled.compiled_module("_numba_int4")
+    _compiled._mode.cache_clear()
+    if loops is None:
+        pytest.skip("the compiled loops are off here")
+    with pytest.raises(ValueError, match="choose one of vnni, avx2, portable"):
+        loops.choose_body("sse9")
+    assert loops.choose_body() == loops.bodies()[0]
+
+
+@pytest.mark.parametrize("accuracy", [1, 4])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_products_shared_over_threads_match_onnxruntime(path, monkeypatch, accuracy, rows):
+    """Two threads (forced, whatever the load) share a product's tiles on the compiled pool,
+    each float multi-row tile in its own table; the result is the one thread's."""
+    if path == "numpy":
+        pytest.skip("the numpy path threads inside BLAS")
+    from plugrt_cpu.kernels._compiled_parallel import compiled_pool
+
+    if compiled_pool() is None:
+        pytest.skip("no compiled pool here")
+    monkeypatch.setattr(contrib_quantization, "threads_for", lambda work: 2)
+    model = _model(1000, 576, 32, accuracy, True)
+    a = np.random.default_rng(6).standard_normal((rows, 576)).astype(np.float32)
+    got = plugrt.load(model).run({"A": a})["Y"]
+    if accuracy == 1:
+        assert _relative(got, _onnxruntime(model, a)) <= 1e-4
+    else:
+        exact = _onnxruntime(_model(1000, 576, 32, 1, True), a)
+        quantized = _onnxruntime(model, a)
+        assert _relative(got, quantized) <= _relative(quantized, exact)
