@@ -222,3 +222,16 @@ def test_products_shared_over_threads_match_onnxruntime(path, monkeypatch, accur
         exact = _onnxruntime(_model(1000, 576, 32, 1, True), a)
         quantized = _onnxruntime(model, a)
         assert _relative(got, quantized) <= _relative(quantized, exact)
+
+
+def test_the_numpy_path_says_once_how_to_get_the_compiled_kernels(monkeypatch, caplog):
+    monkeypatch.setenv("PLUGRT_NUMBA", "0")
+    monkeypatch.setattr(contrib_quantization, "_HINTED", [])
+    _forget_loaders()
+    with caplog.at_level("WARNING", logger="plugrt"):
+        for seed in (0, 1):
+            plugrt.load(_model(48, 64, 32, 4, False, seed=seed))
+    _forget_loaders()
+    hints = [r.getMessage() for r in caplog.records if "MatMulNBits" in r.getMessage()]
+    assert len(hints) == 1
+    assert "PLUGRT_NUMBA=0" in hints[0] and "plugrt[accelerate]" in hints[0]

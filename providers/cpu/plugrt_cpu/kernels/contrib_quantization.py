@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import contextlib
+import logging
 import mmap
 import os
 import threading
@@ -287,6 +288,23 @@ _SLOTS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
 _UNITS_PER_THREAD = 4
 
 
+_HINTED: list[bool] = []
+
+
+def _hint_without_numba() -> None:
+    """Say once per process that 4-bit products run on their numpy path: about 17x slower
+    a decode step than the compiled kernels (benchmarks/RESULTS.md), in bounded memory."""
+    if _HINTED:
+        return
+    _HINTED.append(True)
+    reason = "PLUGRT_NUMBA=0 is set" if os.environ.get("PLUGRT_NUMBA") == "0" else "numba is not installed"
+    logging.getLogger("plugrt").warning(
+        "MatMulNBits: %s, so 4-bit weights are dequantized slab by slab and multiplied in numpy, many times "
+        "slower than the compiled int4 kernels; for LLM decoders install them: pip install 'plugrt[accelerate]'",
+        reason,
+    )
+
+
 @kernel_builder("MatMulNBits", 1, domain=_MS)
 def matmul_nbits(ctx: KernelContext):
     attrs = ctx.attributes
@@ -331,6 +349,8 @@ def matmul_nbits(ctx: KernelContext):
             lambda: _Packed(constants[1], constants[2], constants[3], n, k, block_size),
         )
         compiled_module("_numba_int4")  # the background build starts now, while the session is still being built
+    elif bits == 4 and not compiled_enabled():
+        _hint_without_numba()
 
     def run(a, b, scales, zero_points=None, g_idx=None, bias=None):
         out = np.empty(a.shape[:-1] + (n,), a.dtype)
