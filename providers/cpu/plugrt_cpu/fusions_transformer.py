@@ -406,7 +406,7 @@ def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
         if loops is None:
             return False
         width = a.shape[-1]
-        shift = bias if bias is not None else _zeros(width)
+        shift = bias if bias is not None else normalization.zero_vector(width)
         if shift.dtype != np.float32 or not shift.flags.c_contiguous:
             return False
         loops.skip_layer_norm(
@@ -437,18 +437,6 @@ def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
 
     declare_into(run_into, run)
     return run
-
-
-_ZEROS: dict[int, np.ndarray] = {}
-
-
-def _zeros(width: int) -> np.ndarray:
-    """A read-only float32 zero vector of ``width`` (the shift of a LayerNorm without bias)."""
-    zeros = _ZEROS.get(width)
-    if zeros is None:
-        zeros = _ZEROS[width] = np.zeros(width, np.float32)
-        zeros.flags.writeable = False
-    return zeros
 
 
 @kernel_builder("FusedMatMulGelu", DOMAIN_VERSION, domain=DOMAIN)

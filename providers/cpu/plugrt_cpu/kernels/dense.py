@@ -30,6 +30,7 @@ from plugrt.weights import shared_transform
 
 from . import _compiled
 from ._compiled import compiled_module
+from .normalization import zero_vector
 
 __all__ = ["Allocate", "WeightPanels", "dense_product", "matrix_rows", "new_array", "packed_kernels"]
 
@@ -161,7 +162,7 @@ def dense_product(
         packed = allocate("packed", (-(-m // gemm.MR), k, gemm.MR), _F32)
         loops.pack_rows(a, packed)
         fused = bias is None or (bias.dtype == _F32 and bias.flags.c_contiguous)
-        shift = bias if fused and bias is not None else _zeros(n)
+        shift = bias if fused and bias is not None else zero_vector(n)
         activate = gelu and fused  # the GELU comes after the bias: in the kernel only with it
         depth = slice_depth()
 
@@ -182,14 +183,3 @@ def dense_product(
     if bias is not None:
         np.add(out, bias, out=out)
     return False
-
-
-_ZEROS: dict[int, np.ndarray] = {}
-
-
-def _zeros(width: int) -> np.ndarray:
-    zeros = _ZEROS.get(width)
-    if zeros is None:
-        zeros = _ZEROS[width] = np.zeros(width, _F32)
-        zeros.flags.writeable = False
-    return zeros
