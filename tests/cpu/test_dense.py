@@ -171,3 +171,55 @@ def test_linear_layer_is_captured_and_replays_without_allocating(body, gelu):
     for feeds in (first, second, first):
         np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
     assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+
+
+_GEMM = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    gemm (float[M, 150] a) => (float[M, 70] y) {
+        y = Gemm <transB = 1, alpha = ALPHA, beta = BETA> (a, w, c)
+    }
+"""
+
+_MATMUL = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    matmul (float[B, S, 150] a) => (float[B, S, 70] y) {
+        y = MatMul (a, w)
+    }
+"""
+
+
+def _with(text: str, **constants: np.ndarray) -> bytes:
+    model = onnx.parser.parse_model(text)
+    model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in constants.items())
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _matches_onnxruntime(model: bytes, feeds: dict[str, np.ndarray]) -> None:
+    ours = plugrt.load(model, device="cpu").run(feeds)["y"]
+    theirs = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, 2.0)])
+@pytest.mark.parametrize("c_shape", [(70,), (1, 70), (23, 70)])
+def test_gemm_with_a_constant_weight_matches_onnxruntime(body, alpha, beta, c_shape):
+    text = _GEMM.replace("ALPHA", str(alpha)).replace("BETA", str(beta))
+    model = _with(text, w=_random(70, 150, seed=1) * 0.2, c=_random(*c_shape, seed=2))
+    _matches_onnxruntime(model, {"a": _random(23, 150, seed=3)})
+    if body is not None:
+        assert body.calls >= 1
+
+
+def test_matmul_with_a_constant_weight_matches_onnxruntime_and_replays_without_allocating(body):
+    model = _with(_MATMUL, w=_random(150, 70, seed=1) * 0.2)
+    first, second = {"a": _random(2, 19, 150, seed=3)}, {"a": _random(2, 19, 150, seed=4)}
+    _matches_onnxruntime(model, first)
+    session = plugrt.load(model, device="cpu")
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+    if body is not None:
+        assert body.calls >= 1
