@@ -130,18 +130,24 @@ def layer_norm_rows(x, gamma, beta, epsilon, out, mean, inv_std):  # pragma: no 
             out[r, j] = (x[r, j] - centre) * inverse * gamma[j] + beta[j]
 
 
+@numba.njit(**{**_FLAGS, "fastmath": _FLAGS["fastmath"] | {"nnan"}})
+def _peak(row):  # pragma: no cover  (compiled; called by subtract_row_max)
+    """max(row), the comparisons free to ignore NaN (``nnan``: what lets LLVM vectorise the
+    reduction). Whatever it gives for a row holding a NaN, that NaN stays in ``row - peak``
+    and makes the row's softmax NaN through its sum, as numpy's max would."""
+    peak = row[0]
+    for j in range(1, row.size):
+        peak = max(peak, row[j])
+    return peak
+
+
 @_entry(numba.void(_IN2, _OUT2))
 def subtract_row_max(x, out):  # pragma: no cover  (compiled)
-    """out = x - max(x) per row of the 2-D float32 ``x``: the first pass of a softmax (a NaN
-    in a row stays where it is and makes the row's sum, so the whole row, NaN after the
-    exp, as the numpy max would)."""
+    """out = x - max(x) per row of the 2-D float32 ``x`` (at least one column): the first
+    pass of a softmax."""
     rows, width = x.shape
     for r in range(rows):
-        peak = -np.inf
-        for j in range(width):
-            v = x[r, j]
-            if v > peak:
-                peak = v
+        peak = _peak(x[r])
         for j in range(width):
             out[r, j] = x[r, j] - peak
 
