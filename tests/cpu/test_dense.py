@@ -74,7 +74,7 @@ def _reference(a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, gelu: bool
     return y
 
 
-@pytest.mark.parametrize("shape", [(1, 3, 5), (37, 150, 50), (64, 64, 16), (200, 96, 130)])
+@pytest.mark.parametrize("shape", [(16, 3, 5), (37, 150, 50), (64, 64, 16), (200, 96, 130)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_dense_product_matches_float64(body, shape, gelu):
     m, k, n = shape
@@ -87,6 +87,15 @@ def test_dense_product_matches_float64(body, shape, gelu):
         assert applied == gelu and body.calls >= 1
     else:
         assert not applied
+
+
+@pytest.mark.parametrize("rows", [1, 15])
+def test_fewer_rows_than_a_tile_go_to_blas(body, rows):
+    a, w, bias = _random(rows, 40), _random(40, 24, seed=1), _random(24, seed=2)
+    out = np.empty((rows, 24), np.float32)
+    applied = dense.dense_product(out, a, w, bias, panels=dense.WeightPanels(w), gelu=True)
+    np.testing.assert_allclose(out, _reference(a, w, bias, False), rtol=1e-4, atol=1e-4)
+    assert not applied and (body is None or body.calls == 0)
 
 
 def test_dense_product_reads_a_transposed_input(body):
@@ -155,7 +164,7 @@ def test_linear_layer_matches_onnxruntime_and_the_reference(body, gelu):
 
 def test_linear_layer_with_a_weight_fed_at_run_time_uses_blas(body):
     model = _linear(40, 24, True, weight_input=True)
-    feeds = {"x": _random(1, 9, 40, seed=3), "w": _random(40, 24, seed=4)}
+    feeds = {"x": _random(2, 19, 40, seed=3), "w": _random(40, 24, seed=4)}
     ours = plugrt.load(model, device="cpu").run(feeds)["y"]
     theirs = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)

@@ -155,7 +155,11 @@ def dense_product(
     m, k = a.shape
     n = w.shape[1]
     work = m * n * k
-    kernels = packed_kernels() if panels is not None and m and n and k else None
+    kernels = packed_kernels() if panels is not None and n and k else None
+    # Fewer rows than one of the micro-kernel's row tiles: the tile would compute mostly
+    # padding, where BLAS has its matrix-vector and small-matrix paths.
+    if kernels is not None and m < kernels[0].MR:
+        kernels = None
     laid_out = panels.get(w) if kernels is not None and panels is not None else None
     if laid_out is not None and kernels is not None and out.dtype == a.dtype == _F32 and out.flags.c_contiguous:
         gemm, loops = kernels
