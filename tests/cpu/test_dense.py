@@ -232,3 +232,37 @@ def test_matmul_with_a_constant_weight_matches_onnxruntime_and_replays_without_a
     assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
     if body is not None:
         assert body.calls >= 1
+
+
+_CHANNELS_LAST = """
+    <ir_version: 8, opset_import: ["" : 20]>
+    block (float[1, 24, 5, 7] x) => (float[1, 5, 7, 40] y) {
+        t = Transpose <perm = [0, 2, 3, 1]> (x)
+        m = MatMul (t, w)
+        h = Add (m, b)
+        y = Gelu <approximate = "none"> (h)
+    }
+"""
+
+
+def test_linear_layer_of_a_transposed_stack_matches_onnxruntime_and_replays_without_allocating(body):
+    model = _with(_CHANNELS_LAST, w=_random(24, 40, seed=1) * 0.3, b=_random(40, seed=2))
+    first, second = {"x": _random(1, 24, 5, 7, seed=3)}, {"x": _random(1, 24, 5, 7, seed=4)}
+    _matches_onnxruntime(model, first)
+    session = plugrt.load(model, device="cpu")
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+    if body is not None:
+        assert body.calls >= 1
+
+
+def test_matrix_rows_copies_a_strided_stack_only_into_a_work_array():
+    a = _random(2, 3, 4).transpose(1, 0, 2)  # (3, 2, 4), not C-contiguous
+    w, out = _random(4, 5), np.empty((3, 2, 5), np.float32)
+    assert dense.matrix_rows(out, a, w, None) is None
+    rows = dense.matrix_rows(out, a, w, None, dense.new_array)
+    assert rows is not None and rows.shape == (6, 4)
+    np.testing.assert_array_equal(rows, a.reshape(6, 4))

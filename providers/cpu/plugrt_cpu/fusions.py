@@ -687,7 +687,7 @@ def fused_matmul(ctx: KernelContext) -> Callable[..., np.ndarray]:
     panels = dense.WeightPanels(ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None)
 
     def product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray, allocate: dense.Allocate) -> None:
-        rows = dense.matrix_rows(out, a, w, bias)
+        rows = dense.matrix_rows(out, a, w, bias, allocate)
         if rows is not None:
             dense.dense_product(_as_rows(out), rows, w, bias, panels=panels, allocate=allocate)
             return

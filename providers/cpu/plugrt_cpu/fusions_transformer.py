@@ -450,7 +450,7 @@ def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
 
     def product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray, allocate: dense.Allocate) -> bool:
         """out = a @ w + bias, and the GELU where the product's blocks took it: whether they did."""
-        rows = dense.matrix_rows(out, a, w, bias)
+        rows = dense.matrix_rows(out, a, w, bias, allocate)
         if rows is not None:
             target = out.reshape(-1, w.shape[1])
             return dense.dense_product(target, rows, w, bias, panels=panels, gelu=True, allocate=allocate)

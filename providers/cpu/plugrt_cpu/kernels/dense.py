@@ -22,6 +22,7 @@ free cores): the packed body splits the panels over them.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -123,10 +124,15 @@ class WeightPanels:
         return self.panels
 
 
-def matrix_rows(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray | None:
+def matrix_rows(
+    out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, allocate: Allocate | None = None
+) -> np.ndarray | None:
     """``a`` as the (rows, K) matrix :func:`dense_product` takes, where ``out = a @ w + bias``
-    is one such product: ``w`` 2-D, ``bias`` None or one value per column, ``a`` 2-D or a
-    C-contiguous stack of rows, ``out`` C-contiguous and of their dtype; else None."""
+    is one such product: ``w`` 2-D, ``bias`` None or one value per column, ``out``
+    C-contiguous and of their dtype; else None. A stack of rows that is not C-contiguous
+    (a channels-last transpose before a ConvNeXt block's Linear layers) is copied into the
+    work array ``allocate`` gives (without one: None): one copy, where numpy's matmul of a
+    strided stack runs its loop without BLAS."""
     if w.ndim != 2 or a.ndim < 2 or a.shape[-1] != w.shape[0] or not out.flags.c_contiguous:
         return None
     if bias is not None and bias.shape != (w.shape[1],):
@@ -135,7 +141,13 @@ def matrix_rows(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray 
         return None
     if a.ndim == 2:
         return a
-    return a.reshape(-1, a.shape[-1]) if a.flags.c_contiguous else None
+    if a.flags.c_contiguous:
+        return a.reshape(-1, a.shape[-1])
+    if allocate is None:
+        return None
+    rows = allocate("rows", (math.prod(a.shape[:-1]), a.shape[-1]), a.dtype)
+    np.copyto(rows.reshape(a.shape), a)
+    return rows
 
 
 def dense_product(

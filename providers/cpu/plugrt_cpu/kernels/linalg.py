@@ -61,7 +61,7 @@ def matmul(ctx: KernelContext):
     def packed(out: np.ndarray, a: np.ndarray, b: np.ndarray, allocate: dense.Allocate) -> bool:
         if panels.weight is None or dense.packed_kernels() is None:
             return False
-        rows = dense.matrix_rows(out, a, b, None)
+        rows = dense.matrix_rows(out, a, b, None, allocate)
         if rows is None or panels.get(b) is None:
             return False
         dense.dense_product(out.reshape(-1, b.shape[1]), rows, b, None, panels=panels, allocate=allocate)
