@@ -4,7 +4,7 @@ A transformer's Linear layer is one GEMM of (tokens, K) by a constant (K, N). Tw
 bodies, chosen per call from what the host offers:
 
 - float32 where numba is there and the host has AVX-512 (``_numba_gemm.available``):
-  the weight is laid out once, when the kernel is built, in panels of 16 columns
+  the weight is laid out once, by the first call, in panels of 16 columns
   (:class:`WeightPanels`, each panel one contiguous K x 16 block), ``a`` is packed per
   call in the micro-kernel's row tiles (a copy of tokens x K floats), and
   ``_numba_dense.panel_product`` runs every row tile over a slice of a panel while that
@@ -27,13 +27,11 @@ from typing import Any, Callable
 
 import numpy as np
 from plugrt.threads import blas_threads, parallel_for, parallel_threads
-from plugrt.weights import shared_transform
 
-from . import _compiled
 from ._compiled import compiled_module
 from .normalization import zero_vector
 
-__all__ = ["Allocate", "WeightPanels", "dense_product", "matrix_rows", "new_array", "packed_kernels"]
+__all__ = ["Allocate", "WeightPanels", "dense_product", "matrix_rows", "new_array", "packed_kernels", "packs"]
 
 _F32 = np.dtype(np.float32)
 _VECTOR = 16  # columns of a weight panel (_numba_dense.VECTOR)
@@ -53,27 +51,6 @@ def packed_kernels() -> tuple[Any, Any] | None:
         return None
     loops = compiled_module("_numba_dense")
     return None if loops is None else (gemm, loops)
-
-
-@functools.cache
-def _host_has_avx512() -> bool:
-    """Whether /proc/cpuinfo lists avx512f (False where there is none to read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return "avx512f" in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
-
-
-def _packing_expected() -> bool:
-    """Whether the packed body will run here (its modules may still be being built)."""
-    gemm = compiled_module("_numba_gemm")
-    if gemm is not None:
-        return bool(gemm.available())
-    return _compiled._mode() != "off" and _host_has_avx512()
 
 
 @functools.cache
@@ -101,16 +78,13 @@ def _panels(w: np.ndarray) -> np.ndarray:
 
 
 class WeightPanels:
-    """A constant float32 (K, N) weight's panels for the packed body: laid out when the
-    kernel is built (shared between the sessions of a weight store) where that body is
-    expected to run, else on the first call that finds it ready."""
+    """A constant float32 (K, N) weight's panels for the packed body, laid out by the first
+    call that runs it (so a model whose products never reach it, a CNN's classifier at
+    batch 1, keeps no second copy of its weights)."""
 
     def __init__(self, weight: np.ndarray | None) -> None:
         self.weight = weight if weight is not None and weight.ndim == 2 and weight.dtype == _F32 else None
         self.panels: np.ndarray | None = None
-        if self.weight is not None and _packing_expected():
-            source = self.weight
-            self.panels = shared_transform(source, ("dense.panels", _VECTOR), lambda: _panels(source))
 
     def get(self, w: np.ndarray) -> np.ndarray | None:
         """The panels of ``w`` when it is the weight they were made of; else None."""
@@ -122,6 +96,14 @@ class WeightPanels:
         if self.panels is None:
             self.panels = _panels(weight)
         return self.panels
+
+
+def packs(rows: int) -> bool:
+    """Whether a product of ``rows`` rows by a constant weight runs the packed body: its
+    modules ready, and at least one full row tile of the micro-kernel (fewer rows would
+    compute mostly padding, where BLAS has its matrix-vector and small-matrix paths)."""
+    kernels = packed_kernels()
+    return kernels is not None and rows >= kernels[0].MR
 
 
 def matrix_rows(
@@ -167,11 +149,7 @@ def dense_product(
     m, k = a.shape
     n = w.shape[1]
     work = m * n * k
-    kernels = packed_kernels() if panels is not None and n and k else None
-    # Fewer rows than one of the micro-kernel's row tiles: the tile would compute mostly
-    # padding, where BLAS has its matrix-vector and small-matrix paths.
-    if kernels is not None and m < kernels[0].MR:
-        kernels = None
+    kernels = packed_kernels() if panels is not None and n and k and packs(m) else None
     laid_out = panels.get(w) if kernels is not None and panels is not None else None
     if laid_out is not None and kernels is not None and out.dtype == a.dtype == _F32 and out.flags.c_contiguous:
         gemm, loops = kernels
