@@ -59,12 +59,18 @@ def slice_depth() -> int:
     slice (as many) fill half the L1 data cache, as this host's sysfs reports it (32 KiB
     where it reports nothing)."""
     size = 32 * 1024
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index0/size", encoding="ascii") as entry:
-            text = entry.read().strip().upper()
-        size = int(text[:-1]) * 1024 if text.endswith("K") else int(text)
-    except (OSError, ValueError):
-        pass
+    for index in range(4):
+        folder = f"/sys/devices/system/cpu/cpu0/cache/index{index}"
+        try:
+            with open(f"{folder}/level", encoding="ascii") as level, open(f"{folder}/type", encoding="ascii") as kind:
+                if level.read().strip() != "1" or kind.read().strip() not in ("Data", "Unified"):
+                    continue
+            with open(f"{folder}/size", encoding="ascii") as entry:
+                text = entry.read().strip().upper()
+            size = int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+            break
+        except (OSError, ValueError):
+            break
     return max(64, size // (2 * 2 * _VECTOR * _F32.itemsize))
 
 
