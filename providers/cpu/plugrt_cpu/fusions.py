@@ -32,10 +32,11 @@ from plugrt.ir_utils import constant_array
 from plugrt.passes import CLAIMED_BY
 from plugrt.rewrites import FoldChannelAffinePass
 
-from ._registry import PROVIDER_NAME, KernelContext, kernel, kernel_builder, declare_into
+from ._registry import PROVIDER_NAME, KernelContext, kernel_builder, declare_into
 from .kernels import conv as convolution
 from .kernels import conv_activation, conv_residual, squeeze_excite
-from .kernels import elementwise, normalization
+from .kernels import dense, elementwise, normalization
+from .kernels.elementwise import scratch
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -505,26 +506,30 @@ def channel_affine(ctx: KernelContext) -> Callable[..., np.ndarray]:
     return run
 
 
-@kernel("FusedMatMul", DOMAIN_VERSION, domain=DOMAIN)
-def fused_matmul(a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """a @ w + bias; a stack of rows is multiplied as one (rows, K) matrix (one GEMM)."""
-    if a.ndim > 2 and a.flags.c_contiguous:
-        y = np.matmul(_as_rows(a), w).reshape(*a.shape[:-1], w.shape[1])
-    else:
-        y = np.matmul(a, w)
-    y += bias
-    return y
+@kernel_builder("FusedMatMul", DOMAIN_VERSION, domain=DOMAIN)
+def fused_matmul(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """a @ w + bias; a stack of rows is multiplied as one (rows, K) matrix, a constant
+    float32 weight by the packed kernel where the host has it (``kernels.dense``)."""
+    panels = dense.WeightPanels(ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None)
 
-
-def _fused_matmul_into(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> None:
-    if a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
-        np.matmul(_as_rows(a), w, out=_as_rows(out))
-    else:
+    def product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray, allocate: dense.Allocate) -> None:
+        rows = dense.matrix_rows(out, a, w, bias, allocate)
+        if rows is not None:
+            dense.dense_product(_as_rows(out), rows, w, bias, panels=panels, allocate=allocate)
+            return
         np.matmul(a, w, out=out)
-    out += bias
+        out += bias
 
+    def run(a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        out = np.empty((*a.shape[:-1], w.shape[-1]), np.result_type(a, w, bias))
+        product(out, a, w, bias, dense.new_array)
+        return out
 
-declare_into(_fused_matmul_into, fused_matmul)
+    def run_into(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> None:
+        product(out, a, w, bias, lambda slot, shape, dtype: scratch(out, slot, shape, dtype))
+
+    declare_into(run_into, run)
+    return run
 
 
 def _as_rows(x: np.ndarray) -> np.ndarray:

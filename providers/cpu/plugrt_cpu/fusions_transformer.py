@@ -30,7 +30,7 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, thread
 
 from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
-from .kernels import elementwise, normalization
+from .kernels import dense, elementwise, normalization
 from .kernels.elementwise import compiled_loops, scratch, with_small_buffers
 
 __all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass"]
@@ -410,7 +410,7 @@ def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
         if loops is None:
             return False
         width = a.shape[-1]
-        shift = bias if bias is not None else _zeros(width)
+        shift = bias if bias is not None else normalization.zero_vector(width)
         if shift.dtype != np.float32 or not shift.flags.c_contiguous:
             return False
         loops.skip_layer_norm(
@@ -443,59 +443,49 @@ def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
     return run
 
 
-_ZEROS: dict[int, np.ndarray] = {}
-
-
-def _zeros(width: int) -> np.ndarray:
-    """A read-only float32 zero vector of ``width`` (the shift of a LayerNorm without bias)."""
-    zeros = _ZEROS.get(width)
-    if zeros is None:
-        zeros = _ZEROS[width] = np.zeros(width, np.float32)
-        zeros.flags.writeable = False
-    return zeros
-
-
 @kernel_builder("FusedMatMulGelu", DOMAIN_VERSION, domain=DOMAIN)
 def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
-    """GELU(a @ w + bias): the product as one GEMM over a's rows, then the bias and the
-    GELU in one compiled pass (float32 with numba), else numpy's bias add and GELU."""
+    """GELU(a @ w + bias): the product as one GEMM over a's rows (``kernels.dense``), the
+    bias and GELU on each panel of columns while it is in cache (float32, numba, AVX-512);
+    else BLAS, the bias, and the GELU in one compiled pass (float32 with numba) or numpy's."""
     gelu = elementwise.gelu(dataclasses.replace(ctx, op_type="Gelu", attributes={"approximate": "none"}))
     gelu_into = capture_variant(gelu)
+    panels = dense.WeightPanels(ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None)
 
-    def product(out: np.ndarray, a: np.ndarray, w: np.ndarray) -> None:
-        if a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
-            np.matmul(a.reshape(-1, a.shape[-1]), w, out=out.reshape(-1, w.shape[1]))
-        else:
-            np.matmul(a, w, out=out)
+    def product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray, allocate: dense.Allocate) -> bool:
+        """out = a @ w + bias, and the GELU where the product's blocks took it: whether they did."""
+        rows = dense.matrix_rows(out, a, w, bias, allocate)
+        if rows is not None:
+            target = out.reshape(-1, w.shape[1])
+            return dense.dense_product(target, rows, w, bias, panels=panels, gelu=True, allocate=allocate)
+        np.matmul(a, w, out=out)
+        out += bias
+        return False
 
-    def compiled(out: np.ndarray, bias: np.ndarray) -> bool:
-        if out.dtype != np.float32 or bias.dtype != np.float32 or not out.flags.c_contiguous or out.ndim < 1:
-            return False
-        if bias.ndim != 1 or not bias.flags.c_contiguous:  # the loop's types
+    def compiled(out: np.ndarray) -> bool:
+        if out.dtype != np.float32 or not out.flags.c_contiguous:
             return False
         loops = compiled_loops()
         if loops is None:
             return False
-        loops.bias_gelu_rows(out.reshape(-1, out.shape[-1]), bias)
+        flat = out.reshape(-1)
+        loops.gelu_erf(flat, flat)
         return True
 
     def run(a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:
         out = np.empty((*a.shape[:-1], w.shape[1]), np.result_type(a, w))
-        product(out, a, w)
-        if compiled(out, bias):
+        if product(out, a, w, bias, dense.new_array) or compiled(out):
             return out
-        out += bias
         return gelu(out)
 
     def run_into(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> None:
-        product(out, a, w)
-        if compiled(out, bias):
+        if product(out, a, w, bias, lambda slot, shape, dtype: scratch(out, slot, shape, dtype)) or compiled(out):
             return
-        biased = scratch(out, "biased", out.shape, out.dtype)
-        np.add(out, bias, out=biased)
         if gelu_into is None:
-            np.copyto(out, gelu(biased))
+            np.copyto(out, gelu(out))
         else:
+            biased = scratch(out, "biased", out.shape, out.dtype)
+            np.copyto(biased, out)
             gelu_into(out, biased)
 
     declare_into(run_into, run)

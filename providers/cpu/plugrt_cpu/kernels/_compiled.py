@@ -63,6 +63,7 @@ MODULES: dict[str, str] = {
     "_numba_gemm": "packed-weight GEMM",
     "_numba_conv": "Conv units (gather, GEMM, epilogue)",
     "_numba_loops": "GELU, LayerNorm of a sum, attention softmax",
+    "_numba_dense": "dense layers' packing and bias/GELU epilogue",
     "_numba_decode": "RMS norms, decode attention, rotary KV caches",
     "_numba_int4": "4-bit MatMulNBits (int8 and float tiles)",
     "_numba_depthwise": "depthwise Conv",

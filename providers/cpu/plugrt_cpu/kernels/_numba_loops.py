@@ -19,7 +19,15 @@ from typing import Any
 import numba
 import numpy as np
 
-__all__ = ["bias_gelu_rows", "gelu_erf", "normalize_rows", "scale_and_shift_rows", "skip_layer_norm"]
+__all__ = [
+    "bias_gelu_rows",
+    "gelu_erf",
+    "layer_norm_rows",
+    "normalize_rows",
+    "scale_and_shift_rows",
+    "skip_layer_norm",
+    "subtract_row_max",
+]
 
 _FLAGS: dict[str, Any] = dict(fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True)
 _compiled = numba.njit(**_FLAGS)
@@ -97,6 +105,51 @@ def skip_layer_norm(a, b, gamma, beta, epsilon, out):  # pragma: no cover  (comp
         mean32 = _F(mean)
         for j in range(width):
             out[r, j] = (out[r, j] - mean32) * inv_std * gamma[j] + beta[j]
+
+
+@_entry(numba.void(_IN2, _IN1, _IN1, numba.float64, _OUT2, _OUT1, _OUT1))
+def layer_norm_rows(x, gamma, beta, epsilon, out, mean, inv_std):  # pragma: no cover  (compiled)
+    """out = LayerNorm(x) over the last axis of the 2-D float32 ``x``, with each row's mean
+    and 1/std in ``mean`` and ``inv_std``; sums in float64, variance about the mean (as
+    :func:`skip_layer_norm`, without the second operand)."""
+    rows, width = x.shape
+    for r in range(rows):
+        total = 0.0
+        for j in range(width):
+            total += x[r, j]
+        average = total / width
+        squares = 0.0
+        for j in range(width):
+            d = x[r, j] - average
+            squares += d * d
+        inverse = _F(1.0 / math.sqrt(squares / width + epsilon))
+        centre = _F(average)
+        mean[r] = centre
+        inv_std[r] = inverse
+        for j in range(width):
+            out[r, j] = (x[r, j] - centre) * inverse * gamma[j] + beta[j]
+
+
+@numba.njit(**{**_FLAGS, "fastmath": _FLAGS["fastmath"] | {"nnan"}})
+def _peak(row):  # pragma: no cover  (compiled; called by subtract_row_max)
+    """max(row), the comparisons free to ignore NaN (``nnan``: what lets LLVM vectorise the
+    reduction). Whatever it gives for a row holding a NaN, that NaN stays in ``row - peak``
+    and makes the row's softmax NaN through its sum, as numpy's max would."""
+    peak = row[0]
+    for j in range(1, row.size):
+        peak = max(peak, row[j])
+    return peak
+
+
+@_entry(numba.void(_IN2, _OUT2))
+def subtract_row_max(x, out):  # pragma: no cover  (compiled)
+    """out = x - max(x) per row of the 2-D float32 ``x`` (at least one column): the first
+    pass of a softmax."""
+    rows, width = x.shape
+    for r in range(rows):
+        peak = _peak(x[r])
+        for j in range(width):
+            out[r, j] = x[r, j] - peak
 
 
 @_entry(numba.void(_OUT2, numba.float32))

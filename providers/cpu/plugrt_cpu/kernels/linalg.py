@@ -12,6 +12,7 @@ from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._gemm import split_gemm
+from .dense import Allocate, WeightPanels, dense_product, matrix_rows, new_array, packs
 from .elementwise import scratch
 
 # numpy has no BLAS path for half types (and bfloat16 products would round at every
@@ -51,12 +52,34 @@ def _matmul_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
         np.matmul(a, b, out=out)
 
 
-@kernel("MatMul", 1)
-def matmul(a, b):
-    return _matmul(a, b)
+@kernel_builder("MatMul", 1)
+def matmul(ctx: KernelContext):
+    """a @ b; a constant float32 2-D b by the packed kernel of ``kernels.dense`` where the
+    host has it (a stack of rows multiplied as one matrix), else numpy (BLAS)."""
+    panels = WeightPanels(ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None)
 
+    def packed(out: np.ndarray, a: np.ndarray, b: np.ndarray, allocate: Allocate) -> bool:
+        if panels.weight is None or a.ndim < 2 or not packs(math.prod(a.shape[:-1])):
+            return False
+        rows = matrix_rows(out, a, b, None, allocate)
+        if rows is None or panels.get(b) is None:
+            return False
+        dense_product(out.reshape(-1, b.shape[1]), rows, b, None, panels=panels, allocate=allocate)
+        return True
 
-declare_into(_matmul_into, matmul)
+    def run(a, b):
+        if panels.weight is not None and a.dtype == np.float32 and a.ndim >= 2 and a.shape[-1] == b.shape[0] and packs(math.prod(a.shape[:-1])):
+            out = np.empty((*a.shape[:-1], b.shape[1]), np.float32)
+            if packed(out, a, b, new_array):
+                return out
+        return _matmul(a, b)
+
+    def run_into(out, a, b):
+        if not packed(out, a, b, lambda slot, shape, dtype: scratch(out, slot, shape, dtype)):
+            _matmul_into(out, a, b)
+
+    declare_into(run_into, run)
+    return run
 
 
 def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
@@ -131,9 +154,39 @@ def gemm(ctx: KernelContext):
     if c_const is not None and beta != 0.0:
         prepared_c = _scaled(c_const, beta) if beta != 1.0 else c_const
 
+    panels = WeightPanels(prepared_b if not scale_y else None)
+
+    def packed(y: np.ndarray, a: np.ndarray, c: np.ndarray | None, allocate: Allocate) -> bool:
+        """y = a @ B' (+ C) by the packed kernel (``kernels.dense``), C of one value per
+        column as its bias; False where it does not run."""
+        if panels.weight is None or prepared_b is None or a.ndim != 2 or not packs(a.shape[0]):
+            return False
+        n = prepared_b.shape[1]
+        bias = rest = None
+        if c is not None and beta != 0.0:
+            if strict_c_shape:
+                _check_c_shape(c, y, ctx.opset)
+            c = prepared_c if prepared_c is not None else c if beta == 1.0 else None
+            if c is None:
+                return False
+            if c.shape in ((n,), (1, n)) and c.dtype == y.dtype and c.flags.c_contiguous:
+                bias = c.reshape(n)
+            else:
+                rest = c
+        if matrix_rows(y, a, prepared_b, bias) is None:
+            return False
+        dense_product(y, a, prepared_b, bias, panels=panels, allocate=allocate)
+        if rest is not None:
+            y += rest
+        return True
+
     def run(a, b, c=None):
         if trans_a:
             a = a.T
+        if panels.weight is not None and a.ndim == 2 and a.dtype == np.float32 and packs(a.shape[0]):
+            y = np.empty((a.shape[0], panels.weight.shape[1]), np.float32)
+            if packed(y, a, c, new_array):
+                return y
         if prepared_b is not None and _splittable(a, prepared_b):
             y = np.empty((a.shape[0], prepared_b.shape[1]), a.dtype)
             split_gemm(a, prepared_b, y)
@@ -159,6 +212,8 @@ def gemm(ctx: KernelContext):
     def run_into(y, a, b, c=None):
         if trans_a:
             a = a.T
+        if packed(y, a, c, lambda slot, shape, dtype: scratch(y, slot, shape, dtype)):
+            return
         if prepared_b is not None:
             wide_a = _widen_into(y, "a", a)
             product_dtype = np.result_type(wide_a.dtype, prepared_b.dtype)

@@ -12,7 +12,7 @@ from plugrt.threads import parallel_for
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._gemm import epilogue_loops
 from ._relu import relu_into
-from .elementwise import scratch, with_small_buffers
+from .elementwise import compiled_loops, scratch, with_small_buffers
 
 # Statistics of half-precision inputs are computed in float32 (the spec's stash_type=1).
 _HALF_TYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -430,13 +430,50 @@ def _rows_view(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> tuple
     return work.reshape(rows, -1), x.shape[:axis] + (1,) * (x.ndim - axis)
 
 
+_ZERO_VECTORS: dict[int, np.ndarray] = {}
+
+
+def zero_vector(width: int) -> np.ndarray:
+    """A read-only float32 zero vector of ``width`` (the shift of a LayerNorm without bias)."""
+    zeros = _ZERO_VECTORS.get(width)
+    if zeros is None:
+        zeros = _ZERO_VECTORS[width] = np.zeros(width, np.float32)
+        zeros.flags.writeable = False
+    return zeros
+
+
 @kernel_builder("LayerNormalization", 17, multi_output=True)
 def layer_normalization(ctx: KernelContext):
     _check_stash_type(ctx)
     axis = int(ctx.attributes.get("axis", -1))
     epsilon = float(ctx.attributes.get("epsilon", 1e-5))
 
+    def compiled(x, scale, b, y, mean, inv_std) -> bool:
+        """The one-pass compiled LayerNorm into ``y``, ``mean`` and ``inv_std`` (float32,
+        C-contiguous, over the last axis with 1-D parameters); False where it does not apply."""
+        if x.dtype != np.float32 or x.ndim == 0 or axis not in (-1, x.ndim - 1) or not x.flags.c_contiguous:
+            return False
+        width = x.shape[-1]
+        for p in (scale, b):
+            if p is not None and (p.dtype != np.float32 or p.shape != (width,) or not p.flags.c_contiguous):
+                return False
+        if not all(a.dtype == np.float32 and a.flags.c_contiguous for a in (y, mean, inv_std)):
+            return False
+        loops = compiled_loops()
+        if loops is None or x.size == 0:
+            return False
+        shift = b if b is not None else zero_vector(width)
+        loops.layer_norm_rows(
+            x.reshape(-1, width), scale, shift, epsilon, y.reshape(-1, width), mean.reshape(-1), inv_std.reshape(-1)
+        )
+        return True
+
     def run(x, scale, b=None):
+        if x.dtype == np.float32 and x.ndim:
+            stats = x.shape[:-1] + (1,)
+            y, mean, inv_std = np.empty_like(x), np.empty(stats, np.float32), np.empty(stats, np.float32)
+            if compiled(x, scale, b, y, mean, inv_std):
+                return y, mean, inv_std
         rows, stats_shape = _rows_view(x, axis)
         normalized, mean, inv_std = _normalize_rows(rows, epsilon)
         y = normalized.reshape(x.shape)
@@ -452,6 +489,12 @@ def layer_normalization(ctx: KernelContext):
 
     def run_into(out, x, scale, b=None):
         y_out = out[0]
+        if x.dtype == np.float32 and x.ndim:
+            stats = x.shape[:-1] + (1,)
+            mean_out = out[1] if len(out) > 1 else scratch(y_out, "mean-out", stats, np.float32)
+            inv_out = out[2] if len(out) > 2 else scratch(y_out, "inv-std-out", stats, np.float32)
+            if compiled(x, scale, b, y_out, mean_out, inv_out):
+                return
         rows, stats_shape = _rows_view(x, axis, y_out)
         work = _rows_work(y_out, rows.shape, rows.dtype)
         normalized, mean, inv_std = _normalize_rows(rows, epsilon, work)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._registry import kernel, declare_into
-from .elementwise import scratch, with_small_buffers
+from .elementwise import compiled_loops, scratch, with_small_buffers
 
 # Each takes ``out`` for the ``into`` variants: the same steps into it, with the per-row
 # statistics in a work array.
@@ -29,7 +29,30 @@ def _per_row(ufunc: np.ufunc, a: np.ndarray, b: np.ndarray, out: np.ndarray | No
         return with_small_buffers(ufunc, a, b, out) if into else ufunc(a, b, out=out)
 
 
+def _compiled_softmax(x: np.ndarray, axis: int, out: np.ndarray | None) -> np.ndarray | None:
+    """Softmax over the last axis of a C-contiguous float32 ``x`` in three passes (the
+    compiled max-subtraction, numpy's vectorised exp in place, the compiled normalisation)
+    where numpy takes five with broadcast temporaries; None where it does not apply."""
+    if x.dtype != np.float32 or x.ndim == 0 or axis not in (-1, x.ndim - 1) or not x.flags.c_contiguous:
+        return None
+    if out is not None and (out.dtype != np.float32 or not out.flags.c_contiguous):
+        return None
+    loops = compiled_loops()
+    if loops is None:
+        return None
+    y = np.empty_like(x) if out is None else out
+    rows = x.reshape(-1, x.shape[-1])
+    target = y.reshape(rows.shape)
+    loops.subtract_row_max(rows, target)
+    np.exp(target, out=target)
+    loops.normalize_rows(target)
+    return y
+
+
 def _softmax_axis(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    compiled = _compiled_softmax(x, axis, out)
+    if compiled is not None:
+        return compiled
     statistics = _row_statistics(x, axis, out)
     into = out is not None
     y = _per_row(np.subtract, x, x.max(axis=axis, keepdims=True, out=statistics), out, into)

@@ -1,0 +1,268 @@
+"""The dense layers' products (plugrt_cpu.kernels.dense): the packed-kernel body and the BLAS body against onnxruntime, onnx.reference and float64 numpy."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnx.reference
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+
+import plugrt
+from plugrt.capture import Captured
+from plugrt_cpu.kernels import dense
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cpu.test_into import REPLAY_BYTES, replay_bytes  # noqa: E402
+
+
+def _random(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+class _Counting:
+    """``_numba_dense`` with its ``panel_product`` calls counted."""
+
+    def __init__(self, loops: Any) -> None:
+        self.loops = loops
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loops, name)
+
+    def panel_product(self, *args: Any) -> None:
+        self.calls += 1
+        self.loops.panel_product(*args)
+
+
+@pytest.fixture(params=["packed", "blas"])
+def body(request, monkeypatch):
+    """Each test with the packed body (skipped where numba or AVX-512 is missing), its
+    panels cut in slices of 64 steps so that every K below takes several, and with BLAS;
+    yields the counter of packed calls (None for BLAS)."""
+    if request.param == "blas":
+        monkeypatch.setattr(dense, "packed_kernels", lambda: None)
+        yield None
+        return
+    pytest.importorskip("numba")
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+    kernels = dense.packed_kernels()
+    if kernels is None:
+        pytest.skip("the packed GEMM needs AVX-512")
+    counting = _Counting(kernels[1])
+    monkeypatch.setattr(dense, "packed_kernels", lambda: (kernels[0], counting))
+    monkeypatch.setattr(dense, "slice_depth", lambda: 64)
+    yield counting
+
+
+def _reference(a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, gelu: bool) -> np.ndarray:
+    y = a.astype(np.float64) @ w.astype(np.float64)
+    if bias is not None:
+        y = y + bias
+    if gelu:
+        from math import erf
+
+        y = 0.5 * y * (1 + np.vectorize(erf)(y / np.sqrt(2)))
+    return y
+
+
+@pytest.mark.parametrize("shape", [(16, 3, 5), (37, 150, 50), (64, 64, 16), (200, 96, 130)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_dense_product_matches_float64(body, shape, gelu):
+    m, k, n = shape
+    a, w, bias = _random(m, k), _random(k, n, seed=1) * 0.2, _random(n, seed=2)
+    out = np.full((m, n), np.nan, np.float32)
+    applied = dense.dense_product(out, a, w, bias, panels=dense.WeightPanels(w), gelu=gelu)
+    expected = _reference(a, w, bias, gelu and applied)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    if body is not None:
+        assert applied == gelu and body.calls >= 1
+    else:
+        assert not applied
+
+
+@pytest.mark.parametrize("rows", [1, 15])
+def test_fewer_rows_than_a_tile_go_to_blas(body, rows):
+    a, w, bias = _random(rows, 40), _random(40, 24, seed=1), _random(24, seed=2)
+    out = np.empty((rows, 24), np.float32)
+    applied = dense.dense_product(out, a, w, bias, panels=dense.WeightPanels(w), gelu=True)
+    np.testing.assert_allclose(out, _reference(a, w, bias, False), rtol=1e-4, atol=1e-4)
+    assert not applied and (body is None or body.calls == 0)
+
+
+def test_dense_product_reads_a_transposed_input(body):
+    a, w = _random(40, 70).T, _random(40, 33, seed=1)  # a: (70, 40), column-major
+    out = np.empty((70, 33), np.float32)
+    dense.dense_product(out, a, w, None, panels=dense.WeightPanels(w))
+    np.testing.assert_allclose(out, _reference(a, w, None, False), rtol=1e-4, atol=1e-4)
+
+
+def test_dense_product_split_over_threads_gives_the_serial_result(body, monkeypatch):
+    a, w, bias = _random(50, 80), _random(80, 300, seed=1), _random(300, seed=2)
+    serial, split = np.empty((50, 300), np.float32), np.empty((50, 300), np.float32)
+    panels = dense.WeightPanels(w)
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 1)
+    dense.dense_product(serial, a, w, bias, panels=panels, gelu=True)
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 2)
+    dense.dense_product(split, a, w, bias, panels=panels, gelu=True)
+    np.testing.assert_array_equal(split, serial)
+
+
+def test_panels_are_not_used_for_another_weight(body):
+    w, other = _random(30, 20), _random(30, 20, seed=5)
+    a = _random(17, 30, seed=1)
+    out = np.empty((17, 20), np.float32)
+    dense.dense_product(out, a, other, None, panels=dense.WeightPanels(w))
+    np.testing.assert_allclose(out, _reference(a, other, None, False), rtol=1e-4, atol=1e-4)
+    assert body is None or body.calls == 0
+
+
+_LINEAR = """
+    <ir_version: 8, opset_import: ["" : 20]>
+    linear (float[B, S, K] x) => (float[B, S, N] y) {
+        m = MatMul (x, w)
+        h = Add (m, b)
+        ACTIVATION
+    }
+"""
+
+
+def _linear(k: int, n: int, gelu: bool, weight_input: bool = False) -> bytes:
+    text = _LINEAR.replace("ACTIVATION", 'y = Gelu <approximate = "none"> (h)' if gelu else "y = Identity (h)")
+    if weight_input:
+        text = text.replace("(float[B, S, K] x)", "(float[B, S, K] x, float[K, N] w)")
+    model = onnx.parser.parse_model(text.replace("K", str(k)).replace("N", str(n)))
+    constants = {"b": _random(n, seed=2)} if weight_input else {"w": _random(k, n, seed=1) * 0.2, "b": _random(n, seed=2)}
+    model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in constants.items())
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_linear_layer_matches_onnxruntime_and_the_reference(body, gelu):
+    model = _linear(150, 70, gelu)
+    feeds = {"x": _random(2, 19, 150, seed=3)}
+    session = plugrt.load(model, device="cpu", profiling=True)
+    ours = session.run(feeds)["y"]
+    ops = [e["args"]["op_name"] for e in session.profile() if e["cat"] == "Node"]
+    assert ops == (["FusedMatMulGelu"] if gelu else ["FusedMatMul", "Identity"])
+    theirs = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    reference = onnx.reference.ReferenceEvaluator(model).run(None, feeds)[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+    if body is not None:
+        assert body.calls >= 1
+
+
+def test_linear_layer_with_a_weight_fed_at_run_time_uses_blas(body):
+    model = _linear(40, 24, True, weight_input=True)
+    feeds = {"x": _random(2, 19, 40, seed=3), "w": _random(40, 24, seed=4)}
+    ours = plugrt.load(model, device="cpu").run(feeds)["y"]
+    theirs = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert body is None or body.calls == 0
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_linear_layer_is_captured_and_replays_without_allocating(body, gelu):
+    session = plugrt.load(_linear(150, 70, gelu), device="cpu")
+    first, second = {"x": _random(2, 19, 150, seed=3)}, {"x": _random(2, 19, 150, seed=4)}
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second, first):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+
+
+_GEMM = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    gemm (float[M, 150] a) => (float[M, 70] y) {
+        y = Gemm <transB = 1, alpha = ALPHA, beta = BETA> (a, w, c)
+    }
+"""
+
+_MATMUL = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    matmul (float[B, S, 150] a) => (float[B, S, 70] y) {
+        y = MatMul (a, w)
+    }
+"""
+
+
+def _with(text: str, **constants: np.ndarray) -> bytes:
+    model = onnx.parser.parse_model(text)
+    model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in constants.items())
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _matches_onnxruntime(model: bytes, feeds: dict[str, np.ndarray]) -> None:
+    ours = plugrt.load(model, device="cpu").run(feeds)["y"]
+    theirs = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, 2.0)])
+@pytest.mark.parametrize("c_shape", [(70,), (1, 70), (23, 70)])
+def test_gemm_with_a_constant_weight_matches_onnxruntime(body, alpha, beta, c_shape):
+    text = _GEMM.replace("ALPHA", str(alpha)).replace("BETA", str(beta))
+    model = _with(text, w=_random(70, 150, seed=1) * 0.2, c=_random(*c_shape, seed=2))
+    _matches_onnxruntime(model, {"a": _random(23, 150, seed=3)})
+    if body is not None:
+        assert body.calls >= 1
+
+
+def test_matmul_with_a_constant_weight_matches_onnxruntime_and_replays_without_allocating(body):
+    model = _with(_MATMUL, w=_random(150, 70, seed=1) * 0.2)
+    first, second = {"a": _random(2, 19, 150, seed=3)}, {"a": _random(2, 19, 150, seed=4)}
+    _matches_onnxruntime(model, first)
+    session = plugrt.load(model, device="cpu")
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+    if body is not None:
+        assert body.calls >= 1
+
+
+_CHANNELS_LAST = """
+    <ir_version: 8, opset_import: ["" : 20]>
+    block (float[1, 24, 5, 7] x) => (float[1, 5, 7, 40] y) {
+        t = Transpose <perm = [0, 2, 3, 1]> (x)
+        m = MatMul (t, w)
+        h = Add (m, b)
+        y = Gelu <approximate = "none"> (h)
+    }
+"""
+
+
+def test_linear_layer_of_a_transposed_stack_matches_onnxruntime_and_replays_without_allocating(body):
+    model = _with(_CHANNELS_LAST, w=_random(24, 40, seed=1) * 0.3, b=_random(40, seed=2))
+    first, second = {"x": _random(1, 24, 5, 7, seed=3)}, {"x": _random(1, 24, 5, 7, seed=4)}
+    _matches_onnxruntime(model, first)
+    session = plugrt.load(model, device="cpu")
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+    if body is not None:
+        assert body.calls >= 1
+
+
+def test_matrix_rows_copies_a_strided_stack_only_into_a_work_array():
+    a = _random(2, 3, 4).transpose(1, 0, 2)  # (3, 2, 4), not C-contiguous
+    w, out = _random(4, 5), np.empty((3, 2, 5), np.float32)
+    assert dense.matrix_rows(out, a, w, None) is None
+    rows = dense.matrix_rows(out, a, w, None, dense.new_array)
+    assert rows is not None and rows.shape == (6, 4)
+    np.testing.assert_array_equal(rows, a.reshape(6, 4))

@@ -1,0 +1,143 @@
+"""Softmax and LayerNormalization over the last axis: the compiled float32 passes and the numpy path against onnxruntime and onnx.reference."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnx.reference
+import onnxruntime
+import pytest
+from onnx import numpy_helper
+
+import plugrt
+from plugrt.capture import Captured
+from plugrt_cpu.kernels import softmax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from numba_paths import PATHS, numba_or_numpy  # noqa: E402
+from test_into import REPLAY_BYTES, replay_bytes  # noqa: E402
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Each test with the compiled loops (skipped without numba) and with numpy."""
+    yield from numba_or_numpy(request, monkeypatch, softmax.compiled_loops)
+
+
+def _random(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _model(text: str, **constants: np.ndarray) -> bytes:
+    model = onnx.parser.parse_model(text)
+    model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in constants.items())
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _check(model: bytes, feeds: dict[str, np.ndarray], rtol: float = 1e-5, atol: float = 1e-6) -> list[np.ndarray]:
+    ours = list(plugrt.load(model, device="cpu").run(feeds).values())
+    theirs = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    reference = onnx.reference.ReferenceEvaluator(model).run(None, feeds)
+    for a, b, c in zip(ours, theirs, reference):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+        np.testing.assert_allclose(a, c, rtol=rtol, atol=atol)
+    return ours
+
+
+_SOFTMAX = """
+    <ir_version: 8, opset_import: ["" : 13]>
+    softmax (float[A, B, C] x) => (float[A, B, C] y) {
+        y = Softmax <axis = AXIS> (x)
+    }
+"""
+
+
+@pytest.mark.parametrize("axis", [-1, 2, 1])
+def test_softmax_matches_onnxruntime_and_the_reference(path, axis):
+    x = _random(3, 5, 77) * 4
+    _check(_model(_SOFTMAX.replace("AXIS", str(axis))), {"x": x})
+
+
+def test_softmax_of_rows_with_infinities_and_nan_matches_the_reference(path):
+    x = _random(1, 4, 9)
+    x[0, 0, :] = -np.inf  # all masked: NaN, as the reference gives
+    x[0, 1, 3] = -np.inf  # one masked key: 0 there
+    x[0, 2, 5] = np.nan  # NaN spreads over its row
+    ours = plugrt.load(_model(_SOFTMAX.replace("AXIS", "-1")), device="cpu").run({"x": x})["y"]
+    reference = onnx.reference.ReferenceEvaluator(_model(_SOFTMAX.replace("AXIS", "-1"))).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-7)
+    assert np.isnan(ours[0, 0]).all() and ours[0, 1, 3] == 0 and np.isnan(ours[0, 2]).all()
+
+
+_LAYER_NORM = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    layer_norm (float[A, B, C] x) => (float[A, B, C] y, float[A, B, 1] mean, float[A, B, 1] inv_std) {
+        y, mean, inv_std = LayerNormalization <axis = -1, epsilon = 1e-5> (x, scale, BIAS)
+    }
+"""
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_and_its_statistics_match_onnxruntime_and_the_reference(path, bias):
+    text = _LAYER_NORM.replace(", BIAS", ", bias" if bias else "")
+    constants = {"scale": _random(96, seed=1)} | ({"bias": _random(96, seed=2)} if bias else {})
+    x = _random(2, 13, 96) * 3 + 1
+    _check(_model(text, **constants), {"x": x}, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_norm_over_an_inner_axis_keeps_the_numpy_path(path):
+    text = _LAYER_NORM.replace("axis = -1", "axis = 1").replace("float[A, B, 1] mean, float[A, B, 1] inv_std", "float[A, 1, 1] mean, float[A, 1, 1] inv_std")
+    x = _random(2, 5, 6)
+    _check(_model(text.replace(", BIAS", ""), scale=_random(5, 6, seed=1)), {"x": x}, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_layer_norm_is_the_numpy_one_to_float32_rounding(monkeypatch):
+    pytest.importorskip("numba")
+    loops = softmax.compiled_loops()
+    if loops is None:
+        pytest.skip("the compiled loops are off")
+    x, scale, bias = _random(7, 300) * 5 + 2, _random(300, seed=1), _random(300, seed=2)
+    y, mean, inv_std = np.empty_like(x), np.empty(7, np.float32), np.empty(7, np.float32)
+    loops.layer_norm_rows(x, scale, bias, 1e-5, y, mean, inv_std)
+    wide = x.astype(np.float64)
+    expected_mean = wide.mean(axis=1)
+    expected_inv = 1 / np.sqrt(((wide - expected_mean[:, None]) ** 2).mean(axis=1) + 1e-5)
+    np.testing.assert_allclose(mean, expected_mean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(inv_std, expected_inv, rtol=1e-6)
+    np.testing.assert_allclose(y, (wide - expected_mean[:, None]) * expected_inv[:, None] * scale + bias, rtol=1e-5, atol=1e-5)
+
+
+_BLOCK = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    block (float[2, 16, 64] x) => (float[2, 16, 64] y) {
+        n = LayerNormalization <axis = -1> (x, scale, bias)
+        y = Softmax <axis = -1> (n)
+    }
+"""
+
+
+def test_layer_norm_and_softmax_replay_without_allocating(path):
+    model = _model(_BLOCK, scale=_random(64, seed=1), bias=_random(64, seed=2))
+    session = plugrt.load(model, device="cpu")
+    first, second = {"x": _random(2, 16, 64, seed=3)}, {"x": _random(2, 16, 64, seed=4)}
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second, first):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+
+
+def test_softmax_takes_the_compiled_passes_exactly_where_they_apply(path):
+    x = _random(4, 33)
+    compiled = softmax._compiled_softmax(x, -1, None)
+    assert (compiled is not None) == (path == "numba")
+    assert softmax._compiled_softmax(x.T, -1, None) is None  # not C-contiguous
+    assert softmax._compiled_softmax(x.astype(np.float64), -1, None) is None
+    if compiled is not None:
+        wide = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
+        np.testing.assert_allclose(compiled, wide / wide.sum(axis=1, keepdims=True), rtol=1e-6, atol=1e-7)
