@@ -27,7 +27,9 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev
     exit 2
 fi
 export OUT=${OUT:-$HERE/out}
-export GPU_CHECK_SITE=${GPU_CHECK_SITE:-/tmp/plugrt-gpucheck-site}
+# a folder of this run's own: two checks on one machine (a dry run beside a rehearsal) must
+# not install into each other's
+export GPU_CHECK_SITE=${GPU_CHECK_SITE:-$(mktemp -d "${TMPDIR:-/tmp}/plugrt-gpucheck-site.XXXXXX")}
 export GPU_CHECK_WORK=${GPU_CHECK_WORK:-/tmp/plugrt-gpucheck-work}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$GPU_CHECK_WORK"
