@@ -31,13 +31,18 @@ def _driver(monkeypatch, out):
 
 def test_the_summary_prints_the_geomean_of_plugrt_over_torch(monkeypatch, tmp_path):
     driver = _driver(monkeypatch, tmp_path)
-    driver.record("latency", model="a", status="ok", plugrt_eager=2.0, plugrt_replay=1.0, torch_eager=1.0, torch_graph=0.5)
-    driver.record("latency", model="b", status="ok", plugrt_eager=8.0, plugrt_replay=1.0, torch_eager=1.0, torch_graph=2.0)
-    driver.record("latency", model="light x", status="ok", plugrt_eager=3.0, plugrt_replay=1.0)  # no peer
+    driver.record("latency", model="a", status="ok", plugrt_plain=1.0, plugrt_eager=2.0, plugrt_replay=0.5,
+                  torch_eager=1.0, torch_graph=0.5)
+    driver.record("latency", model="b", status="ok", plugrt_plain=1.0, plugrt_eager=8.0, plugrt_replay=1.0,
+                  torch_eager=1.0, torch_graph=2.0)
+    driver.record("latency", model="light x", status="ok", plugrt_plain=1.0, plugrt_eager=3.0, plugrt_replay=1.0)
     summary = (tmp_path / "summary.md").read_text()
-    # replay/graph ratios 2.0 and 0.5 -> geomean 1.00; eager ratios 2.0 and 8.0 -> 4.00
-    assert "graphs vs torch graphs: geomean 1.00 (over 2 models)" in summary
+    # the plain run (graphs on) over torch's graph: 2.0 and 0.5 -> geomean 1.00 (the light model has no peer);
+    # eager ratios 2.0 and 8.0 -> 4.00; bound replays 1.0 and 0.5 -> 0.71; replay speed-ups 4, 8 and 3
+    assert "graphs vs torch graphs: geomean 1.00 (over 2 models;" in summary
     assert "eager vs torch eager: geomean 4.00 (over 2 models)" in summary
+    assert "bound replay vs torch graphs: geomean 0.71" in summary
+    assert "replay speed-up over plugrt eager: smallest 3.00" in summary
 
 
 def test_a_stage_that_failed_is_listed_as_not_measured(monkeypatch, tmp_path):
