@@ -192,6 +192,11 @@ class _Packed:
             if source is not None:
                 _release_pages(source)
 
+    @property
+    def nbytes(self) -> int:
+        """What the repacked form holds (a WeightStore counts it in ``transform_bytes``)."""
+        return sum(int(a.nbytes) for a in (self.weights, self.scales, self.zeros) if a is not None)
+
 
 def _release_pages(array: np.ndarray) -> None:
     """Let the kernel drop ``array``'s pages from this process's resident memory when it
