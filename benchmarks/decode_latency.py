@@ -324,15 +324,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="tiny", help="tiny, smollm2-135m or qwen2.5-0.5b")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens for the shapes people run")
     parser.add_argument("--models", type=Path, default=Path("build/decoder_models"), help="where built shapes are kept")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="N busy background processes (one core each) while the shapes people run are measured (0)")
     parser.add_argument("--child", nargs=2, metavar=("RUNTIME", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(_child(args.child[0], Path(args.child[1]), args.prompt, args.tokens)))
         return 0
-    print(f"cores usable: {len(os.sched_getaffinity(0))}, load average: {os.getloadavg()}")
+    if not 0 <= args.load <= 64:
+        parser.error("--load must lie in [0, 64]")
+    print(f"cores usable: {len(os.sched_getaffinity(0))}, load average: {os.getloadavg()}, "
+          f"background load: {args.load} busy process(es)")
     if args.shape != "tiny":
+        from compare import BackgroundLoad  # benchmarks/compare.py's busy processes
+
         precisions = (args.precisions or "int4,int4-acc1,fp32").split(",")
-        return 0 if measure_shape(args.shape, precisions, args.models, args.prompt, args.tokens, args.rounds or 3) else 1
+        with BackgroundLoad(args.load, 1800):
+            done = measure_shape(args.shape, precisions, args.models, args.prompt, args.tokens, args.rounds or 3)
+        return 0 if done else 1
     args.precisions = args.precisions or "fp32,int4"
     args.rounds = args.rounds or 7
     ok = True
