@@ -112,6 +112,7 @@ def test_dense_product_split_over_threads_gives_the_serial_result(body, monkeypa
     monkeypatch.setattr(dense, "parallel_threads", lambda work: 1)
     dense.dense_product(serial, a, w, bias, panels=panels, gelu=True)
     monkeypatch.setattr(dense, "parallel_threads", lambda work: 2)
+    monkeypatch.setattr(dense, "PACKED_PARALLEL_MIN_WORK", 0)  # split even this small product
     dense.dense_product(split, a, w, bias, panels=panels, gelu=True)
     np.testing.assert_array_equal(split, serial)
 

@@ -34,6 +34,14 @@ from .normalization import zero_vector
 __all__ = ["Allocate", "WeightPanels", "dense_product", "matrix_rows", "new_array", "packed_kernels", "packs"]
 
 _F32 = np.dtype(np.float32)
+#: multiply-adds below which the packed body runs on one thread. In models that mix its
+#: products with BLAS ones (an encoder's attention products stay on BLAS), its pool threads
+#: share the cores with OpenBLAS's workers, which spin for a while after each call: split
+#: over both cores, BERT-sized products (128 rows, K and N 256 to 1024) made bert_small and
+#: the encoders 1.3-2x slower than one thread did, where ViT, Swin and ConvNeXt, whose
+#: products are larger, keep their split. A stopgap until the packed body and BLAS share
+#: one pool (or BLAS's threads are told to sleep).
+PACKED_PARALLEL_MIN_WORK = 1 << 26
 _VECTOR = 16  # columns of a weight panel (_numba_dense.VECTOR)
 Allocate = Callable[[str, tuple[int, ...], Any], np.ndarray]
 
@@ -170,7 +178,7 @@ def dense_product(
             loops.panel_product(packed, laid_out, out, shift, activate, t0, t1, depth)
 
         tiles = laid_out.shape[0]
-        threads = parallel_threads(work)
+        threads = parallel_threads(work) if work >= PACKED_PARALLEL_MIN_WORK else 1
         if threads <= 1 or tiles < 2:
             block(0, tiles)
         else:
