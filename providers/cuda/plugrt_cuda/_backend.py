@@ -319,14 +319,9 @@ class CupyBackend(Backend):
             return None
         from . import _cublas
 
-        batch = tuple(cp.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-        m, k = a.shape[-2:]
-        n = b.shape[-1]
-        a_data, a_trans, lda, a_stride = _operand(cp, a, batch, dtype)
-        b_data, b_trans, ldb, b_stride = _operand(cp, b, batch, dtype)
-        count = 1
-        for d in batch:
-            count *= d
+        batch, m, k, n, count, (a_data, a_trans, lda, a_stride), (b_data, b_trans, ldb, b_stride) = _gemm_operands(
+            cp, a, b, dtype
+        )
         out = cp.empty(batch + (m, n), dtype)
         if count == 0 or m == 0 or n == 0:
             return out
@@ -377,14 +372,9 @@ class CupyBackend(Backend):
         dtype = cp.result_type(a, b)
         if dtype.name not in _sources.DTYPES or a.ndim < 2 or b.ndim < 2:
             return cp.matmul(a, b)  # vectors and other dtypes: cupy's own (never captured as GEMM)
-        batch = tuple(cp.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-        m, k = a.shape[-2:]
-        n = b.shape[-1]
-        a_data, a_trans, lda, a_stride = _operand(cp, a, batch, dtype)
-        b_data, b_trans, ldb, b_stride = _operand(cp, b, batch, dtype)
-        count = 1
-        for d in batch:
-            count *= d
+        batch, m, k, n, count, (a_data, a_trans, lda, a_stride), (b_data, b_trans, ldb, b_stride) = _gemm_operands(
+            cp, a, b, dtype
+        )
         out = cp.empty(batch + (m, n), dtype)
         if count == 0 or m == 0 or n == 0:
             return out
@@ -544,6 +534,17 @@ class CupyBackend(Backend):
             (x, scale, bias_arg, y, mean, inv_std, cp.int32(cols), cp.float32(epsilon), cp.int32(bias is not None)),
         )
         return y, mean, inv_std
+
+
+def _gemm_operands(cp: Any, a: Any, b: Any, dtype: Any) -> tuple:
+    """(batch shape, m, k, n, GEMMs in the batch, A's and B's :func:`_operand`) of ``a @ b``
+    with numpy's broadcasting over the leading axes."""
+    batch = tuple(cp.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    m, k = a.shape[-2:]
+    count = 1
+    for d in batch:
+        count *= d
+    return batch, m, k, b.shape[-1], count, _operand(cp, a, batch, dtype), _operand(cp, b, batch, dtype)
 
 
 def _operand(cp: Any, x: Any, batch: tuple, dtype: Any) -> tuple[Any, int, int, int]:
