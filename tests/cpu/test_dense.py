@@ -172,15 +172,21 @@ def test_linear_layer_with_a_weight_fed_at_run_time_uses_blas(body):
     assert body is None or body.calls == 0
 
 
+def _replays_like_runs_without_allocating(session, first: dict, second: dict, rounds: tuple) -> None:
+    """A capture with no seams whose replays equal eager runs on ``rounds`` of feeds and
+    allocate less than REPLAY_BYTES."""
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in rounds:
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+
+
 @pytest.mark.parametrize("gelu", [False, True])
 def test_linear_layer_is_captured_and_replays_without_allocating(body, gelu):
     session = plugrt.load(_linear(150, 70, gelu), device="cpu")
     first, second = {"x": _random(2, 19, 150, seed=3)}, {"x": _random(2, 19, 150, seed=4)}
-    captured = session.try_capture(first)
-    assert isinstance(captured, Captured) and captured.report.seams == []
-    for feeds in (first, second, first):
-        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
-    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+    _replays_like_runs_without_allocating(session, first, second, (first, second, first))
 
 
 _GEMM = """
@@ -226,11 +232,7 @@ def test_matmul_with_a_constant_weight_matches_onnxruntime_and_replays_without_a
     first, second = {"a": _random(2, 19, 150, seed=3)}, {"a": _random(2, 19, 150, seed=4)}
     _matches_onnxruntime(model, first)
     session = plugrt.load(model, device="cpu")
-    captured = session.try_capture(first)
-    assert isinstance(captured, Captured) and captured.report.seams == []
-    for feeds in (first, second):
-        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
-    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+    _replays_like_runs_without_allocating(session, first, second, (first, second))
     if body is not None:
         assert body.calls >= 1
 
@@ -251,11 +253,7 @@ def test_linear_layer_of_a_transposed_stack_matches_onnxruntime_and_replays_with
     first, second = {"x": _random(1, 24, 5, 7, seed=3)}, {"x": _random(1, 24, 5, 7, seed=4)}
     _matches_onnxruntime(model, first)
     session = plugrt.load(model, device="cpu")
-    captured = session.try_capture(first)
-    assert isinstance(captured, Captured) and captured.report.seams == []
-    for feeds in (first, second):
-        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
-    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES
+    _replays_like_runs_without_allocating(session, first, second, (first, second))
     if body is not None:
         assert body.calls >= 1
 
