@@ -12,6 +12,7 @@ __all__ = [
     "ModelLoadError",
     "UnsafeExternalDataError",
     "ModelLimitError",
+    "MemoryLimitError",
     "UnsupportedOpError",
     "InvalidInputError",
     "UnknownInputError",
@@ -116,6 +117,46 @@ class ModelLimitError(ModelLoadError):
         self.limit = limit
         self.value = value
         self.maximum = maximum
+
+
+class MemoryLimitError(ModelLoadError):
+    """A session (or a ``plugrt.genai.Generator``'s KV cache) would need more memory than
+    the ``memory_limit`` option allows. ``needed`` and ``limit`` are bytes; ``breakdown``
+    says where ``needed`` goes: ``weights``, ``activations`` (the activation memory plan's
+    peak) and ``state`` (the KV cache); ``unsized`` counts intermediate values the plan
+    could not size (unknown dimensions), which ``needed`` leaves out."""
+
+    def __init__(self, needed: int, limit: int, breakdown: dict[str, int], *, unsized: int = 0, source: str | None = None):
+        self.needed = needed
+        self.limit = limit
+        self.breakdown = dict(breakdown)
+        self.unsized = unsized
+        weights, activations = self.breakdown.get("weights", 0), self.breakdown.get("activations", 0)
+        parts = f"weights {_format_bytes(weights)}, activations {_format_bytes(activations)}"
+        state = self.breakdown.get("state", 0)
+        what = "the generator needs" if state else "the session needs"
+        if state:
+            parts += f", KV cache {_format_bytes(state)}"
+        if unsized:
+            parts += f"; {unsized} intermediate value(s) of unknown size not counted"
+        remedy = "raise memory_limit or use a smaller model" + (" or max_length" if state else "")
+        super().__init__(
+            f"{what} {_format_bytes(needed)} ({parts}) but memory_limit is {_format_bytes(limit)}; {remedy}",
+            source=source,
+            reason="memory over memory_limit",
+        )
+
+
+def _format_bytes(count: int) -> str:
+    """``count`` bytes in binary units to three significant digits: 0 B, 190 MiB, 1.21 GiB."""
+    size, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    digits = 0 if size >= 100 or unit == "B" else 1 if size >= 10 else 2
+    text = f"{size:.{digits}f}"
+    return f"{text.rstrip('0').rstrip('.') if digits else text} {unit}"
 
 
 # --- placement -----------------------------------------------------------------------

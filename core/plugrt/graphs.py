@@ -176,6 +176,7 @@ class PlainRunGraphs:
                 miss = f"an eager seam no longer fits the graph ({plan.last_miss})"
             else:
                 graph.hits += 1
+                self._session._signature.note(feeds)
                 return _owned(values, indexes, spaces)
         except ReplayStreamError:
             self._drop(key, "the device stream recorded an error during a replay")

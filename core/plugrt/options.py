@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import decimal
+import re
 from typing import Any, Callable, Mapping
 
 from .errors import InvalidOptionValueError, UnknownOptionError
@@ -80,6 +82,51 @@ def _optional_str(key: str, value: Any) -> str | None:
     raise InvalidOptionValueError(key, value, "a string")
 
 
+#: Byte units, lower-cased: KB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB of 1024.
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+_BYTE_SIZE_FORMS = (
+    "None (no limit), a positive number of bytes, or a string with a unit: '512MiB', '2GiB', '1.5GB', "
+    "'800000KB' (KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB of 1024; case-insensitive)"
+)
+
+
+def _byte_size(key: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > 0:
+            return value
+        raise InvalidOptionValueError(key, value, _BYTE_SIZE_FORMS)
+    match = _BYTE_SIZE.fullmatch(value) if isinstance(value, str) else None
+    factor = _BYTE_UNITS.get(match.group(2).lower()) if match else None
+    if match is None or factor is None:
+        raise InvalidOptionValueError(key, value, _BYTE_SIZE_FORMS)
+    size = int(decimal.Decimal(match.group(1)) * factor)  # exact: "1.5GB" is 1500000000 bytes
+    if size <= 0:
+        raise InvalidOptionValueError(key, value, _BYTE_SIZE_FORMS)
+    return size
+
+
+def _dim_sizes(key: str, value: Any) -> dict[str, int]:
+    expected = "a mapping of dimension name to a positive size, e.g. {'batch': 8} or 'batch=8,sequence=128'"
+    if isinstance(value, str):
+        pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
+        if not all(len(pair) == 2 and pair[1].strip().isdigit() for pair in pairs):
+            raise InvalidOptionValueError(key, value, expected)
+        value = {name.strip(): int(size) for name, size in pairs}
+    if not isinstance(value, Mapping) or not all(
+        isinstance(name, str) and name and isinstance(size, int) and not isinstance(size, bool) and size > 0
+        for name, size in value.items()
+    ):
+        raise InvalidOptionValueError(key, value, expected)
+    return dict(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Option:
     parse: Callable[[str, Any], Any]
@@ -130,6 +177,20 @@ OPTIONS: dict[str, _Option] = {
         None,
         "a plugrt.WeightStore: initializers (and the forms providers prepare from them) are shared with "
         "every other session built with it, read-only",
+    ),
+    "memory_limit": _Option(
+        _byte_size,
+        None,
+        "the most memory the session may need, in bytes or with a unit ('2GiB', '1.5GB'): its weights, the "
+        "activation memory plan for its inputs' shapes (symbolic dimensions 1, or as memory_limit.dims says) "
+        "and, for plugrt.genai, the KV cache at max_length; a session or generator that needs more is refused "
+        "with MemoryLimitError (default None: no limit)",
+    ),
+    "memory_limit.dims": _Option(
+        _dim_sizes,
+        {},
+        "sizes of symbolic input dimensions the memory_limit check plans activations for, e.g. "
+        "{'batch': 8, 'sequence': 512} or 'batch=8,sequence=512' (a dimension not named is 1)",
     ),
     "limits.model_bytes": _Option(_positive_int, _LIMITS.model_bytes, "largest model file accepted, in bytes"),
     "limits.tensor_bytes": _Option(

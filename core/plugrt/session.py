@@ -19,6 +19,7 @@ from .intent import Selection, resolve_device
 from .introspection import SessionIntrospection
 from .joining import DeviceJoin, JoinStatus
 from .loader import ModelSource, load_model
+from .memory_budget import SessionMemory
 from .graphs import PlainRunGraphs, graphs_wanted, replay_tolerance
 from .options import SessionOptions, parse_options
 from .prepare import context_export_path, load_limits, prepare_model
@@ -77,6 +78,7 @@ class Session(SessionIntrospection, ProfiledSession):
         self._spaces = MemorySpaces([m for m in map(memory_of, chosen) if m is not None])
         self._opsets = prepared.opsets
         self.weights: WeightStore | None = share_initializers(self._model, self.options["weights"])
+        self._memory = SessionMemory(self.options, self.weights)  # before the build: it counts what the build prepares
         self._runs = 0  # plan runs, for stats()
         self._switch_lock = threading.Lock()
         self._retired_plans: list = []  # plans run before a switch to the device plan (their profiles)
@@ -95,6 +97,7 @@ class Session(SessionIntrospection, ProfiledSession):
         self.optimization_stats.update(self._built.pass_stats)
         specs = input_specs(self.inputs, self._model.graph.inputs, self._built.input_homes)
         self._signature = InputSignature(specs, self._spaces)
+        self._memory.check(self)  # memory_limit: MemoryLimitError before anything else is made
         self._output_names = [info.name for info in self.outputs]
         self._output_index = {name: i for i, name in enumerate(self._output_names)}
         self._captures = CaptureSlots(self._trace)
@@ -209,6 +212,8 @@ class Session(SessionIntrospection, ProfiledSession):
         plan at once (``wait_for_device``, strict, an EPContext export or restore)."""
         options = self.options
         if options["wait_for_device"] or options["strict"] or options["ep.context_enable"] or prepared.restored:
+            return False
+        if options["memory_limit"] is not None:  # the limit is checked on the plan that serves, before load returns
             return False
         if not self._by_estimate:
             return False

@@ -151,6 +151,9 @@ class InputSignature:
         self._spaces = spaces
         self._all_tensors = all(s.is_tensor for s in self.specs)
         self._checked: set = set()
+        # (type, dtype, shape) of each argument of the latest run, in input order (stats()
+        # plans its activation memory from it): the key the checks compute anyway
+        self.last: tuple | None = None
 
     def arguments(self, feeds: Mapping[str, Any]) -> list:
         """The plan's arguments for ``feeds``, in input order, checked."""
@@ -167,6 +170,7 @@ class InputSignature:
         if not self._all_tensors:
             args = [self._as_array(s, a) if s.is_tensor else a for s, a in zip(self.specs, args)]
             self.check([a for s, a in zip(self.specs, args) if s.is_tensor], tensors_only=True)
+            self.last = tuple((type(a), getattr(a, "dtype", None), getattr(a, "shape", None)) for a in args)
             return args
         try:
             key = tuple([(type(a), a.dtype, a.shape) for a in args])
@@ -182,7 +186,19 @@ class InputSignature:
                 if len(self._checked) >= _SIGNATURE_CACHE_SIZE:
                     self._checked.clear()
                 self._checked.add(key)
+        self.last = key
         return args
+
+    def note(self, feeds: Mapping[str, Any]) -> None:
+        """Record ``feeds`` as the latest run's (a run served without :meth:`arguments`:
+        a plain-run graph's replay); an input not fed counts with its default."""
+        values = [feeds[s.name] if s.name in feeds else s.default for s in self.specs]
+        self.last = tuple((type(v), getattr(v, "dtype", None), getattr(v, "shape", None)) for v in values)
+
+    def last_shapes(self) -> list[tuple[int, ...] | None] | None:
+        """Each input's shape in the latest run (None for one without a shape), or None before any run."""
+        last = self.last
+        return None if last is None else [shape for _, _, shape in last]
 
     def _as_array(self, spec: InputSpec, value: Any) -> Any:
         if type(value) is np.ndarray:

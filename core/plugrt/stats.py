@@ -1,10 +1,11 @@
-"""A session's counters: runs, kernel-plan caches, control flow, captures, shared weights."""
+"""A session's counters: runs, kernel-plan caches, control flow, captures, shared weights, activation memory."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
+from .memory_budget import PlannedSession, SessionMemory
 from .weights import WeightStore
 
 if TYPE_CHECKING:
@@ -45,6 +46,12 @@ class SessionStats:
     - ``weights``: the counters of the session's :class:`plugrt.WeightStore` (shared with
       every session that uses it; see :class:`plugrt.weights.WeightStats`), empty without one.
     - ``providers``: every counter as each provider reports it, by provider name.
+    - ``memory_plan``: the activation memory plan (:class:`plugrt.memory_plan.MemoryPlan`
+      as a dict: ``peak_bytes``, ``total_bytes``, ``buffers``, ``buffers_reused``,
+      ``values``, ``unsized``, and the ``inputs`` shapes and ``dims`` it is for) of the
+      latest run's input shapes, planned once per shape and kept; before any run, the plan
+      the ``memory_limit`` check made at build; empty without either, or when the model
+      has no intermediate values.
     """
 
     runs: int = 0
@@ -65,19 +72,21 @@ class SessionStats:
     capture_sites: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     weights: dict[str, int] = dataclasses.field(default_factory=dict)
     providers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    memory_plan: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The counters as plain dicts and ints (for JSON or logging)."""
         return dataclasses.asdict(self)
 
 
-class _Counted(Protocol):
+class _Counted(PlannedSession, Protocol):
     """What the counters are read from: a :class:`plugrt.Session`."""
 
     selection: "Selection"
     weights: WeightStore | None
     _runs: int
     _graphs: "PlainRunGraphs | None"
+    _memory: "SessionMemory"
 
     @property
     def compiled_partitions(self) -> list["CompiledPartition"]: ...
@@ -120,6 +129,7 @@ def session_stats(session: _Counted) -> SessionStats:
         capture_sites={name: dataclasses.asdict(site) for name, site in list(capture.sites.items())},
         weights=dataclasses.asdict(session.weights.stats()) if session.weights is not None else {},
         providers=providers,
+        memory_plan=session._memory.latest(session),
     )
 
 
