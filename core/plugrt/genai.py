@@ -48,6 +48,9 @@ from .tracing import trace_generation
 
 __all__ = ["CaptureUse", "DecoderLayout", "Model", "SearchOptions", "Generator", "generate"]
 
+#: The element type of the KV cache bindings.
+_CACHE_DTYPE = np.float32
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderLayout:
@@ -169,7 +172,7 @@ class _Cache:
         shape = full if model.fixed_shape_steps else (1, layout.kv_heads, 0, layout.head_size)
         self.capacity = capacity
         self.bindings = [
-            session.allocate_binding(input=past, output=present, dtype=np.float32, shape=shape, capacity=full)
+            session.allocate_binding(input=past, output=present, dtype=_CACHE_DTYPE, shape=shape, capacity=full)
             for past, present in layout.cache_names()
         ]
         self.mask = np.zeros((1, capacity), np.int64)
@@ -186,6 +189,35 @@ class _Cache:
             layout = model.layout
             for binding in self.bindings:
                 binding.set_shape((1, layout.kv_heads, 0, layout.head_size))
+
+
+def _cache_bytes(layout: DecoderLayout, capacity: int) -> int:
+    """The bytes of one sequence's KV cache of ``capacity`` tokens (a :class:`_Cache`'s bindings)."""
+    return len(layout.cache_names()) * layout.kv_heads * capacity * layout.head_size * np.dtype(_CACHE_DTYPE).itemsize
+
+
+def _refuse_over_memory_limit(model: Model, max_length: int) -> None:
+    """MemoryLimitError when the session's weights, the activations of a prompt of
+    ``max_length`` tokens and a KV cache of ``max_length`` tokens exceed the session's
+    ``memory_limit`` option (nothing happens without one)."""
+    from .memory_plan import dims_of
+
+    session = model.session
+    if session._memory.limit is None:
+        return
+    layout = model.layout
+    # fixed-shape steps read the whole cache as their past; growing ones start from an empty one
+    past_length = max_length if model.fixed_shape_steps else 0
+    shapes: dict[str | None, tuple[int, ...]] = {
+        layout.input_ids: (1, max_length),
+        layout.attention_mask: (1, max_length),
+        layout.position_ids: (1, max_length),
+    }
+    shapes.update((past, (1, layout.kv_heads, past_length, layout.head_size)) for past, _ in layout.cache_names())
+    dims = dims_of([info.shape for info in session.inputs], [shapes.get(info.name) for info in session.inputs])
+    # the present keys and values are written into the cache bindings, counted as the cache
+    plan = session._memory.plan(session, dims, bound=[present for _, present in layout.cache_names()])
+    session._memory.refuse_over_limit(session, plan, state=_cache_bytes(layout, max_length))
 
 
 def _drop_slots(session_ref: Any, slots: tuple[str, ...]) -> None:
@@ -270,7 +302,9 @@ class Generator:
     output, its capacity ``max_length`` tokens, so a step allocates no cache memory. With
     ``capture`` (the default) and a model whose steps have fixed shapes, prompts and
     decode steps are replayed from captures in their own slots (see the module's notes);
-    ``capture_use`` says how each step ran.
+    ``capture_use`` says how each step ran. A model loaded with ``memory_limit`` refuses a
+    generator (MemoryLimitError, before its cache is allocated) when its weights, a prompt
+    of ``max_length`` tokens' activations and the cache at ``max_length`` need more.
     """
 
     def __init__(
@@ -291,6 +325,7 @@ class Generator:
         self.options = options
         self.max_length = max_length
         self._rng = np.random.default_rng(options.seed)
+        _refuse_over_memory_limit(model, max_length)  # before the cache is allocated
         self._state = model._take_cache(max_length)
         self._state.reset(model)
         weakref.finalize(self, model._return_cache, self._state)
