@@ -92,11 +92,44 @@ def test_compiled_module_answers_at_once_while_its_loops_build(held_build):
 
 def test_a_forked_child_starts_a_build_of_its_own(held_build):
     loader, _, _ = held_build
-    loader.start()
+    loader.want(["_numba_pool"])
     parent_thread = loader._thread
     loader._pid = -1  # as a child forked while the parent built sees it: the thread stayed in the parent
-    loader.start()
+    loader.want(["_numba_pool"])
     assert loader._thread is not parent_thread and loader._thread.is_alive()
+
+
+def test_only_the_modules_asked_for_are_loaded_first_asked_first(held_build):
+    loader, release, used = held_build
+    assert _compiled.compiled_module("_numba_pool") is None
+    assert _compiled.compiled_module("_numba_loops") is None
+    release.set()
+    assert loader.finished.wait(120)
+    order = list(loader.ready)
+    assert order.index("_numba_pool") < order.index("_numba_loops")
+    assert "_numba_winograd" not in loader.ready and "_numba_conv" not in loader.ready  # never asked for
+    assert _compiled.compiled_module("_numba_winograd") is None  # asked now: queued, loaded next
+    assert loader.finished.wait(120)
+    assert "_numba_winograd" in loader.ready
+
+
+def test_each_compiled_module_s_imports_of_others_are_listed():
+    import ast
+    from pathlib import Path
+
+    folder = Path(_compiled.__file__).parent
+    for name in _compiled.MODULES:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+        assert {m for m in imported if m in _compiled.MODULES} == set(_compiled.IMPORTS.get(name, ())), name
+
+
+def test_the_compiled_modules_a_loaded_module_imports_are_ready_with_it(held_build):
+    loader, release, _ = held_build
+    _compiled.compiled_module("_numba_int4")  # imports the thread pool's loops
+    release.set()
+    assert loader.finished.wait(120)
+    assert "_numba_int4" in loader.ready and "_numba_parallel" in loader.ready
 
 
 def test_a_session_serves_numpy_while_the_loops_build_then_switches(held_build):

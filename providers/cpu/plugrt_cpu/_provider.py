@@ -211,6 +211,11 @@ class CPUProvider:
                 domain, node.op_type, opset, node=label, providers_consulted=[self.name],
                 reasons={self.name: "no kernel"},
             )
+        if spec.compiled:
+            from .kernels._compiled import compiled_module
+
+            for module in spec.compiled:
+                compiled_module(module)  # queued now: loaded while the rest of the session is built
         inputs: list[ir.Value | None] = list(node.inputs)
         while inputs and inputs[-1] is None:
             inputs.pop()

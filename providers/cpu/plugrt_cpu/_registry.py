@@ -41,6 +41,9 @@ class KernelSpec:
     attribute_names: frozenset[str] | None = None  # None: accepts any attribute (**kwargs)
     data_dependent: bool = False  # output shape depends on input values: never captured
     inplace: bool = False  # its into variant may be given its first input as the output
+    # the compiled-loops modules (``kernels._compiled.MODULES``) it runs with: asked for when
+    # a node is bound, so that they load while the session is built, not at its first run
+    compiled: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -117,6 +120,7 @@ def kernel(
     data_dependent: bool = False,
     inplace: bool = False,
     into: Callable[..., Any] | None = None,
+    compiled: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a plain kernel for ``op_type`` at each of ``since_versions`` (default 1).
 
@@ -125,7 +129,8 @@ def kernel(
     or a tuple of all its outputs when ``multi_output`` is true. ``data_dependent``: its
     output depends on input values beyond shapes (never captured). ``inplace``: its
     ``into`` variant (or ufunc) is correct when given its first input as the output.
-    ``into``: the capture variant, as for :func:`declare_into`.
+    ``into``: the capture variant, as for :func:`declare_into`. ``compiled``: the
+    compiled-loops modules it runs with, loaded from when a node is bound.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,7 +141,7 @@ def kernel(
             _register(
                 KernelSpec(
                     _normalise_domain(domain), op_type, version, fn, False, multi_output, names, data_dependent,
-                    inplace,
+                    inplace, compiled,
                 )
             )
         return fn
@@ -150,13 +155,18 @@ def kernel_builder(
     domain: str = "",
     multi_output: bool = False,
     data_dependent: bool = False,
+    compiled: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a builder: ``fn(ctx: KernelContext) -> kernel`` runs once at compile."""
+    """Register a builder: ``fn(ctx: KernelContext) -> kernel`` runs once at compile.
+    ``compiled`` as for :func:`kernel`."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         for version in since_versions or (1,):
             _register(
-                KernelSpec(_normalise_domain(domain), op_type, version, fn, True, multi_output, None, data_dependent)
+                KernelSpec(
+                    _normalise_domain(domain), op_type, version, fn, True, multi_output, None, data_dependent,
+                    compiled=compiled,
+                )
             )
         return fn
 

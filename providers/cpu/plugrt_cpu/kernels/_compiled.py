@@ -2,10 +2,13 @@
 background, so that no step ever waits for the compiler.
 
 ``compiled_module(name)`` answers at once: the module when its loops are ready in this
-process, else None, and the caller runs its numpy path. The first ask starts the build:
-a child process (at the lowest priority) imports every compiled module, which compiles
-into numba's on-disk cache whatever it lacks, then a thread of this process imports them
-from that cache, one by one, each ready as soon as it is loaded. A compile on a thread of
+process, else None, and the caller runs its numpy path. An ask for a module not loaded
+yet queues it for a thread of this process, which imports the modules asked for, in the
+order asked, each ready as soon as it is loaded (with the compiled modules it imports);
+modules no kernel asks for are never loaded, so a decoder does not pay the convolution
+loops' load time and memory. The first ask in a process whose cache is not complete
+first has a child process (at the lowest priority) import every compiled module, which
+compiles into numba's on-disk cache whatever it lacks. A compile on a thread of
 this process would hold the GIL for most of its time (SqueezeNet's numpy runs beside it
 measured 2.6x slower, against 1.35x beside the child); loading from the cache is short.
 Once the child has built everything a stamp beside the cache says so, and later processes
@@ -38,9 +41,10 @@ import threading
 import time
 import warnings
 from types import ModuleType
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 __all__ = [
+    "IMPORTS",
     "MODULES",
     "Snapshot",
     "build_all",
@@ -70,6 +74,15 @@ MODULES: dict[str, str] = {
     "_numba_pool": "MaxPool and AveragePool",
     "_numba_winograd": "Winograd transforms",
 }
+#: The compiled modules each one imports (loaded before it: a module asked for later is
+#: then ready at once, as the thread pool's loops under the 4-bit kernels must be).
+IMPORTS: dict[str, tuple[str, ...]] = {
+    "_numba_conv": ("_numba_parallel", "_numba_epilogue", "_numba_gemm"),
+    "_numba_dense": ("_numba_gemm", "_numba_loops"),
+    "_numba_int4": ("_numba_parallel",),
+    "_numba_pool": ("_numba_parallel",),
+    "_numba_winograd": ("_numba_parallel", "_numba_gemm"),
+}
 _PACKAGE = "plugrt_cpu.kernels"
 
 Progress = Callable[[int, int, str], None]  # (modules done, modules in all, the one starting)
@@ -86,7 +99,8 @@ class Snapshot:
 
 
 class _Loader:
-    """This process's compiled modules: those ready, those that failed, and the build.
+    """This process's compiled modules: those ready, those that failed, those asked for
+    and not loaded yet, and the thread that loads them.
 
     ``importer`` imports one module by name; ``compile_ahead`` fills the on-disk cache
     before this process imports from it (a child process). Both are parameters so that
@@ -104,10 +118,13 @@ class _Loader:
         self.ready: dict[str, ModuleType] = {}
         self.failed: set[str] = set()
         self.generation = 0
-        self.finished = threading.Event()
+        self.finished = threading.Event()  # set while nothing asked for is left to load
+        self.finished.set()
+        self._wanted: list[str] = []  # asked for and not loaded yet, in the order asked
+        self._cache_checked = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._pid = os.getpid()  # the process the build thread runs in
+        self._pid = os.getpid()  # the process the load thread runs in
 
     def load(self, name: str) -> ModuleType | None:
         """Import ``name`` on this thread (compiling what the cache lacks); None, and
@@ -130,24 +147,44 @@ class _Loader:
                 self.generation += 1
         return module
 
-    def start(self) -> None:
-        """Start the background build, once per process."""
-        if self._pid != os.getpid():  # a forked child: the build thread, and any lock it held, stayed behind
-            self._thread, self._lock, self._pid = None, threading.Lock(), os.getpid()
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._build, name="plugrt-numba-build", daemon=True)
-                    self._thread.start()
+    def want(self, names: Iterable[str]) -> None:
+        """Queue ``names`` (after what was asked before) and make sure a thread loads them."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the load thread, and its queue, stayed behind
+                self._thread, self._pid = None, os.getpid()
+                self._wanted = [name for name in self._wanted if name not in self.ready]
+            for asked in names:
+                for name in IMPORTS.get(asked, ()) + (asked,):
+                    if name not in self.ready and name not in self.failed and name not in self._wanted:
+                        self._wanted.append(name)
+            if not self._wanted:
+                return
+            self.finished.clear()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="plugrt-numba-build", daemon=True)
+                self._thread.start()
 
-    def _build(self) -> None:
-        try:
+    def _run(self) -> None:
+        """The load thread: the modules asked for, one by one, until none is left."""
+        if not self._cache_checked:
+            self._cache_checked = True
             if not os.path.exists(cache_stamp()):
-                self.compile_ahead()  # waits on the child without the GIL
-            for name in self.names:
+                with contextlib.suppress(Exception):
+                    self.compile_ahead()  # waits on the child without the GIL
+        while True:
+            with self._lock:
+                if not self._wanted:
+                    self._thread = None
+                    self.finished.set()
+                    return
+                name = self._wanted[0]
+            try:
                 self.load(name)
-        finally:
-            self.finished.set()
+            except Exception:  # noqa: BLE001  (a module that cannot load leaves its steps on numpy)
+                self.failed.add(name)
+            finally:
+                with self._lock:
+                    self._wanted = [w for w in self._wanted if w not in self.ready and w not in self.failed]
 
     def snapshot(self) -> Snapshot:
         with self._lock:
@@ -190,7 +227,10 @@ def compiled_module(name: str) -> ModuleType | None:
     under ``PLUGRT_NUMBA=wait``. Cheap: callers ask on every call."""
     view = getattr(_PINNED, "view", None)
     if view is not None:
-        return view.modules.get(name)
+        module = view.modules.get(name)
+        if module is None and _mode() == "background":
+            _LOADER.want((name,))  # for the eager runs after this replay or capture
+        return module
     mode = _mode()
     if mode == "off":
         return None
@@ -199,7 +239,7 @@ def compiled_module(name: str) -> ModuleType | None:
     if module is None and name not in loader.failed:
         if mode == "wait":
             return loader.load(name)
-        loader.start()
+        loader.want((name,))
     return module
 
 
@@ -219,7 +259,6 @@ def snapshot() -> Snapshot | None:
         return view
     if _mode() == "off" or _LOADER.settled():
         return None
-    _LOADER.start()  # the build goes on for later runs and captures
     return _LOADER.snapshot()
 
 
@@ -239,17 +278,17 @@ def pinned(view: Snapshot | None) -> Iterator[None]:
 
 
 def build_finished() -> bool:
-    """Whether the background build has run to its end (or numba is off)."""
+    """Whether every module asked for so far is loaded or failed (or numba is off)."""
     return _mode() == "off" or _LOADER.finished.is_set()
 
 
 def wait_ready(timeout: float | None = None) -> bool:
-    """Start the build if it has not started and wait for it, up to ``timeout`` seconds;
-    whether it finished. For tests and benchmarks that want the compiled paths from their
-    first run; a session never needs it."""
+    """Ask for every compiled module and wait until they are loaded (or failed), up to
+    ``timeout`` seconds; whether they were. For tests and benchmarks that want the
+    compiled paths from their first run; a session never needs it."""
     if _mode() == "off":
         return True
-    _LOADER.start()
+    _LOADER.want(_LOADER.names)
     return _LOADER.finished.wait(timeout)
 
 

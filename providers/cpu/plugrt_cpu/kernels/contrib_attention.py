@@ -592,7 +592,7 @@ def _gqa_attend(
     np.copyto(output.reshape(batch, seq, num_heads, head_size), attended.transpose(0, 2, 1, 3))
 
 
-@kernel_builder("GroupQueryAttention", 1, domain=_MS, multi_output=True)
+@kernel_builder("GroupQueryAttention", 1, domain=_MS, multi_output=True, compiled=("_numba_decode",))
 def group_query_attention(ctx: KernelContext):
     attrs = ctx.attributes
     num_heads = int(attrs.get("num_heads", 0))

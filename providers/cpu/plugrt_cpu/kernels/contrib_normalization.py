@@ -115,7 +115,7 @@ def _skip_rms_compiled(loops: Any, x, skip, gamma, bias, epsilon, y, mean, inv_s
     return True
 
 
-@kernel("SkipSimplifiedLayerNormalization", 1, domain=_MS, multi_output=True)
+@kernel("SkipSimplifiedLayerNormalization", 1, domain=_MS, multi_output=True, compiled=("_numba_decode",))
 def skip_simplified_layer_normalization(x, skip, gamma, bias=None, *, epsilon=1e-12):
     hidden = x.shape[-1]
     for name, value in (("gamma", gamma), ("bias", bias)):
@@ -133,7 +133,7 @@ def skip_simplified_layer_normalization(x, skip, gamma, bias=None, *, epsilon=1e
 
 
 # onnxruntime registers SimplifiedLayerNormalization in the default (ai.onnx) domain.
-@kernel("SimplifiedLayerNormalization", 1, multi_output=True)
+@kernel("SimplifiedLayerNormalization", 1, multi_output=True, compiled=("_numba_decode",))
 def simplified_layer_normalization(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
     loops = _compiled_rms(x, scale) if axis in (-1, x.ndim - 1) else None
     if loops is not None:
