@@ -5,6 +5,8 @@ without zero points, ragged N and K."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import onnxruntime
 import pytest
@@ -235,3 +237,49 @@ def test_the_numpy_path_says_once_how_to_get_the_compiled_kernels(monkeypatch, c
     hints = [r.getMessage() for r in caplog.records if "MatMulNBits" in r.getMessage()]
     assert len(hints) == 1
     assert "PLUGRT_NUMBA=0" in hints[0] and "plugrt[accelerate]" in hints[0]
+
+
+def _resident_kib_of(path: str) -> int:
+    """KiB of ``path``'s pages this process has mapped resident (every map of it)."""
+    total, current = 0, ""
+    with open("/proc/self/smaps") as maps:
+        for line in maps:
+            fields = line.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                current = fields[5] if len(fields) > 5 else ""
+            elif fields and fields[0] == "Rss:" and current == path:
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_external_4bit_weights_leave_no_pages_of_their_file_mapped_once_repacked(tmp_path):
+    # eight 4-bit weights of 256 x 512 in one external file: each is read once to repack it,
+    # then none of the file's pages (the neighbours the kernel maps around a fault included)
+    # need stay in this process's resident memory
+    import onnx
+
+    if not _compiled.compiled_enabled():
+        pytest.skip("the repacked layout is the compiled kernels' (numba)")
+    rng = np.random.default_rng(3)
+    n, k, block, layers = 256, 512, 32, 8
+    nodes, weights = [], []
+    for i in range(layers):
+        b = rng.integers(0, 256, (n, k // block, block // 2), dtype=np.uint8)
+        scales = rng.random((n * (k // block),), dtype=np.float32)
+        weights += [onnx.numpy_helper.from_array(b, f"b{i}"), onnx.numpy_helper.from_array(scales, f"s{i}")]
+        last = i + 1 == layers
+        product = f"x{layers}" if last else f"y{i}"
+        nodes.append(helper.make_node("MatMulNBits", [f"x{i}", f"b{i}", f"s{i}"], [product], domain="com.microsoft",
+                                      K=k, N=n, bits=4, block_size=block))
+        if not last:  # N = K / 2: widened back for the next layer
+            nodes.append(helper.make_node("Concat", [product, product], [f"x{i + 1}"], axis=-1))
+    graph = helper.make_graph(
+        nodes, "stack", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info(f"x{layers}", TensorProto.FLOAT, None)], weights,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    path = tmp_path / "stack.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="stack.data", size_threshold=0)
+    plugrt.load(str(path), device="cpu")
+    assert _resident_kib_of(str(tmp_path / "stack.data")) <= 16  # of 640 KiB
