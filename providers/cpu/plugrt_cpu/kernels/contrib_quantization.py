@@ -9,6 +9,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from typing import Any
 
 from plugrt.provider import shared_transform
@@ -180,7 +181,7 @@ def _int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
 class _Packed:
     """A 4-bit weight as the compiled kernels read it (``_numba_int4.pack``)."""
 
-    __slots__ = ("weights", "scales", "zeros", "tiles", "blocks", "groups")
+    __slots__ = ("weights", "scales", "zeros", "tiles", "blocks", "groups", "__weakref__")
 
     def __init__(self, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, block_size: int):
         from ._int4_layout import pack
@@ -196,6 +197,87 @@ class _Packed:
     def nbytes(self) -> int:
         """What the repacked form holds (a WeightStore counts it in ``transform_bytes``)."""
         return sum(int(a.nbytes) for a in (self.weights, self.scales, self.zeros) if a is not None)
+
+
+# Each repacked 4-bit weight by the memory it was made from: an embedding table tied to an
+# LM head (its bytes, reshaped) reads its rows from there instead of from the file. Weak
+# references only, so an entry never keeps a weight alive, and one whose arrays are gone is
+# never matched (their memory may hold other bytes by then).
+_MemoryKey = tuple[int, int, str]
+_PACKED_BY_SOURCE: dict[tuple[Any, ...], tuple[weakref.ref[_Packed], tuple[weakref.ref[np.ndarray], ...]]] = {}
+
+
+def _memory_key(array: np.ndarray | None) -> _MemoryKey | None:
+    """Where ``array``'s bytes lie, how many and of what type; None for an absent input."""
+    return None if array is None else (int(array.ctypes.data), int(array.nbytes), array.dtype.str)
+
+
+def _remember_packed(packed: _Packed, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, block_size: int) -> None:
+    """Record ``packed`` as made from these arrays' memory (``_packed_from``)."""
+    sources = [a for a in (b, scales, zero_points) if a is not None]
+    if not all(a.flags.c_contiguous for a in sources):
+        return  # the same address and size need not mean the same bytes in the same order
+    for key, (packed_ref, source_refs) in list(_PACKED_BY_SOURCE.items()):  # the records of weights gone
+        if packed_ref() is None or any(ref() is None for ref in source_refs):
+            _PACKED_BY_SOURCE.pop(key, None)
+    key = (_memory_key(b), _memory_key(scales), _memory_key(zero_points), block_size)
+    _PACKED_BY_SOURCE[key] = (weakref.ref(packed), tuple(weakref.ref(a) for a in sources))
+
+
+def _packed_from(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, block_size: int) -> _Packed | None:
+    """The repacked 4-bit weight made from the very memory of a 2-D table ``data`` (N x K/2
+    bytes), its ``scales`` (N x blocks) and packed ``zero_points`` (N x blocks/2 bytes) or
+    none, with this ``block_size``; None when no live one was."""
+    if data.ndim != 2 or scales.ndim != 2 or (zero_points is not None and zero_points.ndim != 2):
+        return None
+    if not all(a.flags.c_contiguous for a in (data, scales, zero_points) if a is not None):
+        return None
+    entry = _PACKED_BY_SOURCE.get((_memory_key(data), _memory_key(scales), _memory_key(zero_points), block_size))
+    if entry is None or any(ref() is None for ref in entry[1]):
+        return None
+    packed = entry[0]()
+    if packed is None:
+        return None
+    n, blocks = data.shape[0], packed.blocks
+    if data.shape[1] * 2 != blocks * block_size or scales.shape != (n, blocks):
+        return None
+    if zero_points is not None and zero_points.shape != (n, -(-blocks // 2)):
+        return None
+    return packed
+
+
+def _same_memory(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Whether two inputs are the same array, or views of the same bytes alike."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return a.shape == b.shape and a.strides == b.strides and _memory_key(a) == _memory_key(b)
+
+
+def _packed_rows(packed: _Packed, rows: np.ndarray, block_size: int) -> np.ndarray:
+    """Rows ``rows`` (int64, in range) of a repacked 4-bit weight, dequantized as the
+    numpy path does: float32 (rows.size, blocks * block_size). Only those rows' bytes are
+    read, from the copy in memory rather than the file."""
+    from ._int4_layout import ROWS
+
+    flat = rows.reshape(-1)
+    tile, lane = np.divmod(flat, ROWS)
+    count, blocks, groups = flat.size, packed.blocks, block_size // 32
+    # A tile's 64-byte line holds 4 bytes of each of its 16 rows; byte q of a row's group of
+    # 32 values holds value q in its low nibble and value 16 + q in its high one.
+    line = packed.weights.reshape(packed.tiles, blocks, groups * 4, ROWS, 4)[tile, :, :, lane, :]
+    line = line.reshape(count, blocks, groups, 16)
+    values = np.empty((count, blocks, groups, 2, 16), np.float32)
+    values[..., 0, :] = line & np.uint8(15)
+    values[..., 1, :] = line >> np.uint8(4)
+    weight = values.reshape(count, blocks, block_size)
+    if packed.zeros is None:
+        weight -= np.float32(8)
+    else:
+        weight -= packed.zeros[tile, :, lane][..., None]
+    weight *= packed.scales[tile, :, lane][..., None]
+    return weight.reshape(count, blocks * block_size)
 
 
 def _release_pages(array: np.ndarray) -> None:
@@ -352,6 +434,7 @@ def matmul_nbits(ctx: KernelContext):
             ("MatMulNBits.int4", n, k, block_size),
             lambda: _Packed(constants[1], constants[2], constants[3], n, k, block_size),
         )
+        _remember_packed(packed, constants[1], constants[2], constants[3], block_size)
         compiled_module("_numba_int4")  # the background build starts now, while the session is still being built
     elif bits == 4 and not compiled_enabled():
         _hint_without_numba()
@@ -453,9 +536,36 @@ def gather_block_quantized(ctx: KernelContext):
     block_size = int(attrs.get("block_size", 128))
     quantize_axis = int(attrs.get("quantize_axis", 1))
     gather_axis = int(attrs.get("gather_axis", 0))
-    for table in ctx.constant_inputs[:1] + ctx.constant_inputs[2:4]:
+    constants = list(ctx.constant_inputs) + [None] * (4 - len(ctx.constant_inputs))
+    for table in constants[:1] + constants[2:4]:
         if table is not None:  # a call reads a few rows of an embedding table: the rest need not stay resident
             _release_pages(table)
+    # A table tied to an LM head's 4-bit MatMulNBits weight (its bytes reshaped, the same
+    # scales) is read from that weight's repacked copy, already in memory, so that its file
+    # pages do not come back into memory row by row. The head is bound after this node:
+    # looked up at the first call, then remembered with the inputs it was found for. Only
+    # for initializers: a fed input could hold other bytes at the same address next call.
+    zero_points_fixed = ctx.num_inputs < 4 or constants[3] is not None or (ctx.node is not None and ctx.node.inputs[3] is None)
+    tieable = (
+        bits == 4
+        and constants[0] is not None
+        and constants[2] is not None
+        and zero_points_fixed
+        and constants[0].ndim == 2
+        and constants[0].dtype == np.uint8
+        and gather_axis in (0, -2)
+        and quantize_axis in (1, -1)
+    )
+    tied: list[tuple[tuple[Any, ...], _Packed | None]] = []
+
+    def tied_weight(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> _Packed | None:
+        if not tied:
+            found = _packed_from(data, scales, zero_points, block_size) if tieable else None
+            tied[:] = [((data, scales, zero_points) if found is not None else (), found)]
+        inputs, packed = tied[0]
+        if packed is None or not all(_same_memory(a, b) for a, b in zip(inputs, (data, scales, zero_points))):
+            return None
+        return packed
 
     def run(data, indices, scales, zero_points=None):
         rank = data.ndim
@@ -491,6 +601,12 @@ def gather_block_quantized(ctx: KernelContext):
         valid = (index >= -extent) & (index < extent)
         index = np.where(index < 0, index + extent, index)
         index = np.where(valid, index, 0)  # out of range: zeros, set below
+        packed_weight = tied_weight(data, scales, zero_points)
+        if packed_weight is not None:
+            rows = _packed_rows(packed_weight, index, block_size)
+            if not valid.all():
+                rows *= valid.reshape(-1, 1)
+            return rows.reshape(index.shape + (length,)).astype(scales.dtype, copy=False)
         # Only the rows asked are unpacked and dequantized (a decoder's embedding table is
         # ~100 MB: expanding all of it per token cost seconds). Along the gather axis a
         # parameter holds one entry per row, or per block when it is also the quantize axis.
