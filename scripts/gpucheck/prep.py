@@ -114,15 +114,26 @@ def _pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True, cwd=ROOT)
 
 
+def _remove_setuptools_output(project: str) -> None:
+    """setuptools' own folders under ``project``'s build/ (a stale build/lib would put deleted
+    modules in the wheel); the rest of build/ is the user's (decoder and benchmark models)."""
+    folder = os.path.join(ROOT, project, "build")
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        if name == "lib" or name.startswith(("bdist.", "lib.", "temp.")):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
 def build_wheels(wheels: str) -> list[str]:
     projects = (".", "./providers/cuda", "./providers/template")
-    for project in projects:  # a stale build/lib would put deleted modules in the wheel
-        shutil.rmtree(os.path.join(ROOT, project, "build"), ignore_errors=True)
+    for project in projects:
+        _remove_setuptools_output(project)
     try:
         _pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", wheels, *projects)
     finally:
         for project in projects:
-            shutil.rmtree(os.path.join(ROOT, project, "build"), ignore_errors=True)
+            _remove_setuptools_output(project)
     pins = _pins()
     wanted = [f"{name}=={pins[name]}" if name in pins else name for name in MISSING_WHEELS] + list(ENGINE_WHEELS)
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]

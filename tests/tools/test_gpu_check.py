@@ -133,3 +133,16 @@ def test_prep_then_the_dry_run_under_the_image_python_exit_zero(tmp_path):
     assert by_kind[("references", "load")]["status"] == "ok"
     assert by_kind[("references", "cpu provider here")]["status"] == "ok"
     assert (out / "summary.md").read_text().startswith("# plugrt CUDA provider: GPU check")
+
+
+def test_building_the_wheels_removes_only_setuptools_folders_from_build(monkeypatch, tmp_path):
+    # build/ in a checkout also holds what benchmarks made there (decoder and export models)
+    prep_module = _prep_module()
+    monkeypatch.setattr(prep_module, "ROOT", str(tmp_path))
+    build = tmp_path / "build"
+    for folder in ("lib", "bdist.linux-x86_64", "decoder_models/smollm2-135m", "bench_models"):
+        (build / folder).mkdir(parents=True)
+    (build / "bench_models" / "manifest.json").write_text("{}")
+    prep_module._remove_setuptools_output(".")
+    assert sorted(p.name for p in build.iterdir()) == ["bench_models", "decoder_models"]
+    assert (build / "bench_models" / "manifest.json").is_file()
