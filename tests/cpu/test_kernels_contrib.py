@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import plugrt
+from plugrt.capture import Captured
 from plugrt.errors import KernelError, PlugrtError, UnsupportedOpError
 
 ort = pytest.importorskip("onnxruntime")
@@ -186,6 +187,93 @@ def test_group_query_attention_right_padded_prompt_matches_onnxruntime_on_valid_
             np.testing.assert_allclose(
                 got[i][b, :, :length], expected[i][b, :, :length], rtol=FP32_RTOL, atol=FP32_ATOL
             )
+
+
+def _shared_cache_session(capacity: int, seq: int):
+    """A GroupQueryAttention node (4 heads, 2 KV heads of 8) whose past and present are one
+    fixed-capacity binding each, as plugrt.genai runs decoders; the session and bindings."""
+    inputs = _gqa_inputs(_rng(5), 1, seq, 0, 4, 2, 8, buffer=capacity)
+    session = plugrt.load(_model("GroupQueryAttention", inputs, ["output", "present_key", "present_value"],
+                                 num_heads=4, kv_num_heads=2).SerializeToString(), device="cpu")
+    shape = (1, 2, capacity, 8)
+    bindings = [session.allocate_binding(input=past, output=present, shape=shape, capacity=shape)
+                for past, present in (("past_key", "present_key"), ("past_value", "present_value"))]
+    return session, bindings
+
+
+def _shared_step(session, bindings, rng, past: int, seq: int) -> tuple[dict, np.ndarray]:
+    """One step of ``seq`` tokens after ``past`` cached ones, replayed from a capture (where
+    the step writes into the bindings' buffers in place, as a decoder's steps do): its feeds
+    and output."""
+    feeds = {
+        "query": _randn(rng, 1, seq, 32), "key": _randn(rng, 1, seq, 16), "value": _randn(rng, 1, seq, 16),
+        "seqlens_k": np.array([past + seq - 1], np.int32), "total_sequence_length": np.array(past + seq, np.int32),
+    }
+    assert isinstance(session.try_capture(feeds, bindings=bindings), Captured)
+    replayed = session.replay(feeds, bindings=bindings)
+    assert replayed.replayed
+    return feeds, replayed["output"]
+
+
+def _onnxruntime_gqa(feeds: dict, past_key: np.ndarray | None, past_value: np.ndarray | None) -> np.ndarray:
+    """onnxruntime's output for the step, its past given as separate arrays of the valid rows
+    (with the presents asked for too: without them onnxruntime's output is not attention's)."""
+    order = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length")
+    inputs = {name: {"past_key": past_key, "past_value": past_value}.get(name, feeds.get(name)) for name in order}
+    model = _model("GroupQueryAttention", inputs, ["output", "present_key", "present_value"], num_heads=4, kv_num_heads=2)
+    given = {name: value for name, value in inputs.items() if value is not None}
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, given)[0]
+
+
+def test_group_query_attention_prompt_into_a_shared_cache_zeroes_the_rows_after_it():
+    session, bindings = _shared_cache_session(capacity=16, seq=3)
+    for binding in bindings:  # what an earlier, longer sequence left in the buffer
+        binding.write(np.full((1, 2, 16, 8), 7.0, np.float32))
+    feeds, output = _shared_step(session, bindings, _rng(6), past=0, seq=3)
+    expected = _onnxruntime_gqa(feeds, None, None)
+    np.testing.assert_allclose(output, expected, rtol=FP32_RTOL, atol=FP32_ATOL)
+    for binding, new in zip(bindings, (feeds["key"], feeds["value"])):
+        cache = binding.read()
+        np.testing.assert_array_equal(cache[0, :, :3], new.reshape(3, 2, 8).transpose(1, 0, 2))
+        assert not cache[:, :, 3:].any()
+
+
+def test_group_query_attention_decode_steps_after_a_prompt_into_a_shared_cache_match_onnxruntime():
+    session, bindings = _shared_cache_session(capacity=16, seq=1)
+    rng = _rng(7)
+    keys, values = [], []
+    for past in range(0, 4):  # four one-token steps from an empty cache
+        feeds, output = _shared_step(session, bindings, rng, past=past, seq=1)
+        keys.append(feeds["key"].reshape(1, 1, 2, 8).transpose(0, 2, 1, 3))
+        values.append(feeds["value"].reshape(1, 1, 2, 8).transpose(0, 2, 1, 3))
+        past_key = np.concatenate(keys[:-1], axis=2) if past else None
+        past_value = np.concatenate(values[:-1], axis=2) if past else None
+        np.testing.assert_allclose(output, _onnxruntime_gqa(feeds, past_key, past_value), rtol=FP32_RTOL, atol=FP32_ATOL)
+    for binding, rows in zip(bindings, (keys, values)):
+        cache = binding.read()
+        np.testing.assert_array_equal(cache[:, :, :4], np.concatenate(rows, axis=2))
+        assert not cache[:, :, 4:].any()  # zeroed by the first step, left so by the next
+
+
+def test_the_cache_writers_leave_the_rows_after_a_decode_step_in_a_shared_cache_alone():
+    # so that a step costs the same whatever the cache's capacity (max_length): the rows
+    # after the new one were zeroed when the sequence started
+    from plugrt_cpu.kernels import contrib_attention
+    from plugrt_cpu.kernels.contrib_normalization import decode_loops
+
+    cache = np.full((1, 2, 16, 8), 7.0, np.float32)
+    new = _randn(_rng(8), 1, 2, 1, 8)
+    contrib_attention._write_cache(cache, cache, new, [5], 1)
+    np.testing.assert_array_equal(cache[:, :, 5:6], new)
+    assert (cache[:, :, 6:] == 7.0).all()
+    loops = decode_loops()
+    if loops is None:
+        pytest.skip("the compiled decode loops (numba) are not here")
+    other = np.full((1, 2, 16, 8), 7.0, np.float32)
+    loops.finish_caches(other, other, other, other, False, np.array([5], np.int64), 1)
+    assert (other == 7.0).all()
+    loops.finish_caches(other, other, other, other, False, np.array([0], np.int64), 1)
+    assert (other[:, :, :1] == 7.0).all() and not other[:, :, 1:].any()
 
 
 def test_group_query_attention_quantized_cache_is_unsupported():

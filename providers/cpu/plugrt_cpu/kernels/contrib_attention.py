@@ -518,7 +518,8 @@ def _write_cache(
     """present[b] = past[b][:past_lengths[b]], then the ``seq`` new tokens (B, Hkv, S, D;
     None: written already), then zeros. Reads only the valid part of the past; when
     present is the past's own buffer (a shared, fixed-capacity cache) the valid part is
-    already in place."""
+    already in place, and the zeros after it are written when its sequence starts
+    (``_numba_decode.finish_caches`` says why)."""
     capacity = present.shape[2]
     shared = past is not None and np.may_share_memory(past, present)
     if min(past_lengths) == max(past_lengths):  # the common case: one slice for the whole batch
@@ -531,7 +532,8 @@ def _write_cache(
             np.copyto(present[rows, :, :start], past[rows, :, :start])
         if new is not None:
             np.copyto(present[rows, :, start:end], new[rows, :, : end - start])
-        present[rows, :, end:] = 0
+        if not shared or start == 0:
+            present[rows, :, end:] = 0
 
 
 def _gqa_attend(
