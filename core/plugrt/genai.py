@@ -321,6 +321,12 @@ class Generator:
         max_length = options.max_length or layout.context_length
         if max_length < 1:
             raise InvalidOptionValueError("max_length", max_length, "a positive number (the model declares none)")
+        if layout.context_length and max_length > layout.context_length:
+            # positions past the context have no rotary rows: refused here, as onnxruntime-genai
+            # does, rather than at the step that gets there
+            raise InvalidOptionValueError(
+                "max_length", max_length, f"at most the model's context length, {layout.context_length}"
+            )
         self.model = model
         self.options = options
         self.max_length = max_length

@@ -136,6 +136,13 @@ def test_prompt_longer_than_max_length_is_rejected(fp32_model):
         generator.append_tokens(PROMPT)
 
 
+def test_max_length_past_the_models_context_length_is_rejected(fp32_model):
+    # the tiny Llama's genai_config.json says context_length 128: its rotary rows end there
+    with pytest.raises(InvalidOptionValueError, match="context length, 128"):
+        genai.Generator(fp32_model, max_length=129)
+    assert genai.Generator(fp32_model, max_length=128).max_length == 128
+
+
 def test_token_outside_the_vocabulary_is_rejected(fp32_model):
     generator = genai.Generator(fp32_model, max_length=16)
     with pytest.raises(InvalidInputError, match=r"\[0, 256\)"):

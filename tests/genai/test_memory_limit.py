@@ -12,7 +12,7 @@ from plugrt import genai
 from plugrt.errors import MemoryLimitError
 
 FOLDER = Path(__file__).parent / "assets" / "tiny_llama" / "fp32"
-LONG = 4096  # tokens: a cache far larger than the tiny model's weights
+LONG = 128  # tokens: the tiny model's context length, a cache of 64 KiB
 
 
 def _weight_bytes() -> int:
@@ -32,18 +32,19 @@ def _kv_bytes(max_length: int) -> int:
 
 @pytest.fixture(scope="module")
 def limited_model() -> genai.Model:
-    """The tiny Llama with a limit between its weights and its weights plus a LONG cache."""
-    return genai.Model(FOLDER, memory_limit=_weight_bytes() + _kv_bytes(LONG) // 2)
+    """The tiny Llama with a limit of its weights plus a LONG cache: a generator of LONG
+    tokens also needs a LONG prompt's activations, one of 8 tokens a few KiB of them."""
+    return genai.Model(FOLDER, memory_limit=_weight_bytes() + _kv_bytes(LONG))
 
 
 def test_a_generator_whose_kv_cache_does_not_fit_the_memory_limit_is_refused(limited_model):
     with pytest.raises(MemoryLimitError) as info:
         genai.Generator(limited_model, max_length=LONG)
     error = info.value
-    assert error.breakdown["state"] == _kv_bytes(LONG)  # 2 x 2 x 2 x 4096 x 16 x 4 = 2 MiB
+    assert error.breakdown["state"] == _kv_bytes(LONG)  # 2 x 2 x 2 x 128 x 16 x 4 = 64 KiB
     assert error.breakdown["weights"] == _weight_bytes()
     assert error.needed == sum(error.breakdown.values()) > error.limit
-    assert "KV cache 2 MiB" in str(error) and "max_length" in str(error)
+    assert "KV cache 64 KiB" in str(error) and "max_length" in str(error)
 
 
 def test_a_refused_generator_allocates_no_cache(limited_model, monkeypatch):
