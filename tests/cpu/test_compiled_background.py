@@ -113,6 +113,12 @@ def test_only_the_modules_asked_for_are_loaded_first_asked_first(held_build):
     assert "_numba_winograd" in loader.ready
 
 
+def test_binding_a_node_queues_the_compiled_loops_its_kernel_runs_with(held_build):
+    loader, _, used = held_build
+    plugrt.load(_pool_model(), device="cpu")  # built, never run
+    assert "_numba_pool" in loader._wanted and used == []  # queued at bind (the load is held)
+
+
 def test_each_compiled_module_s_imports_of_others_are_listed():
     import ast
     from pathlib import Path

@@ -34,6 +34,7 @@ from plugrt.rewrites import FoldChannelAffinePass
 
 from ._registry import PROVIDER_NAME, KernelContext, kernel_builder, declare_into
 from .kernels import conv as convolution
+from .kernels._compiled import CONV_LOOPS, DENSE_LOOPS, ROW_LOOPS
 from .kernels import conv_activation, conv_residual, squeeze_excite
 from .kernels import dense, elementwise, normalization
 from .kernels.elementwise import scratch
@@ -453,7 +454,7 @@ class FuseGeluPass(_NodePass):
 # Kernels of the plugrt.cpu nodes
 
 
-@kernel_builder("FusedConv", DOMAIN_VERSION, domain=DOMAIN)
+@kernel_builder("FusedConv", DOMAIN_VERSION, domain=DOMAIN, compiled=CONV_LOOPS)
 def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """Conv (x, w, b) with the Relu applied to each output block while it is in cache, or
     with activation="Clip" (activation_params=[min, max]), "HardSwish" or "SiLU" applied to
@@ -506,7 +507,7 @@ def channel_affine(ctx: KernelContext) -> Callable[..., np.ndarray]:
     return run
 
 
-@kernel_builder("FusedMatMul", DOMAIN_VERSION, domain=DOMAIN)
+@kernel_builder("FusedMatMul", DOMAIN_VERSION, domain=DOMAIN, compiled=DENSE_LOOPS)
 def fused_matmul(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """a @ w + bias; a stack of rows is multiplied as one (rows, K) matrix, a constant
     float32 weight by the packed kernel where the host has it (``kernels.dense``)."""
@@ -537,8 +538,8 @@ def _as_rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-kernel_builder("SqueezeExcite", DOMAIN_VERSION, domain=DOMAIN)(squeeze_excite.build_squeeze_excite)
-kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output=True)(
+kernel_builder("SqueezeExcite", DOMAIN_VERSION, domain=DOMAIN, compiled=CONV_LOOPS + ROW_LOOPS)(squeeze_excite.build_squeeze_excite)
+kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output=True, compiled=ROW_LOOPS)(
     normalization.layer_normalization
 )
-kernel_builder("Gelu", DOMAIN_VERSION, domain=DOMAIN)(elementwise.gelu)
+kernel_builder("Gelu", DOMAIN_VERSION, domain=DOMAIN, compiled=ROW_LOOPS)(elementwise.gelu)

@@ -31,6 +31,7 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, thread
 from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
 from .kernels import dense, elementwise, normalization
+from .kernels._compiled import DENSE_LOOPS, ROW_LOOPS
 from .kernels.elementwise import compiled_loops, scratch, with_small_buffers
 
 __all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass"]
@@ -307,7 +308,7 @@ def _softmax_rows(scores: np.ndarray, row: np.ndarray) -> None:
     np.divide(scores, row, out=scores)
 
 
-@kernel_builder("SelfAttention", DOMAIN_VERSION, domain=DOMAIN)
+@kernel_builder("SelfAttention", DOMAIN_VERSION, domain=DOMAIN, compiled=ROW_LOOPS)
 def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """softmax(q k^T * scale) v per head, with q, k, v from one GEMM of x by the three
     weights side by side; the result in (batch, seq, hidden) order. The heads run as
@@ -385,7 +386,7 @@ def _check_attention_input(x: np.ndarray, w: np.ndarray, heads: int) -> None:
         raise ValueError(f"SelfAttention: input of shape {x.shape} does not fit weights of shape {w.shape}")
 
 
-@kernel_builder("SkipLayerNormalization", DOMAIN_VERSION, domain=DOMAIN)
+@kernel_builder("SkipLayerNormalization", DOMAIN_VERSION, domain=DOMAIN, compiled=ROW_LOOPS)
 def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """LayerNorm(a + b) over the last axis: one compiled pass for float32 where numba is
     installed, else the Add and the LayerNormalization kernel."""
@@ -443,7 +444,7 @@ def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
     return run
 
 
-@kernel_builder("FusedMatMulGelu", DOMAIN_VERSION, domain=DOMAIN)
+@kernel_builder("FusedMatMulGelu", DOMAIN_VERSION, domain=DOMAIN, compiled=DENSE_LOOPS)
 def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """GELU(a @ w + bias): the product as one GEMM over a's rows (``kernels.dense``), the
     bias and GELU on each panel of columns while it is in cache (float32, numba, AVX-512);

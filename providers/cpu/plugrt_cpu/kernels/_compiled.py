@@ -85,6 +85,12 @@ IMPORTS: dict[str, tuple[str, ...]] = {
 }
 _PACKAGE = "plugrt_cpu.kernels"
 
+#: What kernels of a kind ask for when a node is bound (``kernel(..., compiled=...)``).
+CONV_LOOPS = ("_numba_conv", "_numba_depthwise", "_numba_winograd")
+DENSE_LOOPS = ("_numba_dense",)
+ROW_LOOPS = ("_numba_loops",)
+POOL_LOOPS = ("_numba_pool",)
+
 Progress = Callable[[int, int, str], None]  # (modules done, modules in all, the one starting)
 
 

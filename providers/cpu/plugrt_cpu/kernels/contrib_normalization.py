@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .._registry import declare_into, kernel, kernel_builder
-from ._compiled import compiled_module
+from ._compiled import ROW_LOOPS, compiled_module
 from .elementwise import _sigmoid_into, erf, gelu, scratch, sigmoid
 
 _MS = "com.microsoft"
@@ -255,7 +255,7 @@ declare_into(_fast_gelu_into, fast_gelu)
 
 # the erf Gelu of the standard opset 20 (its one attribute absent: approximate="none"),
 # which the core's rewrite writes below opset 20
-kernel_builder("Gelu", 1, domain=_MS)(gelu)
+kernel_builder("Gelu", 1, domain=_MS, compiled=ROW_LOOPS)(gelu)
 
 
 @kernel("BiasGelu", 1, domain=_MS)

@@ -12,7 +12,7 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, split_
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
-from ._compiled import compiled_module, generation as compiled_generation
+from ._compiled import CONV_LOOPS, compiled_module, generation as compiled_generation
 from ._window import (
     _auto_pad,
     _call,
@@ -899,7 +899,7 @@ class _Convolution:
         parallel_for(count, units, work, threads=threads, chunks_per_thread=count)
 
 
-@kernel_builder("Conv", 1)
+@kernel_builder("Conv", 1, compiled=CONV_LOOPS)
 def conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """Conv: im2col in cache-sized blocks and one GEMM per block (per group batch)."""
     return build_conv(ctx)

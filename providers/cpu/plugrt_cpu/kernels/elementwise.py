@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._registry import KernelContext, capture_variant, declare_into, kernel, kernel_builder
-from ._compiled import compiled_module
+from ._compiled import ROW_LOOPS, compiled_module
 from ._relu import relu_into
 
 __all__ = ["compiled_loops", "erf", "sigmoid", "scratch", "with_small_buffers"]
@@ -975,7 +975,7 @@ def _gelu_tanh(x):
 declare_into(_gelu_tanh_into, _gelu_tanh)
 
 
-@kernel_builder("Gelu", 20)
+@kernel_builder("Gelu", 20, compiled=ROW_LOOPS)
 def gelu(ctx: KernelContext):
     approximate = ctx.attributes.get("approximate", "none")
     if approximate == "none":

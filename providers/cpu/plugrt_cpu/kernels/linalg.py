@@ -14,6 +14,7 @@ from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._gemm import split_gemm
 from .dense import Allocate, WeightPanels, dense_product, matrix_rows, new_array, packs
 from .elementwise import scratch
+from ._compiled import DENSE_LOOPS
 
 # numpy has no BLAS path for half types (and bfloat16 products would round at every
 # step): they are multiplied in float32 and the result cast back.
@@ -52,7 +53,7 @@ def _matmul_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
         np.matmul(a, b, out=out)
 
 
-@kernel_builder("MatMul", 1)
+@kernel_builder("MatMul", 1, compiled=DENSE_LOOPS)
 def matmul(ctx: KernelContext):
     """a @ b; a constant float32 2-D b by the packed kernel of ``kernels.dense`` where the
     host has it (a stack of rows multiplied as one matrix), else numpy (BLAS)."""
@@ -125,7 +126,7 @@ def _splittable(a: np.ndarray, b: np.ndarray) -> bool:
     return a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype and a.dtype.char in "fd"
 
 
-@kernel_builder("Gemm", 1, 7)
+@kernel_builder("Gemm", 1, 7, compiled=DENSE_LOOPS)
 def gemm(ctx: KernelContext):
     """Y = alpha * A' @ B' + beta * C. What depends on constant B and C is folded once:
     a transposed B is made contiguous, and alpha and beta are multiplied in."""

@@ -13,6 +13,7 @@ from .._registry import KernelContext, kernel, kernel_builder, declare_into
 from ._gemm import epilogue_loops
 from ._relu import relu_into
 from .elementwise import compiled_loops, scratch, with_small_buffers
+from ._compiled import ROW_LOOPS
 
 # Statistics of half-precision inputs are computed in float32 (the spec's stash_type=1).
 _HALF_TYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -442,7 +443,7 @@ def zero_vector(width: int) -> np.ndarray:
     return zeros
 
 
-@kernel_builder("LayerNormalization", 17, multi_output=True)
+@kernel_builder("LayerNormalization", 17, multi_output=True, compiled=ROW_LOOPS)
 def layer_normalization(ctx: KernelContext):
     _check_stash_type(ctx)
     axis = int(ctx.attributes.get("axis", -1))

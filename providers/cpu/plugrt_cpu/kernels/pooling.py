@@ -10,7 +10,7 @@ import numpy as np
 from plugrt.threads import PARALLEL_MIN_WORK, parallel_for, threads_for
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
-from ._compiled import compiled_module
+from ._compiled import POOL_LOOPS, compiled_module
 from ._compiled_parallel import compiled_pool as compiled_jobs
 from ._window import (
     _FLOAT_BLAS,
@@ -397,14 +397,14 @@ def _bound_into(method: Callable[..., Any], into: Callable[..., Any]) -> Callabl
     return run
 
 
-@kernel_builder("MaxPool", 1, multi_output=True)
+@kernel_builder("MaxPool", 1, multi_output=True, compiled=POOL_LOOPS)
 def max_pool(ctx: KernelContext) -> Callable[..., tuple[np.ndarray, np.ndarray | None]]:
     """MaxPool (Indices output with storage_order, dilations, ceil_mode, auto_pad)."""
     pool = _Pooling("MaxPool", "max", ctx.attributes, want_indices=ctx.num_outputs > 1)
     return _bound_into(pool.max, pool.max_into)
 
 
-@kernel_builder("AveragePool", 1)
+@kernel_builder("AveragePool", 1, compiled=POOL_LOOPS)
 def average_pool(ctx: KernelContext) -> Callable[[np.ndarray], np.ndarray]:
     """AveragePool (count_include_pad, ceil_mode, dilations)."""
     pool = _Pooling("AveragePool", "avg", ctx.attributes)

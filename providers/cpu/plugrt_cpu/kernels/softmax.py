@@ -9,6 +9,7 @@ import numpy as np
 
 from .._registry import kernel, declare_into
 from .elementwise import compiled_loops, scratch, with_small_buffers
+from ._compiled import ROW_LOOPS
 
 # Each takes ``out`` for the ``into`` variants: the same steps into it, with the per-row
 # statistics in a work array.
@@ -107,12 +108,12 @@ def _on_2d(fn: Callable[..., np.ndarray], x: np.ndarray, axis: int, out: np.ndar
     return out
 
 
-@kernel("Softmax", 1)
+@kernel("Softmax", 1, compiled=ROW_LOOPS)
 def softmax_2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
     return _on_2d(_softmax_axis, x, axis)
 
 
-@kernel("Softmax", 13)
+@kernel("Softmax", 13, compiled=ROW_LOOPS)
 def softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
     return _on_axis(_softmax_axis, x, axis)
 
