@@ -254,3 +254,14 @@ def test_prepare_cache_under_plugrt_numba_0_compiles_nothing(monkeypatch):
     calls = []
     report = CPUProvider().prepare_cache(lambda *args: calls.append(args))
     assert report.ready == 0 and "PLUGRT_NUMBA=0" in report.note and calls == []
+
+
+def test_a_module_that_fails_to_load_is_said_and_its_steps_stay_on_numpy():
+    def importer(name):
+        raise ValueError("a broken compiled module")
+
+    loader = _compiled._Loader(importer=importer, compile_ahead=lambda: None)
+    with pytest.warns(RuntimeWarning, match="_numba_loops failed to load"):  # a module importing no other
+        loader.want(["_numba_loops"])
+        assert loader.finished.wait(120)
+    assert loader.failed == {"_numba_loops"} and loader.ready == {}

@@ -186,8 +186,10 @@ class _Loader:
                 name = self._wanted[0]
             try:
                 self.load(name)
-            except Exception:  # noqa: BLE001  (a module that cannot load leaves its steps on numpy)
+            except Exception as e:  # noqa: BLE001  (a module that cannot load leaves its steps on numpy)
                 self.failed.add(name)
+                warnings.warn(f"plugrt: the compiled loops {name} failed to load ({e!r}); numpy runs those steps",
+                              RuntimeWarning, 2)
             finally:
                 with self._lock:
                     self._wanted = [w for w in self._wanted if w not in self.ready and w not in self.failed]
