@@ -276,6 +276,19 @@ def test_the_cache_writers_leave_the_rows_after_a_decode_step_in_a_shared_cache_
     assert (other[:, :, :1] == 7.0).all() and not other[:, :, 1:].any()
 
 
+@pytest.mark.parametrize("seq, past", [(1, 6), (3, 5)])
+def test_group_query_attention_positions_past_the_rotary_cache_are_a_typed_error(seq, past):
+    # a cos/sin cache of 8 rows: positions 6 (one step after 6) or 5..7 fit, 8 does not
+    inputs = _gqa_inputs(_rng(9), 1, seq, past, 4, 2, 16, rotary_half=8)
+    inputs["cos_cache"], inputs["sin_cache"] = inputs["cos_cache"][:past + seq - 1], inputs["sin_cache"][:past + seq - 1]
+    model = _model("GroupQueryAttention", inputs, ["output", "present_key", "present_value"], num_heads=4,
+                   kv_num_heads=2, do_rotary=1)
+    session = plugrt.InferenceSession(model.SerializeToString())
+    expected = rf"position ids range over \[{past}, {past + seq - 1}\] but cos_cache has {past + seq - 1} rows"
+    with pytest.raises(KernelError, match=expected):
+        session.run(None, {name: value for name, value in inputs.items() if value is not None})
+
+
 def test_group_query_attention_quantized_cache_is_unsupported():
     inputs = _gqa_inputs(_rng(), 1, 1, 2, 2, 1, 16)
     model = _model(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -501,7 +502,15 @@ def _rotary_positions(
 ) -> np.ndarray:
     """The cos/sin cache row of each new token (B, S), checked against the cache's rows."""
     if position_ids is None:
-        positions = np.asarray(past_lengths, np.int64)[:, None] + np.arange(seq)[None, :]
+        # each sequence continues from its past: the range is known without reading the array
+        if min(past_lengths) < 0 or max(past_lengths) + seq > rows:
+            raise ValueError(
+                f"position ids range over [{min(past_lengths)}, {max(past_lengths) + seq - 1}] but cos_cache has "
+                f"{rows} rows; build the cache for the longest sequence the model will see"
+            )
+        if seq == 1:  # a decode step: one position per sequence
+            return np.array(past_lengths, np.int64).reshape(batch, 1)
+        return np.asarray(past_lengths, np.int64)[:, None] + np.arange(seq)[None, :]
     elif first_prompt:
         # a first prompt reads only the first position id (as onnxruntime does)
         first = int(np.asarray(position_ids).reshape(-1)[0])
@@ -549,16 +558,18 @@ def _gqa_attend(
     window: int,
     attention_bias: np.ndarray | None,
     sink: np.ndarray | None,
+    loops: Any = None,
 ) -> None:
     """Causal attention of the scaled queries (B, N, S, D) over the first max(lengths)
     cache positions, written into output (B, S, N * D). Only the valid part of the cache
-    is read, so a fixed-capacity cache costs what its filled part costs."""
+    is read, so a fixed-capacity cache costs what its filled part costs. ``loops``: the
+    compiled decode loops when the caller has them (else asked for here)."""
     batch, num_heads, seq, head_size = queries.shape
     kv_heads = present_k.shape[1]
     total = max(lengths)
     dtype = queries.dtype
     if softcap <= 0 and attention_bias is None and sink is None and dtype == np.float32:
-        loops = decode_loops()
+        loops = loops if loops is not None else decode_loops()
         contiguous = all(a.flags.c_contiguous for a in (output, queries, present_k, present_v))  # the loop's types
         if loops is not None and contiguous and present_k.dtype == present_v.dtype == np.float32:
             # one compiled loop for scores, softmax and the weighted sum
@@ -695,7 +706,7 @@ def group_query_attention(ctx: KernelContext):
         output, present_k, present_v = out
         if do_rotary and (cos_cache is None or sin_cache is None):
             raise ValueError("do_rotary=1 needs the cos_cache and sin_cache inputs")
-        scale = dtype.type(scale_attr or 1 / np.sqrt(head_size))
+        scale = dtype.type(scale_attr or 1 / math.sqrt(head_size))
         if qk_heads is not None:
             q_heads, k_heads = qk_heads[:, :, :num_heads], qk_heads[:, :, num_heads:]
         loops = decode_loops() if dtype == np.float32 else None
@@ -749,7 +760,7 @@ def group_query_attention(ctx: KernelContext):
             sink = np.zeros((1, 1, 1, 1), dtype)
         _gqa_attend(
             work.queries, present_k, present_v, lengths, past_lengths, work, output,
-            softcap=softcap, window=window, attention_bias=attention_bias, sink=sink,
+            softcap=softcap, window=window, attention_bias=attention_bias, sink=sink, loops=loops,
         )
         return output, present_k, present_v
 
