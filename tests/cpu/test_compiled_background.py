@@ -95,6 +95,7 @@ def test_a_forked_child_starts_a_build_of_its_own(held_build):
     loader.want(["_numba_pool"])
     parent_thread = loader._thread
     loader._pid = -1  # as a child forked while the parent built sees it: the thread stayed in the parent
+    assert loader._lock.acquire(timeout=5)  # and held the lock at the fork: the child must not wait on it
     loader.want(["_numba_pool"])
     assert loader._thread is not parent_thread and loader._thread.is_alive()
 

@@ -155,10 +155,9 @@ class _Loader:
 
     def want(self, names: Iterable[str]) -> None:
         """Queue ``names`` (after what was asked before) and make sure a thread loads them."""
+        if self._pid != os.getpid():  # a forked child: the load thread, and any lock it held, stayed behind
+            self._thread, self._lock, self._pid = None, threading.Lock(), os.getpid()
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the load thread, and its queue, stayed behind
-                self._thread, self._pid = None, os.getpid()
-                self._wanted = [name for name in self._wanted if name not in self.ready]
             for asked in names:
                 for name in IMPORTS.get(asked, ()) + (asked,):
                     if name not in self.ready and name not in self.failed and name not in self._wanted:
