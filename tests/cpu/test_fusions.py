@@ -569,3 +569,65 @@ def test_a_fused_model_is_captured_whole_and_replays_what_it_runs():
     assert isinstance(captured, Captured) and captured.report.seams == []
     for feeds in (first, second):
         np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+
+
+# ---------------------------------------------------------------------------------------
+# SiLU(gate) * up: a decoder MLP's SwiGLU
+
+
+def _swiglu(inner: str, outer: str, dtype: str = "float") -> bytes:
+    return _model(
+        f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g ({dtype}[2, 3, 16] gate, {dtype}[2, 3, 16] up) => ({dtype}[2, 3, 16] y) {{
+            s = Sigmoid (gate)
+            p = {inner}
+            y = {outer}
+        }}
+        """
+    )
+
+
+@pytest.mark.parametrize(
+    "inner, outer", [("Mul (gate, s)", "Mul (p, up)"), ("Mul (s, gate)", "Mul (up, p)")], ids=["gate_first", "swapped"]
+)
+def test_sigmoid_gate_times_up_runs_as_one_silu_mul(inner, outer):
+    feeds = {"gate": _random(2, 3, 16, seed=4) * 6, "up": _random(2, 3, 16, seed=5)}
+    feeds["gate"][0, 0, :2] = (-120.0, 120.0)  # exp(-gate) overflows, and underflows
+    _assert_fused(_swiglu(inner, outer), feeds, ["SiluMul"])
+
+
+def test_silu_mul_replays_without_allocating():
+    _assert_replays_without_allocating(
+        _swiglu("Mul (gate, s)", "Mul (p, up)"), {"gate": _random(2, 3, 16, seed=4), "up": _random(2, 3, 16, seed=5)},
+        ["SiluMul"],
+    )
+
+
+def test_a_sigmoid_gate_read_elsewhere_is_left_as_it_is():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 16] gate, float[2, 16] up) => (float[2, 16] y, float[2, 16] p) {
+            s = Sigmoid (gate)
+            p = Mul (gate, s)
+            y = Mul (p, up)
+        }
+        """
+    )
+    _assert_fused(model, {"gate": _random(2, 16, seed=4), "up": _random(2, 16, seed=5)}, ["Sigmoid", "Mul", "Mul"])
+
+
+def test_a_gate_times_another_sigmoid_is_not_taken_for_silu():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 16] gate, float[2, 16] other, float[2, 16] up) => (float[2, 16] y) {
+            s = Sigmoid (other)
+            p = Mul (gate, s)
+            y = Mul (p, up)
+        }
+        """
+    )
+    feeds = {"gate": _random(2, 16, seed=4), "other": _random(2, 16, seed=6), "up": _random(2, 16, seed=5)}
+    _assert_fused(model, feeds, ["Sigmoid", "Mul", "Mul"])
