@@ -118,3 +118,66 @@ def test_pointwise_conv_adds_its_residual_block_by_block(path, case, relu, threa
         begin_run(0)
     for result in (got, into, in_place):
         np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-5)
+
+
+# (batch, channels, output channels, size, kernel, stride, pad): 3x3 Convs Winograd does not
+# take (strided; a 7x7 output has too few tiles) and a 7x7 one: the compiled im2col units
+# add the residual in their GEMM's epilogue
+IM2COL = {
+    "3x3-stride-2": (1, 32, 48, 28, 3, 2, 1),
+    "3x3-7x7-output": (2, 64, 40, 7, 3, 1, 1),
+    "7x7-stride-2": (1, 3, 16, 40, 7, 2, 3),
+}
+
+
+def _im2col_reference(x, w, b, z, stride: int, pad: int, relu: bool) -> np.ndarray:
+    attributes = {"strides": [stride, stride], "pads": [pad] * 4}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attributes), helper.make_node("Add", ["c", "z"], ["s"])]
+    nodes.append(helper.make_node("Relu" if relu else "Identity", ["s"], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, a.shape) for n, a in (("x", x), ("z", z))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return ReferenceEvaluator(model).run(None, {"x": x, "z": z})[0]
+
+
+@pytest.mark.parametrize("case", IM2COL)
+@pytest.mark.parametrize("relu", [True, False], ids=["relu", "no_relu"])
+def test_an_im2col_conv_adds_its_residual_in_the_units(case, relu, monkeypatch):
+    from plugrt_cpu.kernels import conv, conv_units
+
+    if conv_units.compiled_units() is None:
+        pytest.skip("needs numba's compiled Conv units")
+    n, c, m, size, kernel_size, stride, pad = IM2COL[case]
+    out = (size + 2 * pad - kernel_size) // stride + 1
+    x, z = _random(n, c, size, size, seed=4), _random(n, m, out, out, seed=5)
+    w, b = _random(m, c, kernel_size, kernel_size, seed=6) * 0.2, _random(m, seed=7)
+    expected = _im2col_reference(x, w, b, z, stride, pad, relu)
+    residuals = []
+    original = conv.run_units
+
+    def counted(found, plan, n, group, wg, packed, bias, y, residual, *rest):
+        residuals.append(residual is not None)
+        return original(found, plan, n, group, wg, packed, bias, y, residual, *rest)
+
+    monkeypatch.setattr(conv, "run_units", counted)
+    attributes = {"strides": [stride, stride], "pads": [pad] * 4, "kernel_shape": [kernel_size] * 2}
+    ctx = KernelContext("Conv", "", 11, attributes, 4, 1, [x.dtype] * 4, [None, w, b, None])
+    kernel = build_residual_conv(ctx, relu)
+    for threads in (1, 2):
+        begin_run(threads)
+        try:
+            got = kernel(x, w, b, z)
+            into = np.empty_like(expected)
+            capture_variant(kernel)(into, x, w, b, z)
+            in_place = z.copy()  # the residual's own buffer: not the units' (their BLAS GEMM stores first)
+            capture_variant(kernel)(in_place, x, w, b, in_place)
+        finally:
+            begin_run(0)
+        for result in (got, into, in_place):
+            np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
+    assert residuals.count(True) == 4  # got and into, on one thread and two

@@ -265,3 +265,127 @@ def test_compiled_bands_give_a_non_finite_input_to_the_direct_way(bands_on_two_t
     np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
     _close(actual, expected)
     assert not winograd_calls
+
+
+# -- Conv + Add (+ Relu), the residual of ResNet's basic blocks: the output transform adds it
+
+
+def _residual_model(x_shape, m: int, w: np.ndarray, b: np.ndarray, attributes: dict, relu: bool) -> tuple[bytes, tuple]:
+    out_shape = (x_shape[0], m, *_out_size(x_shape, attributes))
+    nodes = [onnx.helper.make_node("Conv", ["x", "w", "b"], ["c"], **attributes),
+             onnx.helper.make_node("Add", ["c", "z"], ["s" if relu else "y"])]
+    if relu:
+        nodes.append(onnx.helper.make_node("Relu", ["s"], ["y"]))
+    graph = onnx.helper.make_graph(
+        nodes, "residual",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x_shape),
+         onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, out_shape)],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
+    )  # fmt: skip
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    return model.SerializeToString(), out_shape
+
+
+def _out_size(x_shape, attributes: dict) -> tuple[int, int]:
+    """The output's height and width of a 3x3 Conv with unit strides (onnx's formula)."""
+    if attributes.get("auto_pad") == "SAME_UPPER":
+        return x_shape[2], x_shape[3]
+    top, left, bottom, right = attributes.get("pads", [0, 0, 0, 0])
+    return x_shape[2] + top + bottom - 2, x_shape[3] + left + right - 2
+
+
+@pytest.fixture
+def residual_calls(monkeypatch) -> list:
+    """Whether each Winograd call that ran to the end was given a residual."""
+    calls: list = []
+    original = winograd.WinogradPlan.__call__
+
+    def counted(self, x, weight, bias, relu, y=None, residual=None):
+        out = original(self, x, weight, bias, relu, y, residual)
+        if out is not None:
+            calls.append(residual is not None)
+        return out
+
+    monkeypatch.setattr(winograd.WinogradPlan, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["add", "add-relu"])
+@pytest.mark.parametrize("case", ["56x56", "odd-29x31-batch-2", "asymmetric-pads", "same-upper", "f2-14x14", "f2-13x15-batch-2"])
+def test_a_residual_is_added_by_the_output_transform(case, relu, path, residual_calls):
+    x_shape, m, attributes = CASES[case]
+    w, b = _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3)
+    model, out_shape = _residual_model(x_shape, m, w, b, attributes, relu)
+    session = plugrt.load(model, device="cpu")
+    for seed in (1, 4):
+        feeds = {"x": _random(*x_shape, seed=seed), "z": _random(*out_shape, seed=seed + 10) * 3}
+        _close(session.run(feeds)["y"], _onnxruntime(model, feeds))
+    assert residual_calls == ([True, True] if path == "numba" else [])
+
+
+@pytest.mark.parametrize("case", ["odd-29x31-batch-2", "f2-13x15-batch-2"])
+def test_a_residual_on_two_threads_matches_onnxruntime(case, bands_on_two_threads, residual_calls):
+    x_shape, m, attributes = CASES[case]
+    model, out_shape = _residual_model(x_shape, m, _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3), attributes, True)
+    feeds = {"x": _random(*x_shape, seed=1), "z": _random(*out_shape, seed=5)}
+    _close(plugrt.load(model, device="cpu").run(feeds)["y"], _onnxruntime(model, feeds))
+    assert residual_calls == [True]
+
+
+def test_a_residual_with_a_non_finite_input_is_added_the_direct_way(bands_on_two_threads, residual_calls):
+    x_shape, m, attributes = CASES["odd-29x31-batch-2"]
+    model, out_shape = _residual_model(x_shape, m, _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3), attributes, True)
+    x = _random(*x_shape, seed=1)
+    x[1, 3, 11, 14] = np.nan  # in the second image: the first image's bands store theirs first
+    feeds = {"x": x, "z": _random(*out_shape, seed=5)}
+    actual = plugrt.load(model, device="cpu").run(feeds)["y"]
+    expected = _onnxruntime(model, feeds)
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    _close(actual, expected)
+    assert residual_calls == []
+
+
+def test_an_output_in_the_residuals_own_buffer_is_right(path):
+    """A capture may plan the sum into the residual's buffer: that call takes a direct
+    way (a Winograd call that met a non-finite input could not give the residual back)."""
+    from plugrt.threads import begin_run
+    from plugrt_cpu._registry import KernelContext, capture_variant
+    from plugrt_cpu.kernels.conv_residual import build_residual_conv
+
+    x_shape, m, attributes = CASES["odd-29x31-batch-2"]
+    w, b = _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3)
+    model, out_shape = _residual_model(x_shape, m, w, b, attributes, True)
+    x, z = _random(*x_shape, seed=1), _random(*out_shape, seed=5)
+    expected = _onnxruntime(model, {"x": x, "z": z})
+    ctx = KernelContext("Conv", "", 11, dict(attributes), 4, 1, [x.dtype] * 4, [None, w, b, None])
+    kernel = build_residual_conv(ctx, True)
+    begin_run(2)
+    try:
+        into = np.empty(out_shape, np.float32)
+        capture_variant(kernel)(into, x, w, b, z)
+        in_place = z.copy()
+        capture_variant(kernel)(in_place, x, w, b, in_place)
+    finally:
+        begin_run(0)
+    _close(into, expected)
+    _close(in_place, expected)
+
+
+def test_a_residual_conv_is_captured_and_replays_without_allocating(path, residual_calls):
+    from cpu.test_into import REPLAY_BYTES, replay_bytes
+    from plugrt.capture import Captured
+
+    x_shape, m, attributes = CASES["odd-29x31-batch-2"]
+    model, out_shape = _residual_model(x_shape, m, _random(m, x_shape[1], 3, 3, seed=2), _random(m, seed=3), attributes, True)
+    session = plugrt.load(model, device="cpu", optimization="all")  # Conv + Add + Relu: one FusedConv
+    feeds = [{"x": _random(*x_shape, seed=s), "z": _random(*out_shape, seed=s + 1)} for s in (1, 5)]
+    assert isinstance(session.try_capture(feeds[0]), Captured)
+    assert session.capture_report.seams == []
+    for values in feeds:
+        expected = _onnxruntime(model, values)
+        eager, replayed = session.run(values)["y"], session.replay(values)["y"]
+        np.testing.assert_array_equal(replayed, eager)
+        _close(replayed, expected)
+    assert replay_bytes(lambda: session.replay(feeds[1]), small_buffers=True) < REPLAY_BYTES
+    assert bool(residual_calls) == (path == "numba")

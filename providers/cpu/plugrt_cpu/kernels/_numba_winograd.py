@@ -62,18 +62,26 @@ def _fill(source, top, first, last, plane, pitch, pad_left, count):  # pragma: n
 
 
 @_inline
-def _crop(rows_out, tile, row0, rows, pitch, cells, plane):  # pragma: no cover  (compiled; inlined)
+def _crop(rows_out, tile, row0, rows, pitch, cells, plane, residual, add, relu):  # pragma: no cover  (compiled; inlined)
     """The output rows of a band (``tile`` rows of ``tile * cells`` floats, grid rows
     ``pitch`` apart) into the output ``plane``, without the junk tiles and the rows past
-    its end."""
+    its end; with ``add``, plus the same rows of the ``residual`` plane, then clamped at
+    zero when ``relu`` (NaN stays NaN). Each value is read from ``residual`` before it is
+    written to ``plane``, at the same place: the two may be one buffer."""
     out_h, out_w = plane.shape[0], plane.shape[1]
     for ty in range(rows):
         top = tile * (row0 + ty)
         for row in range(min(tile, out_h - top)):
             src = rows_out[row * tile * cells + ty * pitch :]
             dst = plane[top + row]
-            for j in range(out_w):
-                dst[j] = src[j]
+            if add:
+                res = residual[top + row]
+                for j in range(out_w):
+                    value = src[j] + res[j]
+                    dst[j] = _ZERO if relu and value < _ZERO else value
+            else:
+                for j in range(out_w):
+                    dst[j] = src[j]
 
 _INPUT = numba.boolean(
     numba.types.Array(numba.float32, 4, "C", readonly=True),  # x (n, C, H, W)
@@ -157,6 +165,8 @@ _OUTPUT = numba.void(
     numba.boolean,  # relu
     numba.int64,  # tiles
     numba.float32[:, :, :, ::1],  # y (n, K, OH, OW)
+    numba.types.Array(numba.float32, 4, "C", readonly=True),  # residual (n, K, OH, OW), read where add
+    numba.boolean,  # add: y = the Conv + residual (then the Relu)
     numba.int64,  # image
     numba.int64,  # row0
     numba.int64,  # row1
@@ -167,8 +177,9 @@ _OUTPUT = numba.void(
 
 
 @numba.njit([_OUTPUT], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
-def winograd_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  # pragma: no cover  (compiled)
-    """``Y = A^T M A + bias`` (clamped at zero when ``relu``; NaN stays NaN) for output
+def winograd_output(m, bias, relu, tiles, y, residual, add, image, row0, row1, k0, k1, work):  # pragma: no cover  (compiled)
+    """``Y = A^T M A + bias`` (with ``add``, plus ``residual``), clamped at zero when
+    ``relu`` (NaN stays NaN), for output
     channels [k0, k1) of ``image`` over tile rows [row0, row1), from the band's products
     ``m`` (36, K, (row1 - row0) * (tiles + 1)). ``work`` holds the vertical pass (4 x 6
     rows of the band's cells) and the output rows (4 rows of 4 floats a cell)."""
@@ -177,6 +188,7 @@ def winograd_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  
     pitch = 4 * (tiles + 1)
     vertical = work[: 24 * cells]
     rows_out = work[24 * cells : 24 * cells + 16 * cells]
+    clamp = relu and not add  # with a residual the sum is clamped, in _crop
     for k in range(k0, k1):
         b = bias[k]
         for col in range(6):
@@ -201,7 +213,7 @@ def winograd_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  
                 v1 = b + a1 - a2 + _TWO * (a3 - a4)
                 v2 = b + a1 + a2 + _FOUR * (a3 + a4)
                 v3 = b + a1 - a2 + _EIGHT * (a3 - a4) + a5
-                if relu:  # NaN is not below zero: it stays
+                if clamp:  # NaN is not below zero: it stays
                     v0 = _ZERO if v0 < _ZERO else v0
                     v1 = _ZERO if v1 < _ZERO else v1
                     v2 = _ZERO if v2 < _ZERO else v2
@@ -210,7 +222,7 @@ def winograd_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  
                 out[4 * g + 1] = v1
                 out[4 * g + 2] = v2
                 out[4 * g + 3] = v3
-        _crop(rows_out, 4, row0, rows, pitch, cells, y[image, k])
+        _crop(rows_out, 4, row0, rows, pitch, cells, y[image, k], residual[image, k], add, relu)
 
 
 # F(2x2, 3x3): 2x2 output tiles from 4x4 input tiles, 16 transform points, for outputs
@@ -266,14 +278,15 @@ def winograd2_input(x, pad_top, pad_left, tiles, v, image, row0, row1, c0, c1, w
 
 
 @numba.njit([_OUTPUT], fastmath=_FLAGS, nogil=True, boundscheck=False, error_model="numpy", cache=True)
-def winograd2_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work):  # pragma: no cover  (compiled)
-    """F(2x2, 3x3)'s ``Y = A^T M A + bias``, as :func:`winograd_output` (``work``: 12
+def winograd2_output(m, bias, relu, tiles, y, residual, add, image, row0, row1, k0, k1, work):  # pragma: no cover  (compiled)
+    """F(2x2, 3x3)'s ``Y = A^T M A + bias (+ residual)``, as :func:`winograd_output` (``work``: 12
     floats a tile)."""
     rows = row1 - row0
     cells = rows * (tiles + 1)
     pitch = 2 * (tiles + 1)
     vertical = work[: 8 * cells]
     rows_out = work[8 * cells : 12 * cells]
+    clamp = relu and not add  # with a residual the sum is clamped, in _crop
     for k in range(k0, k1):
         b = bias[k]
         for col in range(4):
@@ -291,21 +304,23 @@ def winograd2_output(m, bias, relu, tiles, y, image, row0, row1, k0, k1, work): 
                 a0, a1, a2, a3 = q0[g], q1[g], q2[g], q3[g]
                 v0 = b + a0 + a1 + a2
                 v1 = b + a1 - a2 - a3
-                if relu:  # NaN is not below zero: it stays
+                if clamp:  # NaN is not below zero: it stays
                     v0 = _ZERO if v0 < _ZERO else v0
                     v1 = _ZERO if v1 < _ZERO else v1
                 out[2 * g] = v0
                 out[2 * g + 1] = v1
-        _crop(rows_out, 2, row0, rows, pitch, cells, y[image, k])
+        _crop(rows_out, 2, row0, rows, pitch, cells, y[image, k], residual[image, k], add, relu)
 
 
 # The context of ``winograd_bands`` (int64 words; see ``winograd.WinogradPlan``).
 (
     BAND_SGEMM, BAND_ILP64, BAND_X, BAND_IMAGES, BAND_CHANNELS, BAND_HEIGHT, BAND_WIDTH, BAND_PAD_TOP, BAND_PAD_LEFT,
     BAND_TILES, BAND_TILE_ROWS, BAND_BANDS, BAND_TILE, BAND_M, BAND_U, BAND_BIAS, BAND_RELU, BAND_Y, BAND_OUT_HEIGHT,
-    BAND_OUT_WIDTH, BAND_WORKSPACE, BAND_ROOM, BAND_WORK_FLOATS, BAND_FINITE, BAND_PACKED,
-) = range(25)
-BAND_WORDS = 25  # BAND_PACKED: the transformed weight packed for ``_numba_gemm`` (0: BLAS)
+    BAND_OUT_WIDTH, BAND_WORKSPACE, BAND_ROOM, BAND_WORK_FLOATS, BAND_FINITE, BAND_PACKED, BAND_RESIDUAL,
+) = range(26)
+# BAND_PACKED: the transformed weight packed for ``_numba_gemm`` (0: BLAS); BAND_RESIDUAL:
+# the residual (n, M, OH, OW) the output adds before the Relu (0: none)
+BAND_WORDS = 26
 
 
 @numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
@@ -313,8 +328,8 @@ def winograd_bands(c, start, stop, slot):  # pragma: no cover  (compiled)
     """Bands of tile rows, each from the input to the output on this thread (the compiled
     ``_by_bands`` of ``winograd.WinogradPlan``): its input transform, its products (one
     BLAS GEMM per transform point, as numpy's batched matmul makes them) and its output
-    transform, in the slot's workspace. A non-finite input clears the context's finite
-    word and leaves the band."""
+    transform (adding the residual where the context has one), in the slot's workspace.
+    A non-finite input clears the context's finite word and leaves the band."""
     context = numba.carray(int64_pointer(c), BAND_WORDS)
     n, channels = context[BAND_IMAGES], context[BAND_CHANNELS]
     tiles, tile_rows, bands = context[BAND_TILES], context[BAND_TILE_ROWS], context[BAND_BANDS]
@@ -324,6 +339,10 @@ def winograd_bands(c, start, stop, slot):  # pragma: no cover  (compiled)
     y = numba.carray(float32_pointer(context[BAND_Y]), (n, m, context[BAND_OUT_HEIGHT], context[BAND_OUT_WIDTH]))
     bias = numba.carray(float32_pointer(context[BAND_BIAS]), m)
     relu = context[BAND_RELU] != 0
+    add = context[BAND_RESIDUAL] != 0
+    residual = y  # read only where add
+    if add:
+        residual = numba.carray(float32_pointer(context[BAND_RESIDUAL]), y.shape)
     for unit in range(start, stop):
         image = unit // bands
         k = unit % bands
@@ -356,6 +375,6 @@ def winograd_bands(c, start, stop, slot):  # pragma: no cover  (compiled)
             else:
                 sgemm32(context[BAND_SGEMM], m, cells, channels, a, channels, b, cells, target, cells)
         if tile == 4:
-            winograd_output(products, bias, relu, tiles, y, image, r0, r1, 0, m, work)
+            winograd_output(products, bias, relu, tiles, y, residual, add, image, r0, r1, 0, m, work)
         else:
-            winograd2_output(products, bias, relu, tiles, y, image, r0, r1, 0, m, work)
+            winograd2_output(products, bias, relu, tiles, y, residual, add, image, r0, r1, 0, m, work)

@@ -758,25 +758,34 @@ class _Convolution:
         bias: np.ndarray | None,
         y: np.ndarray | None = None,
         packed: np.ndarray | None = None,
+        residual: np.ndarray | None = None,
+        relu: bool | None = None,
+        found: Any = None,
     ) -> np.ndarray:
         """im2col block by block: the input copied into zero-padded stride-phase planes once
         (in this thread's workspace, its zeros written once per layout), then each block's
         columns gathered from them, one strided copy per phase (see ``_plan_columns``), into
         the workspace of the thread that runs its products. A 2-D float32 Conv takes the
         compiled units instead where numba is there: each gathers its block's columns
-        straight from the input (``conv_units``)."""
+        straight from the input (``conv_units``). ``residual`` (float32, C order, the
+        output's shape, apart from ``y``) and ``relu`` only with ``found``, the compiled
+        units' parts: each tile adds its share of it, then clamps when ``relu``."""
         n, c = x.shape[:2]
         y = np.empty((n, plan.m, plan.out_size), dtype=x.dtype) if y is None else y.reshape(n, plan.m, plan.out_size)
         if y.size == 0:
             return y
         cg = c // self.group
-        if plan.gather is not None and (found := self._compiled_units(x, wg, bias, y, None)) is not None:
+        if found is None and plan.gather is not None:
+            found = self._compiled_units(x, wg, bias, y, None)
+        if found is not None:
             if not x.flags.c_contiguous:
                 x = _copy_to_workspace("im2col-input", x)
             size = math.prod(x.shape[2:])
             threads = _compiled_threads(n * plan.m * plan.out_size * wg.shape[2])
-            run_units(found, plan, n, self.group, wg, packed, bias, y, None, self.relu, x, c * size, cg * size, threads, plan.gather)
+            run_units(found, plan, n, self.group, wg, packed, bias, y, residual, self.relu if relu is None else relu,
+                      x, c * size, cg * size, threads, plan.gather)
             return y
+        assert residual is None, "a residual is added by the compiled units only"
         phases = len(plan.phase_windows)
         planes, stale = _workspace("im2col-planes", (n, phases, c, plan.plane_size), x.dtype, plan.planes_layout)
         if stale:

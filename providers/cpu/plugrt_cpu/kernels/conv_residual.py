@@ -13,6 +13,7 @@ from .conv import ConvConstants, _Convolution
 from ._relu import relu_into
 from ._window import _cast_into_scratch, _copy_to_workspace
 from .elementwise import scratch, with_small_buffers
+from .winograd import winograd_loops
 
 __all__ = ["build_residual_conv"]
 
@@ -25,8 +26,10 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
     Conv's own passes: a pointwise Conv adds each output block's share of ``z``, the bias
     and the Relu right after the block's product, while it is in cache, on whichever
     thread computed it (where the output is ``z``'s own buffer, it starts as ``z + b`` and
-    the products accumulate onto it: BLAS ``beta=1``); a Conv on the tap grid adds ``z``
-    as it crops. No separate pass adds the residual, and no sum is allocated besides the
+    the products accumulate onto it: BLAS ``beta=1``); a 3x3 Conv by Winograd adds ``z`` in
+    its output transform and the compiled im2col units in their GEMM's epilogue (where the
+    output is not ``z``'s buffer), as the same Conv without a residual would run; a Conv on
+    the tap grid adds ``z`` as it crops. No separate pass adds the residual, and no sum is allocated besides the
     output. Anything else (a broadcasting residual, other dtypes, no direct BLAS) computes
     the Conv, then the sum.
     """
@@ -46,6 +49,20 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
             return op._pointwise(x, weight.gemm, plan, bias, y, z, relu, packed=weight.packed()).reshape(z.shape)
         if plan.kind == "pointwise" and op.group == 1:
             return _pointwise(x, weight.gemm[0], bias, z, plan, relu, y)
+        apart = y is None or not np.may_share_memory(y, z)
+        if plan.kind == "im2col" and apart and z.dtype == x.dtype and z.flags.c_contiguous:
+            # Winograd's output transform, or the compiled units' GEMM epilogue, adds z as it
+            # stores: the paths Conv takes without a residual. Not into z's own buffer: a
+            # Winograd call that meets a non-finite input leaves it to the direct way after
+            # other bands have stored, and the units' BLAS GEMM stores before it adds.
+            if plan.winograd is not None and winograd_loops() is not None:
+                shape = (x.shape[0], plan.m, *plan.out)
+                done = plan.winograd(x, weight, bias, relu, np.empty(shape, x.dtype) if y is None else y.reshape(shape), z)
+                if done is not None:
+                    return done
+            if op._gathers(x, plan) and (found := op._compiled_units(x, weight.gemm, bias, z, z)) is not None:
+                return op._im2col(x, weight.gemm, plan, bias, y, packed=weight.packed(), residual=z, relu=relu,
+                                  found=found).reshape(z.shape)
         if plan.kind == "im2col" and plan.grid is not None:  # BLAS is there: checked above
             return plan.grid(x, weight, bias, relu, y, residual=z)
         return None

@@ -145,12 +145,19 @@ class WinogradPlan:
         self.banded = variant.points * self.m * self.channels * 4 <= _BANDED_WEIGHT_BYTES
 
     def __call__(
-        self, x: np.ndarray, weight: Any, bias: np.ndarray | None, relu: bool, y: np.ndarray | None = None
+        self,
+        x: np.ndarray,
+        weight: Any,
+        bias: np.ndarray | None,
+        relu: bool,
+        y: np.ndarray | None = None,
+        residual: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """The Conv of float32 ``x`` (n, C, H, W) by the prepared ``weight`` plus ``bias``
-        (M, 1), then a Relu when asked; into ``y`` (n, M, *out) when given. None when ``x``
-        holds a NaN or an infinity: a tile would spread it further than a direct
-        convolution does, so the caller computes this call the direct way."""
+        (M, 1), plus ``residual`` (float32, C order, the output's shape; it may be ``y``'s
+        own buffer) when given, then a Relu when asked; into ``y`` (n, M, *out) when given.
+        None when ``x`` holds a NaN or an infinity: a tile would spread it further than a
+        direct convolution does, so the caller computes this call the direct way."""
         loops = winograd_loops()
         assert loops is not None  # checked by winograd_plan's caller
         n, m = x.shape[0], self.m
@@ -170,10 +177,14 @@ class WinogradPlan:
         if threads > 1 and work >= 2 * threads * _BAND_WORK:
             bands = -(-2 * threads // n)
         transforms = getattr(loops, self.variant.loops + "_input"), getattr(loops, self.variant.loops + "_output")
+        if residual is not None:
+            residual = residual.reshape(y.shape)
         if threads == 1 or (self.banded and bands <= self.tile_rows):
-            finite = self._by_bands(transforms, x, u, packed, b, relu, y, threads, work, min(bands, self.tile_rows))
+            finite = self._by_bands(
+                transforms, x, u, packed, b, relu, y, threads, work, min(bands, self.tile_rows), residual
+            )
         else:
-            finite = self._by_steps(transforms, x, u, b, relu, y, threads, work)
+            finite = self._by_steps(transforms, x, u, b, relu, y, threads, work, residual)
         return y if finite else None
 
     def _by_bands(
@@ -188,12 +199,15 @@ class WinogradPlan:
         threads: int,
         work: int,
         bands: int,
+        residual: np.ndarray | None,
     ) -> bool:
         """Bands of tile rows, each from input to output on one thread: its transforms and
         products in that thread's workspaces, in cache, and no thread waits for another."""
         pool, gemm = compiled_pool(), sgemm_address()
         if pool is not None and gemm is not None and u.flags.c_contiguous and b.flags.c_contiguous:
-            return self._compiled_bands(pool, gemm, x, u, packed, b, relu, y, threads, bands)
+            return self._compiled_bands(pool, gemm, x, u, packed, b, relu, y, threads, bands, residual)
+        add = residual is not None
+        added = y if residual is None else residual
         n, c, m = x.shape[0], self.channels, self.m
         rows, tiles, pitch = self.tile_rows, self.tiles, self.pitch
         points = self.variant.points
@@ -212,7 +226,7 @@ class WinogradPlan:
                     finite[0] = False
                     return
                 np.matmul(u, v, out=products)
-                transform_output(products, b, relu, tiles, y, image, r0, r1, 0, m, scratch)
+                transform_output(products, b, relu, tiles, y, added, add, image, r0, r1, 0, m, scratch)
 
         parallel_for(n * bands, band, work, threads=threads, chunks_per_thread=n * bands)  # a chunk per band
         return finite[0]
@@ -229,6 +243,7 @@ class WinogradPlan:
         y: np.ndarray,
         threads: int,
         bands: int,
+        residual: np.ndarray | None,
     ) -> bool:
         """``_by_bands`` as one compiled job (``_numba_winograd.winograd_bands``): the
         same transforms, and the same GEMMs or (``packed``, a constant weight's transform
@@ -249,6 +264,7 @@ class WinogradPlan:
                 self.tiles, self.tile_rows, bands, self.variant.tile, m, u.ctypes.data, b.ctypes.data, int(relu),
                 y.ctypes.data, self.out[0], self.out[1], workspace.ctypes.data, room, work_floats, 1,
                 0 if packed is None else packed.ctypes.data,
+                0 if residual is None else residual.ctypes.data,
             ],
             np.int64,
         )
@@ -257,7 +273,16 @@ class WinogradPlan:
         return bool(context[loops.BAND_FINITE])
 
     def _by_steps(
-        self, transforms: tuple[Any, Any], x: np.ndarray, u: np.ndarray, b: np.ndarray, relu: bool, y: np.ndarray, threads: int, work: int
+        self,
+        transforms: tuple[Any, Any],
+        x: np.ndarray,
+        u: np.ndarray,
+        b: np.ndarray,
+        relu: bool,
+        y: np.ndarray,
+        threads: int,
+        work: int,
+        residual: np.ndarray | None,
     ) -> bool:
         """Whole images, each step shared out between the threads: the input transform by
         channels, the products by transform point, the output transform by output channel
@@ -268,6 +293,8 @@ class WinogradPlan:
         v, _ = _workspace("winograd_v", (n, points, c, cells), x.dtype)
         products, _ = _workspace("winograd_m", (n, points, m, cells), x.dtype)
         forward, backward = transforms
+        add = residual is not None
+        added = y if residual is None else residual
         scratch_floats = self.variant.work_floats(rows, self.pitch)
         finite = [True]
 
@@ -287,7 +314,7 @@ class WinogradPlan:
             scratch, _ = _workspace("winograd_work", (scratch_floats,), x.dtype)
             for image in range(start // m, (stop - 1) // m + 1):
                 k0, k1 = max(start - image * m, 0), min(stop - image * m, m)
-                backward(products[image], b, relu, tiles, y, image, 0, rows, k0, k1, scratch)
+                backward(products[image], b, relu, tiles, y, added, add, image, 0, rows, k0, k1, scratch)
 
         parallel_for(n * c, transform_input, work, threads=threads)
         if not finite[0]:
