@@ -257,10 +257,14 @@ def _tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):
 
 
 
-def _column_codegen(indirect):  # type: ignore[no-untyped-def]
-    """The code of ``_column_tile`` (``indirect``: of ``_gathered_tile``)."""
+def _column_codegen(indirect, tiles=1):  # type: ignore[no-untyped-def]
+    """The code of ``_column_tile`` (``indirect``: of ``_gathered_tile``); with ``tiles``
+    2, of ``_column_pair`` (``_gathered_pair``): two row tiles, whose packed weights are
+    ``wstride`` floats apart, share each step's broadcast columns."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        args = list(args)
+        wstride = args.pop(1) if tiles == 2 else _c(0)
         if indirect:
             w, x, table, stride, k, c, ldc, columns, rows, bias, residual, relu = args
             offsets = builder.inttoptr(table, _I64.as_pointer())
@@ -269,26 +273,29 @@ def _column_codegen(indirect):  # type: ignore[no-untyped-def]
         module = builder.module
         fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
         weights, xs = _floats(builder, w), _floats(builder, x)
+        bases = [weights] + ([builder.gep(weights, [wstride])] if tiles == 2 else [])
         last = builder.sub(columns, _c(1))
         at = [builder.select(builder.icmp_signed("<", _c(j), columns), _c(j), last) for j in range(NB)]
         if indirect:
             at = [builder.mul(a, stride) for a in at]
 
         def step(index, accumulators):  # type: ignore[no-untyped-def]
-            vector = builder.load(_vector_at(builder, weights, builder.mul(index, _c(MR))), align=4)
+            vectors = [builder.load(_vector_at(builder, base, builder.mul(index, _c(MR))), align=4) for base in bases]
             row = builder.load(builder.gep(offsets, [index])) if indirect else builder.mul(index, ldx)
-            return [
-                builder.call(fma, [_splat(builder, builder.load(builder.gep(xs, [builder.add(row, at[j])])), _V), vector, a])
-                for j, a in enumerate(accumulators)
-            ]
+            sums = list(accumulators)
+            for j in range(NB):
+                value = _splat(builder, builder.load(builder.gep(xs, [builder.add(row, at[j])])), _V)
+                for t, vector in enumerate(vectors):
+                    sums[t * NB + j] = builder.call(fma, [value, vector, accumulators[t * NB + j]])
+            return sums
 
-        sums = _k_loop(builder, k, NB, step)
+        sums = _k_loop(builder, k, tiles * NB, step)
         out, others, biases = _floats(builder, c), _floats(builder, residual), _floats(builder, bias)
         has_residual = builder.icmp_signed("!=", residual, _c(0))
         has_bias = builder.icmp_signed("!=", bias, _c(0))
         clamp = builder.icmp_signed("!=", relu, _c(0))
         zero = ir.Constant(_F32, 0.0)
-        for r in range(MR):  # element by element: the tile is a column of C per vector
+        for r in range(tiles * MR):  # element by element: the tile is a column of C per vector
             with builder.if_then(builder.icmp_signed("<", _c(r), rows)):
                 row_at = builder.mul(_c(r), ldc)
                 before = builder.block
@@ -301,7 +308,7 @@ def _column_codegen(indirect):  # type: ignore[no-untyped-def]
                 for j in range(NB):
                     with builder.if_then(builder.icmp_signed("<", _c(j), columns)):
                         offset = builder.add(row_at, _c(j))
-                        value = builder.extract_element(sums[j], ir.Constant(_I32, r))
+                        value = builder.extract_element(sums[(r // MR) * NB + j], ir.Constant(_I32, r % MR))
                         before = builder.block
                         with builder.if_then(has_residual):
                             added = builder.fadd(value, builder.load(builder.gep(others, [offset])))
@@ -338,6 +345,24 @@ def _gathered_tile(typingctx, w, x, table, stride, k, c, ldc, columns, rows, bia
     return signature, _column_codegen(True)
 
 
+@intrinsic
+def _column_pair(typingctx, w, wstride, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """``_column_tile`` over two row tiles at once (``rows`` up to 2 MR; the second
+    tile's packed weight ``wstride`` floats after the first's): each step loads the two
+    weight vectors and ``NB`` broadcast columns for ``2 NB`` fused multiply-adds, where
+    one tile's ``NB`` waited on as many loads (7 accumulators are also fewer than the
+    multiply-adds in flight that hide their latency)."""
+    signature = types.void(*([types.int64] * 12))
+    return signature, _column_codegen(False, 2)
+
+
+@intrinsic
+def _gathered_pair(typingctx, w, wstride, x, table, stride, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """``_gathered_tile`` over two row tiles at once, as ``_column_pair``."""
+    signature = types.void(*([types.int64] * 13))
+    return signature, _column_codegen(True, 2)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def packed_product(w, x, ldx, k, c, ldc, m, n, bias, residual, relu):  # pragma: no cover  (compiled)
     """``C[:m, :n] = epilogue(W @ X)``: ``w`` the packed weight's first row tile (from
@@ -360,29 +385,23 @@ def packed_product(w, x, ldx, k, c, ldc, m, n, bias, residual, relu):  # pragma:
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _slice(w, x, ldx, k, depth, c, ldc, m, n, bias, residual, relu):  # pragma: no cover  (compiled)
     size = MR * depth * _FLOAT  # one row tile's weight in this slice
-    if _narrow(n):  # columns of NB: every row tile over all of X (in L2), its weight in L2
+    if _narrow(n):  # columns of NB: two row tiles at a time over all of X (in L2), their weight in L2
         blocks = (n + NB - 1) // NB
-        for r0 in range(0, m, MR):
-            rows = min(MR, m - r0)
+        for r0 in range(0, m, 2 * MR):
+            rows = min(2 * MR, m - r0)
             weights = w + r0 * k * _FLOAT
             row_bias = bias + r0 * _FLOAT if bias != 0 else 0
             for j0 in range(0, n, NB):
-                if r0 + MR < m:
-                    _ahead(weights + MR * k * _FLOAT, size, j0 // NB, blocks)
+                if r0 + 2 * MR < m:
+                    _ahead(weights + 2 * MR * k * _FLOAT, 2 * size, j0 // NB, blocks)
                 offset = (r0 * ldc + j0) * _FLOAT
-                _column_tile(
-                    weights,
-                    x + j0 * _FLOAT,
-                    ldx,
-                    depth,
-                    c + offset,
-                    ldc,
-                    min(NB, n - j0),
-                    rows,
-                    row_bias,
-                    residual + offset if residual != 0 else 0,
-                    relu,
-                )
+                added = residual + offset if residual != 0 else 0
+                if rows > MR:
+                    _column_pair(weights, MR * k, x + j0 * _FLOAT, ldx, depth, c + offset, ldc, min(NB, n - j0), rows,
+                                 row_bias, added, relu)
+                else:
+                    _column_tile(weights, x + j0 * _FLOAT, ldx, depth, c + offset, ldc, min(NB, n - j0), rows,
+                                 row_bias, added, relu)
         return
     tiles = (n + _VW - 1) // _VW
     per_chunk = max(1, _CHUNK_FLOATS // max(1, depth * _VW))
@@ -440,28 +459,22 @@ def gathered_product(w, x, table, k, stride, row_step, c, ldc, m, out_rows, out_
         added = residual if s == 0 else c
         taps = table + k0 * 8
         size = MR * depth * _FLOAT
-        for r0 in range(0, m, MR):
-            rows = min(MR, m - r0)
+        for r0 in range(0, m, 2 * MR):  # two row tiles at a time (``_gathered_pair``)
+            rows = min(2 * MR, m - r0)
             weights = w + (r0 * k + k0 * MR) * _FLOAT
             row_bias = bias + r0 * _FLOAT if bias != 0 and final else 0
             part = 0
             for i in range(out_rows):
                 for j0 in range(0, out_w, NB):
-                    if r0 + MR < m:
-                        _ahead(weights + MR * k * _FLOAT, size, part, parts)
+                    if r0 + 2 * MR < m:
+                        _ahead(weights + 2 * MR * k * _FLOAT, 2 * size, part, parts)
                     part += 1
                     offset = (r0 * ldc + i * out_w + j0) * _FLOAT
-                    _gathered_tile(
-                        weights,
-                        x + (i * row_step + j0 * stride) * _FLOAT,
-                        taps,
-                        stride,
-                        depth,
-                        c + offset,
-                        ldc,
-                        min(NB, out_w - j0),
-                        rows,
-                        row_bias,
-                        added + offset if added != 0 else 0,
-                        relu if final else 0,
-                    )
+                    at = x + (i * row_step + j0 * stride) * _FLOAT
+                    into = added + offset if added != 0 else 0
+                    if rows > MR:
+                        _gathered_pair(weights, MR * k, at, taps, stride, depth, c + offset, ldc, min(NB, out_w - j0),
+                                       rows, row_bias, into, relu if final else 0)
+                    else:
+                        _gathered_tile(weights, at, taps, stride, depth, c + offset, ldc, min(NB, out_w - j0), rows,
+                                       row_bias, into, relu if final else 0)
