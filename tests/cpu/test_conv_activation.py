@@ -139,3 +139,41 @@ def test_fused_conv_with_an_unknown_activation_names_the_supported_ones():
     model.graph.initializer.append(numpy_helper.from_array(_random(6, 4, 1, 1, seed=1), "w"))
     with pytest.raises(Exception, match="HardSwish"):
         plugrt.load(model.SerializeToString(), device="cpu").run({"x": _random(1, 4, 5, 5)})
+
+
+@pytest.mark.parametrize("conv", ["pointwise", "depthwise-3x3", "depthwise-5x5-stride-2", "im2col-3x3"])
+@pytest.mark.parametrize("activation", ["relu6", "clip-both-sides", "hard-swish", "silu"])
+def test_the_compiled_paths_apply_the_activation_block_by_block(conv, activation, monkeypatch):
+    """With numba, the Conv's compiled units (or depthwise planes) apply the activation to
+    each block on the thread that computed it: no pass over the whole output follows."""
+    from plugrt_cpu.kernels import conv_activation
+
+    if _gemm.epilogue_loops() is None:
+        pytest.skip("needs numba's compiled loops")
+    passes = []
+    loops = conv_activation.epilogue_loops()
+
+    class Counted:
+        def __getattr__(self, name):
+            passes.append(name)
+            return getattr(loops, name)
+
+    monkeypatch.setattr(conv_activation, "epilogue_loops", lambda: Counted())
+    monkeypatch.setattr(np, "clip", lambda *a, **k: passes.append("np.clip"))
+    model, feeds = _model(conv, activation)
+    session = plugrt.load(model, device="cpu")
+    expected = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    for _ in range(2):
+        np.testing.assert_allclose(session.run(feeds)["y"], expected, rtol=1e-5, atol=1e-5)
+    assert passes == []
+
+
+def test_the_activation_codes_are_the_compiled_loops():
+    from plugrt_cpu.kernels import conv_activation
+
+    loops = _gemm.epilogue_loops()
+    if loops is None:
+        pytest.skip("needs numba's compiled loops")
+    assert (conv_activation.SILU, conv_activation.HARD_SWISH, conv_activation.CLIP) == (
+        loops.ACT_SILU, loops.ACT_HARD_SWISH, loops.ACT_CLIP
+    )

@@ -160,9 +160,9 @@ def test_an_im2col_conv_adds_its_residual_in_the_units(case, relu, monkeypatch):
     residuals = []
     original = conv.run_units
 
-    def counted(found, plan, n, group, wg, packed, bias, y, residual, *rest):
+    def counted(found, plan, n, group, wg, packed, bias, y, residual, *rest, **options):
         residuals.append(residual is not None)
-        return original(found, plan, n, group, wg, packed, bias, y, residual, *rest)
+        return original(found, plan, n, group, wg, packed, bias, y, residual, *rest, **options)
 
     monkeypatch.setattr(conv, "run_units", counted)
     attributes = {"strides": [stride, stride], "pads": [pad] * 4, "kernel_shape": [kernel_size] * 2}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numba
 from numba import types
 
-from ._numba_epilogue import bias_relu_rows, bias_residual_relu_rows
+from ._numba_epilogue import activation_rows, bias_relu_rows, bias_residual_relu_rows
 from ._numba_gemm import MR, gathered_product, packed_product
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm32, sgemm64
 
@@ -36,7 +36,10 @@ PACKED = 34  # the weight packed for ``_numba_gemm`` (0: the BLAS GEMM)
 # READ_DIRECT: the zero-padded input (in the workspace, written by ``pad_planes``): its
 # planes' height and width, and the int64 offsets of the (channel, kh, kw) taps
 PADDED_H, PADDED_W, TAPS = 35, 36, 37
-CONTEXT_WORDS = 38
+# a fused activation each unit applies to its block (``_numba_epilogue.ACT_*``, 0: none),
+# and Clip's bounds: float32 bits in the low half of each word
+ACTIVATION, ACTIVATION_LOW, ACTIVATION_HIGH = 38, 39, 40
+CONTEXT_WORDS = 41
 # MODE: where a unit's columns are
 POINTWISE = 0  # the source itself: (images, channels, positions)
 GATHER = 1  # gathered per unit from the input into the slot's workspace
@@ -114,6 +117,18 @@ def _gather_unit(context, image, group, r0, r1, target, c0, c1, scratch):  # pra
                         _copy_run(row, lo, hi, phases[p * pitch + lo + (shift - p) // sw :])
 
 
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _activate(context, output, m, positions, c0, c1, j0, j1):  # pragma: no cover  (compiled)
+    """The context's fused activation over a unit's block of the output (channels [c0,
+    c1), positions [j0, j1)), right after its product, while the block is in cache."""
+    code = context[ACTIVATION]
+    if code == 0:
+        return
+    bounds = numba.carray(float32_pointer(context.ctypes.data + ACTIVATION_LOW * 8), 3)  # low, (pad), high
+    matrix = numba.carray(float32_pointer(output), (m, positions))
+    activation_rows(matrix, c0, c1, j0, j1, code, bounds[0], bounds[2])
+
+
 @numba.cfunc(types.void(types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True)
 def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
     context = numba.carray(int64_pointer(c), CONTEXT_WORDS)
@@ -156,29 +171,29 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
             added += image * m * positions * _FLOAT + (target - output)
         row_bias = context[BIAS] + c0 * _FLOAT if context[BIAS] != 0 else 0
         weight = packed + c0 * depth * _FLOAT
-        if packed != 0:
-            if mode == READ_DIRECT:
-                plane = context[PADDED_H] * context[PADDED_W]
-                first = context[WORKSPACE] + (
-                    (image * groups + group) * (depth // taps) * plane + r0 * context[STRIDE_H] * context[PADDED_W]
-                ) * _FLOAT
-                gathered_product(
-                    weight,
-                    first,
-                    context[TAPS],
-                    depth,
-                    context[STRIDE_W],
-                    context[STRIDE_H] * context[PADDED_W],
-                    target,
-                    positions,
-                    c1 - c0,
-                    r1 - r0,
-                    rest,
-                    row_bias,
-                    added,
-                    context[RELU],
-                )
-                continue
+        if packed != 0 and mode == READ_DIRECT:
+            plane = context[PADDED_H] * context[PADDED_W]
+            first = context[WORKSPACE] + (
+                (image * groups + group) * (depth // taps) * plane + r0 * context[STRIDE_H] * context[PADDED_W]
+            ) * _FLOAT
+            gathered_product(
+                weight,
+                first,
+                context[TAPS],
+                depth,
+                context[STRIDE_W],
+                context[STRIDE_H] * context[PADDED_W],
+                target,
+                positions,
+                c1 - c0,
+                r1 - r0,
+                rest,
+                row_bias,
+                added,
+                context[RELU],
+            )
+            _activate(context, output, m, positions, c0, c1, r0 * rest, r1 * rest)
+            continue
         if mode == POINTWISE:
             b = context[SOURCE] + (image * context[IMAGE_STRIDE] + group * context[GROUP_STRIDE] + r0 * rest) * _FLOAT
             ldb = positions
@@ -191,6 +206,7 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
             ldb = columns
         if packed != 0:
             packed_product(weight, b, ldb, depth, target, positions, c1 - c0, columns, row_bias, added, context[RELU])
+            _activate(context, output, m, positions, c0, c1, r0 * rest, r1 * rest)
             continue
         a = context[WEIGHT] + c0 * depth * _FLOAT
         if context[ILP64]:
@@ -199,6 +215,7 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
             sgemm32(context[SGEMM], c1 - c0, columns, depth, a, depth, b, ldb, target, positions)
         relu = context[RELU] != 0
         if context[BIAS] == 0 and context[RESIDUAL] == 0 and not relu:
+            _activate(context, output, m, positions, c0, c1, r0 * rest, r1 * rest)
             continue
         matrix = numba.carray(float32_pointer(output), (m, positions))
         bias = numba.carray(float32_pointer(context[BIAS] if context[BIAS] != 0 else context[ZEROS]), m)
@@ -207,6 +224,8 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         else:
             residual = numba.carray(float32_pointer(context[RESIDUAL] + image * m * positions * _FLOAT), (m, positions))
             bias_residual_relu_rows(matrix, c0, c1, r0 * rest, r1 * rest, bias[c0:c1], residual, relu)
+        _activate(context, output, m, positions, c0, c1, r0 * rest, r1 * rest)
+
 
 
 @numba.cfunc(types.void(types.int64, types.int64, types.int64, types.int64), nogil=True, cache=True)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ._numba_epilogue import activation_rows
+
 __all__ = ["depthwise_conv2d"]
 
 _compiled = numba.njit(
@@ -174,6 +176,9 @@ _SIGNATURE = numba.void(
     numba.types.Array(numba.int64, 1, "C", readonly=True),  # layout
     numba.types.Array(numba.float32, 2, "C", readonly=True),  # masks
     numba.boolean,  # relu
+    numba.int64,  # a fused activation after it (``_numba_epilogue.ACT_*``; 0: none)
+    numba.float32,  # Clip's low bound
+    numba.float32,  # Clip's high bound
     numba.float32[::1],  # work
     numba.float32[:, :, :, ::1],  # y
     numba.int64,  # start
@@ -191,11 +196,12 @@ _SIGNATURE = numba.void(
     error_model="numpy",
     cache=True,
 )
-def depthwise_conv2d(x, weights, bias, layout, masks, relu, work, y, start, stop):  # pragma: no cover  (compiled)
+def depthwise_conv2d(x, weights, bias, layout, masks, relu, activation, low, high, work, y, start, stop):  # pragma: no cover  (compiled)
     """Output planes [start, stop) of y (n, M, out_h, out_w), counted over (image, output
     channel): channel m reads input channel ``m // (M // C)`` of x (n, C, H, W) through
     the taps ``weights[m]`` (row-major over the kernel), adds ``bias[m]`` and clamps at
-    zero when ``relu`` (NaN stays NaN).
+    zero when ``relu`` (NaN stays NaN), then applies ``activation`` (Clip between ``low``
+    and ``high``) to the plane while it is in cache.
 
     ``layout`` is ``(sy, sx, pitch, row0, block, three_by_three, tap offsets...)``: a
     column phase holds rows of ``pitch`` floats, input row 0 at ``row0``, ``block``
@@ -269,3 +275,6 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, work, y, start, stop
                 dst = target[r * out_w :]
                 for j in range(out_w):
                     dst[j] = row[j]
+        if activation != 0:
+            done = y_flat[plane * out_size : (plane + 1) * out_size].reshape((1, out_size))
+            activation_rows(done, 0, 1, 0, out_size, activation, low, high)

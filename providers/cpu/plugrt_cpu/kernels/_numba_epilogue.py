@@ -1,12 +1,12 @@
 """numba-compiled float32 one-pass loops over rows: the epilogue of a product block (``c +=
 residual``, ``c += bias`` per row, then a Relu), the per-channel affine of a
-BatchNormalization (+ Relu) step (``y = x * multiplier + shift``), and the Clip and
-HardSwish that a fused Conv applies to its output in place.
+BatchNormalization (+ Relu) step (``y = x * multiplier + shift``), and the Clip,
+HardSwish and SiLU that a fused Conv applies to its output in place.
 
 Imported only through :func:`plugrt_cpu.kernels._gemm.epilogue_loops`, which returns None
 when numba is missing or ``PLUGRT_NUMBA=0``; the callers then run numpy's ufuncs, with
 the same values (the same operations in the same order, no fastmath: no fused
-multiply-add). Compiled code is cached on disk (``cache=True``).
+multiply-add), except SiLU's exp (see there). Compiled code is cached on disk (``cache=True``).
 
 The product blocks are views of a larger output: rows of ``cols`` floats, unit steps
 within a row, any step between rows. numpy's ufuncs take such a view through their
@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic
 
-__all__ = ["bias_relu_rows", "bias_residual_relu_rows", "clip_in_place", "hard_swish_in_place", "scale_shift_relu_rows"]
+__all__ = [
+    "bias_relu_rows", "bias_residual_relu_rows", "clip_in_place", "hard_swish_in_place", "scale_shift_relu_rows",
+    "silu_in_place", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP",
+]
 
 _ZERO = np.float32(0.0)
 
@@ -133,3 +138,108 @@ def hard_swish_in_place(y):  # pragma: no cover  (compiled)
         gate = _ZERO if gate < _ZERO else gate
         gate = _ONE if gate > _ONE else gate
         y[i] = v * gate
+
+
+# -- SiLU: y / (1 + exp(-y)) with an exp the loop vectorises -------------------------------
+# numba's exp is a call to the C library per value, which keeps a loop scalar (measured
+# ~6x slower than numpy's vectorised exp over the four passes numpy needs). This exp is
+# Cephes' expf: exp(z) = 2^n * p(r), n = round(z / ln 2), r = z - n ln 2 in two parts, p
+# a degree-7 polynomial; 2^n made from its exponent bits. Within 2 ulp of the exact value
+# over the range where it is finite (numpy's: within 1), so a fused SiLU's values differ
+# from the numpy body's by float32 rounding.
+
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HIGH = np.float32(0.693359375)
+_LN2_LOW = np.float32(-2.12194440e-4)
+_EXP_MAX = np.float32(88.72283935546875)  # exp above it is infinite in float32
+_EXP_MIN = np.float32(-87.33654022216797)  # exp below it is below float32's normal range
+_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
+_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+_INFINITY = np.float32(np.inf)
+
+
+@intrinsic
+def _float_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float32 whose bits are the int32 ``bits``."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return numba.float32(numba.int32), codegen
+
+
+_FAST = {"contract", "arcp", "nsz", "afn", "reassoc"}  # never nnan or ninf: NaN and infinity are kept
+
+
+@numba.njit(fastmath=_FAST, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+def _exp(z):  # pragma: no cover  (compiled; inlined)
+    """exp(z) for a float32 ``z``: 0 below ``_EXP_MIN``, infinity above ``_EXP_MAX``, NaN for NaN."""
+    clamped = _EXP_MIN if z < _EXP_MIN else z
+    clamped = _EXP_MAX if clamped > _EXP_MAX else clamped
+    n = np.floor(clamped * _LOG2E + _HALF)
+    r = clamped - n * _LN2_HIGH
+    r = r - n * _LN2_LOW
+    p = _P0 * r + _P1
+    p = p * r + _P2
+    p = p * r + _P3
+    p = p * r + _P4
+    p = p * r + _P5
+    p = p * r * r + r + _ONE
+    value = p * _float_bits(np.int32(n) * np.int32(1 << 23) + np.int32(127 << 23))
+    value = _ZERO if z < _EXP_MIN else value
+    value = _INFINITY if z > _EXP_MAX else value
+    return z + value if z != z else value  # NaN in, NaN out
+
+
+@numba.njit([numba.void(_FLAT)], fastmath=_FAST, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def silu_in_place(y):  # pragma: no cover  (compiled)
+    """``y = y / (1 + exp(-y))`` in one pass: 0 * y where exp(-y) is infinite is -0 (as
+    numpy's y / inf), NaN stays NaN."""
+    for i in range(y.shape[0]):
+        v = y[i]
+        y[i] = v / (_ONE + _exp(-v))
+
+
+# -- a fused Conv's activation over a block of its output, on the thread that computed it --
+
+#: What ``activation_rows`` applies: a code, with Clip's two bounds.
+ACT_NONE, ACT_SILU, ACT_HARD_SWISH, ACT_CLIP = 0, 1, 2, 3
+
+
+@numba.njit(fastmath=_FAST, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def _silu_run(row, count):  # pragma: no cover  (compiled)
+    """``silu_in_place`` over ``row[:count]`` (its own function: its fastmath flags are not
+    the caller's)."""
+    for j in range(count):
+        v = row[j]
+        row[j] = v / (_ONE + _exp(-v))
+
+
+@numba.njit(
+    [numba.void(_MATRIX, *_RANGE, numba.int64, numba.float32, numba.float32)],
+    nogil=True,
+    boundscheck=False,
+    error_model="numpy",
+    cache=True,
+)
+def activation_rows(c, r0, r1, j0, j1, code, low, high):  # pragma: no cover  (compiled)
+    """The activation ``code`` over ``c[r0:r1, j0:j1]`` in place, with the values its own
+    ``*_in_place`` loop gives (Clip between ``low`` and ``high``): for a block of a Conv's
+    output still in this thread's cache."""
+    count = j1 - j0
+    for i in range(r0, r1):
+        row = c[i, j0:j1]
+        if code == ACT_SILU:
+            _silu_run(row, count)
+        elif code == ACT_HARD_SWISH:
+            for j in range(count):
+                v = row[j]
+                gate = v * _SIXTH + _HALF
+                gate = _ZERO if gate < _ZERO else gate
+                gate = _ONE if gate > _ONE else gate
+                row[j] = v * gate
+        elif code == ACT_CLIP:
+            for j in range(count):
+                v = row[j]
+                v = low if v < low else v
+                row[j] = high if v > high else v

@@ -403,6 +403,9 @@ class _Convolution:
         self.pads = attributes.get("pads")
         self.strides = attributes.get("strides")
         self.relu = relu  # a fused Relu, applied to each output block while it is in cache
+        # a fused activation the compiled paths apply to each block after the Relu
+        # (``conv_activation.fused_code``: code, Clip's bounds; code 0: none)
+        self.activation: tuple[int, float, float] = (0, 0.0, 0.0)
         self._plans = _ShapeCache(lambda xs, ws, item: _ConvPlan(self, xs, ws, item))
 
     def prepare_weight(self, w: np.ndarray, dtype: np.dtype) -> "_ConvWeight":
@@ -412,27 +415,41 @@ class _Convolution:
         return None if b is None else np.ascontiguousarray(b, dtype=dtype).reshape(-1, 1)
 
     def __call__(
-        self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None = None
+        self,
+        x: np.ndarray,
+        weight: "_ConvWeight",
+        bias: np.ndarray | None,
+        y: np.ndarray | None = None,
+        applied: list | None = None,
     ) -> np.ndarray:
         """The convolution, into the C-contiguous ``y`` (n, M, *out) when given (the
-        ``into`` variant: the same arithmetic, its copies in thread workspaces)."""
+        ``into`` variant: the same arithmetic, its copies in thread workspaces). A path
+        that applied ``self.activation`` itself appends True to ``applied``."""
         plan: _ConvPlan = self._plans(x.shape, weight.shape, x.dtype.itemsize)
         if plan.kind != "depthwise":
             blas_threads(0)  # the products split themselves over threads (split_gemm)
         if y is not None and plan.kind != "depthwise":  # no reductions but BLAS ones: see with_small_buffers
-            return with_small_buffers(self._convolve, x, weight, bias, y, plan)
-        return self._convolve(x, weight, bias, y, plan)
+            return with_small_buffers(self._convolve, x, weight, bias, y, plan, applied)
+        return self._convolve(x, weight, bias, y, plan, applied)
 
     def _convolve(
-        self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None, plan: _ConvPlan
+        self,
+        x: np.ndarray,
+        weight: "_ConvWeight",
+        bias: np.ndarray | None,
+        y: np.ndarray | None,
+        plan: _ConvPlan,
+        applied: list | None = None,
     ) -> np.ndarray:
         n = x.shape[0]
         m = plan.m
         wg = weight.gemm
         if plan.kind == "pointwise":
-            y = self._pointwise(x, wg, plan, bias, y, packed=weight.packed())
+            y = self._pointwise(x, wg, plan, bias, y, packed=weight.packed(), applied=applied)
         elif plan.kind == "depthwise" and plan.compiled is not None and x.dtype == np.float32 and depthwise_loops():
             y = self._depthwise_compiled(x, weight, plan, bias, y)
+            if applied is not None and self.activation[0]:
+                applied.append(True)
         elif plan.kind == "depthwise" and plan.depthwise_product:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
@@ -442,7 +459,7 @@ class _Convolution:
         elif plan.grid is not None and available(x.dtype) and not self._gathers(x, plan):
             y = plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
         else:
-            y = self._im2col(x, wg, plan, bias, y, packed=weight.packed())
+            y = self._im2col(x, wg, plan, bias, y, packed=weight.packed(), applied=applied)
         return y.reshape(n, m, *plan.out)
 
     def _winograd(
@@ -474,10 +491,11 @@ class _Convolution:
         weights = weight.gemm.reshape(m, -1)
         b = layout.no_bias if bias is None else bias.reshape(m)
         relu = self.relu
+        code, low, high = self.activation
 
         def chunk(start: int, stop: int) -> None:
             work, _ = _workspace("depthwise-compiled", (layout.work_size,), x.dtype)
-            loops.depthwise_conv2d(x, weights, b, layout.layout, layout.masks, relu, work, y, start, stop)
+            loops.depthwise_conv2d(x, weights, b, layout.layout, layout.masks, relu, code, low, high, work, y, start, stop)
 
         parallel_for(n * m, chunk, layout.work, grain=_DEPTHWISE_COMPILED_GRAIN)
         return y
@@ -724,6 +742,7 @@ class _Convolution:
         residual: np.ndarray | None = None,
         relu: bool | None = None,
         packed: np.ndarray | None = None,
+        applied: list | None = None,
     ) -> np.ndarray:
         """A 1x1 Conv: the input's channels are the columns (strided inputs copied once).
         With ``residual`` (shaped like the output, not overlapping ``y``) each output
@@ -741,7 +760,13 @@ class _Convolution:
         if found is not None:
             size = plan.out_size
             threads = _compiled_threads(n * plan.m * size * wg.shape[2])
-            run_units(found, plan, n, self.group, wg, packed, bias, y, residual, relu, columns, c * size, cg * size, threads)
+            activation = self.activation if applied is not None else (0, 0.0, 0.0)
+            run_units(
+                found, plan, n, self.group, wg, packed, bias, y, residual, relu, columns, c * size, cg * size, threads,
+                activation=activation,
+            )
+            if activation[0]:
+                applied.append(True)  # type: ignore[union-attr]
             return y
 
         def block(image: int, group: int, r0: int, r1: int) -> np.ndarray:
@@ -761,6 +786,7 @@ class _Convolution:
         residual: np.ndarray | None = None,
         relu: bool | None = None,
         found: Any = None,
+        applied: list | None = None,
     ) -> np.ndarray:
         """im2col block by block: the input copied into zero-padded stride-phase planes once
         (in this thread's workspace, its zeros written once per layout), then each block's
@@ -782,8 +808,11 @@ class _Convolution:
                 x = _copy_to_workspace("im2col-input", x)
             size = math.prod(x.shape[2:])
             threads = _compiled_threads(n * plan.m * plan.out_size * wg.shape[2])
+            activation = self.activation if applied is not None else (0, 0.0, 0.0)
             run_units(found, plan, n, self.group, wg, packed, bias, y, residual, self.relu if relu is None else relu,
-                      x, c * size, cg * size, threads, plan.gather)
+                      x, c * size, cg * size, threads, plan.gather, activation=activation)
+            if activation[0]:
+                applied.append(True)  # type: ignore[union-attr]
             return y
         assert residual is None, "a residual is added by the compiled units only"
         phases = len(plan.phase_windows)
@@ -952,12 +981,14 @@ def build_conv(
     ``activation`` (``conv_activation.activation_in_place``) it applies that to the whole
     output in place, in the compute dtype, before any cast back."""
     op = _Convolution(ctx.attributes, relu)
+    op.activation = getattr(activation, "fused", (0, 0.0, 0.0))  # what the compiled paths apply block by block
     constants = ConvConstants(ctx, op)
 
     def run(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         dtype, weight, bias = constants(x.dtype, w, b)
-        y = op(x.astype(dtype, copy=False), weight, bias)
-        if activation is not None:
+        applied: list = []
+        y = op(x.astype(dtype, copy=False), weight, bias, applied=applied)
+        if activation is not None and not applied:
             activation(y, None)
         return y.astype(x.dtype, copy=False)
 
@@ -965,8 +996,9 @@ def build_conv(
         dtype, weight, bias = constants(x.dtype, w, b)
         x = _cast_into_scratch(out, "x", x, dtype)
         y = out if out.dtype == dtype and out.flags.c_contiguous else scratch(out, "y", out.shape, dtype)
-        op(x, weight, bias, y)
-        if activation is not None:
+        applied: list = []
+        op(x, weight, bias, y, applied=applied)
+        if activation is not None and not applied:
             activation(y, out)
         if y is not out:
             np.copyto(out, y, casting="unsafe")

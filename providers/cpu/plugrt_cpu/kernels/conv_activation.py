@@ -7,8 +7,8 @@ once or several times more; applied in place right after the Conv, while the out
 still in cache, they write nothing new. Each has a numba body (one pass, float32; see
 ``_numba_epilogue``) where the compiled loops are there, and numpy ufuncs in place
 otherwise, with the values the standalone kernels give (the same operations in the same
-order). SiLU always runs as numpy's ufuncs: numpy's exp is vectorised, a compiled loop's is
-a scalar call per value (measured ~6x slower than numpy's four passes).
+order; SiLU's compiled exp is a polynomial the loop vectorises, within float32 rounding
+of numpy's: one pass over 96 x 112 x 112 values took 0.69 ms where numpy's four took 1.53).
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ __all__ = ["ACTIVATIONS", "activation_in_place"]
 #: The activation names a fused Conv takes, with how many ``activation_params`` each reads.
 ACTIVATIONS: dict[str, int] = {"Relu": 0, "Clip": 2, "HardSwish": 0, "SiLU": 0}
 
+#: The codes the compiled Conv paths take for an activation they apply block by block
+#: (``_numba_epilogue.ACT_*``, checked equal by the tests): on the thread that computed a
+#: block, while it is in cache, where a pass over the whole output after the Conv would
+#: run on one thread from memory.
+SILU, HARD_SWISH, CLIP = 1, 2, 3
+
 _F32 = np.dtype(np.float32)
 InPlace = Callable[[np.ndarray, Any], None]
 
@@ -36,6 +42,14 @@ def _flat(y: np.ndarray) -> np.ndarray | None:
     return y.reshape(-1)
 
 
+def _fused(code: int) -> Callable[[InPlace], InPlace]:
+    def mark(function: InPlace) -> InPlace:
+        function.fused = (code, 0.0, 0.0)  # type: ignore[attr-defined]
+        return function
+
+    return mark
+
+
 def _clip(low: float, high: float) -> InPlace:
     def run(y: np.ndarray, anchor: Any) -> None:
         loops = epilogue_loops()
@@ -45,9 +59,11 @@ def _clip(low: float, high: float) -> InPlace:
         else:
             np.clip(y, low, high, out=y)
 
+    run.fused = (CLIP, low, high)  # type: ignore[attr-defined]
     return run
 
 
+@_fused(HARD_SWISH)
 def _hard_swish(y: np.ndarray, anchor: Any) -> None:
     loops = epilogue_loops()
     flat = _flat(y) if loops is not None else None
@@ -61,8 +77,14 @@ def _hard_swish(y: np.ndarray, anchor: Any) -> None:
     y *= gate
 
 
+@_fused(SILU)
 def _silu(y: np.ndarray, anchor: Any) -> None:
     """y / (1 + exp(-y)): exp(-y) overflowing to inf gives -0, as Sigmoid's 0 times y does."""
+    loops = epilogue_loops()
+    flat = _flat(y) if loops is not None else None
+    if flat is not None:
+        loops.silu_in_place(flat)
+        return
     denominator = _work(y, anchor, "silu")
     with np.errstate(over="ignore"):
         np.negative(y, out=denominator)
@@ -80,7 +102,8 @@ def _work(y: np.ndarray, anchor: Any, slot: str) -> np.ndarray:
 def activation_in_place(name: str, params: list[float]) -> InPlace | None:
     """``f(y, anchor)`` applying activation ``name`` to ``y`` in place (``anchor``: the output
     buffer of an ``into`` call, whose work arrays it keeps, or None); None for the Relu,
-    which the Conv paths apply block by block themselves."""
+    which the Conv paths apply block by block themselves. ``f.fused`` is its code and
+    bounds for the compiled paths, which then apply it block by block instead."""
     if name == "Relu":
         return None
     if name == "Clip":

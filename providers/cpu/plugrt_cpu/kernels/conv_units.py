@@ -113,6 +113,7 @@ def run_units(
     group_stride: int,
     threads: int,
     geometry: tuple[int, ...] | None = None,
+    activation: tuple[int, float, float] = (0, 0.0, 0.0),
 ) -> None:
     """``y`` (n, M, positions, float32, C order) = the Conv of ``plan`` over the units.
     ``source`` holds the columns: the input (n, C, positions) for a pointwise Conv
@@ -120,19 +121,22 @@ def run_units(
     (H, W, kh, kw, strides, dilations, pads top and left) to gather the columns from.
     ``image_stride`` and ``group_stride`` are floats between images and groups of the
     source. The arrays must stay alive and unchanged for the call; ``residual`` is shaped
-    like ``y`` and does not overlap it. ``threads`` is the Python path's (``split_threads``).
+    like ``y`` and does not overlap it. ``activation`` (``_numba_epilogue.ACT_*``, with Clip's
+    bounds) is applied by each unit to its block after the Relu (a fused Conv's SiLU,
+    HardSwish or Clip). ``threads`` is the Python path's (``split_threads``).
     The calling thread's BLAS count must be 1 (``blas_threads(0)``, as Conv sets it): its
     units call the GEMM on it."""
     if y.size == 0:
         return
     loops, pool, _ = found
     # one entry per thread and call shape: a weight fed at run time replaces it each call
-    key = (threading.get_ident(), residual is None, relu, threads, image_stride, group_stride)
+    key = (threading.get_ident(), residual is None, relu, threads, image_stride, group_stride, activation)
     cache = plan.units
     prepared = cache.get(key)
     if prepared is None or prepared.wg is not wg or prepared.bias is not bias or prepared.packed is not packed:
         prepared = cache[key] = _prepare(
-            found, plan, n, group, wg, packed, bias, residual is not None, relu, image_stride, group_stride, threads, geometry
+            found, plan, n, group, wg, packed, bias, residual is not None, relu, image_stride, group_stride, threads, geometry,
+            activation,
         )
     context = prepared.context
     if prepared.mode == loops.READ_DIRECT:  # a buffer per padded shape: its border is zeroed once
@@ -163,6 +167,7 @@ def _prepare(
     group_stride: int,
     threads: int,
     geometry: tuple[int, ...] | None,
+    activation: tuple[int, float, float],
 ) -> _Prepared:
     loops, pool, (gemm, ilp64) = found
     m = plan.m
@@ -240,6 +245,8 @@ def _prepare(
             padded_h,
             padded_w,
             0 if taps is None else taps.ctypes.data,
+            activation[0],
+            *(int(np.float32(bound).view(np.uint32)) for bound in activation[1:]),
         ],
         np.int64,
     )
