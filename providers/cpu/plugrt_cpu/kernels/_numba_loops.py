@@ -68,7 +68,13 @@ def _gelu(v):  # pragma: no cover  (compiled; inlined into the loops below)
 
 @_entry(numba.void(_IN1, _OUT1))
 def gelu_erf(x, out):  # pragma: no cover  (compiled; covered through its callers)
-    """out = GELU(x) over flat float32 arrays."""
+    """out = GELU(x) over flat float32 arrays (``out`` may be ``x``)."""
+    if x.ctypes.data == out.ctypes.data:
+        # in place: one array, so that the loop vectorises (with two, LLVM's overlap check
+        # sends an in-place call to its scalar loop: 1.92 against 0.37 ms on 605K values)
+        for i in range(out.size):
+            out[i] = _gelu(out[i])
+        return
     for i in range(x.size):
         out[i] = _gelu(x[i])
 
@@ -146,6 +152,13 @@ def subtract_row_max(x, out):  # pragma: no cover  (compiled)
     """out = x - max(x) per row of the 2-D float32 ``x`` (at least one column): the first
     pass of a softmax."""
     rows, width = x.shape
+    if x.ctypes.data == out.ctypes.data:  # in place: one array, so that the loop vectorises (see gelu_erf)
+        for r in range(rows):
+            row = out[r]
+            peak = _peak(row)
+            for j in range(width):
+                row[j] = row[j] - peak
+        return
     for r in range(rows):
         peak = _peak(x[r])
         for j in range(width):
