@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import os
 import sys
 from pathlib import Path
@@ -60,6 +62,7 @@ def body(request, monkeypatch):
     counting = _Counting(kernels[1])
     monkeypatch.setattr(dense, "packed_kernels", lambda: (kernels[0], counting))
     monkeypatch.setattr(dense, "slice_depth", lambda: 64)
+    monkeypatch.setattr(dense, "preferred_body", lambda key, packed, blas: packed() or True)  # whichever is faster here
     yield counting
 
 
@@ -265,3 +268,51 @@ def test_matrix_rows_copies_a_strided_stack_only_into_a_work_array():
     rows = dense.matrix_rows(out, a, w, None, dense.new_array)
     assert rows is not None and rows.shape == (6, 4)
     np.testing.assert_array_equal(rows, a.reshape(6, 4))
+
+
+def test_the_first_call_of_a_shape_measures_and_later_calls_keep_the_faster(monkeypatch):
+    monkeypatch.setattr(dense, "_PREFERRED", {})
+    runs = []
+
+    def body(name: str, seconds: float):
+        def run() -> None:
+            runs.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    slow_blas, fast_packed = body("blas", 0.01), body("packed", 0.0)
+    key = (64, 32, 16, 1, False)
+    assert dense.preferred_body(key, fast_packed, slow_blas) is True
+    trials = dense.TRIAL_CALLS
+    assert runs == ["packed", "blas"] + ["packed", "blas"] * trials + ["packed"]  # ends with the faster
+    runs.clear()
+    assert [dense.preferred_body(key, fast_packed, slow_blas) for _ in range(3)] == [True] * 3
+    assert runs == ["packed"] * 3  # kept: one product a call
+    runs.clear()
+    assert dense.preferred_body((64, 32, 16, 2, False), body("packed", 0.01), body("blas", 0.0)) is False
+    assert runs[-1] == "blas"  # another thread count: measured apart
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_every_call_gives_the_right_values_whichever_body_a_shape_keeps(gelu, monkeypatch):
+    """The measuring call and the later ones: each call's output and the GELU flag it
+    returns agree, whichever body ran last."""
+    if dense.packed_kernels() is None:
+        pytest.skip("the packed GEMM needs numba and AVX-512")
+    monkeypatch.setattr(dense, "_PREFERRED", {})
+    a, w, bias = _random(40, 64), _random(64, 48, seed=1) * 0.2, _random(48, seed=2)
+    panels = dense.WeightPanels(w)
+
+    def gelu_pass(out):
+        out[...] = _reference(a, w, bias, True)  # the caller's GELU (here: the exact one)
+        return True
+
+    flags = []
+    for _ in range(3):
+        out = np.full((40, 48), np.nan, np.float32)
+        applied = dense.dense_product(out, a, w, bias, panels=panels, gelu=gelu, gelu_pass=gelu_pass)
+        flags.append(applied)
+        np.testing.assert_allclose(out, _reference(a, w, bias, applied), rtol=1e-4, atol=1e-4)
+    assert flags == [gelu] * len(flags)  # the packed body fuses it, the BLAS one runs the pass
+    assert len(dense._PREFERRED) == 1

@@ -454,11 +454,13 @@ def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
     panels = dense.WeightPanels(ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None)
 
     def product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray, allocate: dense.Allocate) -> bool:
-        """out = a @ w + bias, and the GELU where the product's blocks took it: whether they did."""
+        """out = a @ w + bias, and the GELU where the product took it: whether it did."""
         rows = dense.matrix_rows(out, a, w, bias, allocate)
         if rows is not None:
             target = out.reshape(-1, w.shape[1])
-            return dense.dense_product(target, rows, w, bias, panels=panels, gelu=True, allocate=allocate)
+            return dense.dense_product(
+                target, rows, w, bias, panels=panels, gelu=True, allocate=allocate, gelu_pass=compiled
+            )
         np.matmul(a, w, out=out)
         out += bias
         return False

@@ -17,12 +17,20 @@ bodies, chosen per call from what the host offers:
 
 Both use as many threads as BLAS would get (:func:`plugrt.threads.parallel_threads`: the
 free cores): the packed body splits the panels over them.
+
+Which is faster depends on the host: on a Zen 4 EPYC, where numpy's OpenBLAS runs its
+AVX2 kernels, the packed body was 1.6-2x faster; on an AVX-512 Xeon, where OpenBLAS runs
+its SkylakeX kernels, BLAS was 1.1-1.5x faster on one thread and 1.5-2.9x on two (ViT's
+197 x 768 x 768: 195 against 104 GFLOP/s). So the first product of each shape (rows, K,
+N, threads, GELU) in a process times both bodies, and that shape keeps the faster
+(:func:`preferred_body`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -31,7 +39,9 @@ from plugrt.threads import blas_threads, parallel_for, parallel_threads
 from ._compiled import compiled_module
 from .normalization import zero_vector
 
-__all__ = ["Allocate", "WeightPanels", "dense_product", "matrix_rows", "new_array", "packed_kernels", "packs"]
+__all__ = [
+    "Allocate", "WeightPanels", "dense_product", "matrix_rows", "new_array", "packed_kernels", "packs", "preferred_body",
+]
 
 _F32 = np.dtype(np.float32)
 #: multiply-adds below which the packed body runs on one thread. In models that mix its
@@ -112,6 +122,35 @@ class WeightPanels:
         return self.panels
 
 
+#: (rows, K, N, threads, GELU) -> whether the packed body was the faster here
+_PREFERRED: dict[tuple[int, int, int, int, bool], bool] = {}
+#: timed calls of each body before a shape keeps the faster (after an untimed one each)
+TRIAL_CALLS = 2
+
+
+def preferred_body(key: tuple[int, int, int, int, bool], packed: Callable[[], Any], blas: Callable[[], Any]) -> bool:
+    """Runs this call's product by the body that is faster for shape ``key`` on this host,
+    and returns whether that was the packed one. The first call of a shape measures: each
+    body once untimed (their buffers' first touch, their threads' start), then
+    ``TRIAL_CALLS`` timed runs of each in turn; the shape keeps the body with the faster
+    best time, for the process, and the call ends with a run of it. Deciding within one
+    call keeps every later call, and a capture's replays, on one body."""
+    choice = _PREFERRED.get(key)
+    if choice is None:
+        packed()
+        blas()
+        best: dict[bool, float] = {}
+        for _ in range(TRIAL_CALLS):
+            for body in (True, False):
+                started = time.perf_counter()
+                (packed if body else blas)()
+                elapsed = time.perf_counter() - started
+                best[body] = min(elapsed, best.get(body, elapsed))
+        choice = _PREFERRED[key] = best[True] < best[False]
+    (packed if choice else blas)()
+    return choice
+
+
 def packs(rows: int) -> bool:
     """Whether a product of ``rows`` rows by a constant weight runs the packed body: its
     modules ready, and at least one full row tile of the micro-kernel (fewer rows would
@@ -155,11 +194,13 @@ def dense_product(
     panels: WeightPanels | None = None,
     gelu: bool = False,
     allocate: Allocate = new_array,
+    gelu_pass: Callable[[np.ndarray], Any] | None = None,
 ) -> bool:
     """``out = a @ w + bias`` for 2-D ``a`` (M, K), ``w`` (K, N), ``out`` (M, N) C-contiguous,
     then the erf GELU when ``gelu`` and the packed body ran (``panels`` of ``w`` given):
     returns whether the GELU was applied. ``allocate(slot, shape, dtype)`` gives the work
-    array (the packed ``a``)."""
+    array (the packed ``a``). ``gelu_pass(out)``, where given, applies the GELU after a
+    BLAS product and says whether it did (so that the two bodies are timed alike)."""
     m, k = a.shape
     n = w.shape[1]
     work = m * n * k
@@ -168,7 +209,6 @@ def dense_product(
     if laid_out is not None and kernels is not None and out.dtype == a.dtype == _F32 and out.flags.c_contiguous:
         gemm, loops = kernels
         packed = allocate("packed", (-(-m // gemm.MR), k, gemm.MR), _F32)
-        loops.pack_rows(a, packed)
         fused = bias is None or (bias.dtype == _F32 and bias.flags.c_contiguous)
         shift = bias if fused and bias is not None else zero_vector(n)
         activate = gelu and fused  # the GELU comes after the bias: in the kernel only with it
@@ -179,15 +219,32 @@ def dense_product(
 
         tiles = laid_out.shape[0]
         threads = parallel_threads(work) if work >= PACKED_PARALLEL_MIN_WORK else 1
-        if threads <= 1 or tiles < 2:
-            block(0, tiles)
-        else:
-            parallel_for(tiles, block, work, threads=threads, chunks_per_thread=2)
-        if bias is not None and not fused:
-            np.add(out, bias, out=out)
-        return activate
+
+        def packed_body() -> None:
+            loops.pack_rows(a, packed)
+            if threads <= 1 or tiles < 2:
+                block(0, tiles)
+            else:
+                parallel_for(tiles, block, work, threads=threads, chunks_per_thread=2)
+            if bias is not None and not fused:
+                np.add(out, bias, out=out)
+
+        def blas_body() -> bool:
+            _blas_product(out, a, w, bias, work)
+            return bool(activate and gelu_pass is not None and gelu_pass(out))
+
+        finished: list[bool] = []
+        if preferred_body(
+            (m, k, n, parallel_threads(work), activate), packed_body, lambda: finished.append(blas_body())
+        ):
+            return activate
+        return bool(finished and finished[0])
+    _blas_product(out, a, w, bias, work)
+    return False
+
+
+def _blas_product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, work: int) -> None:
     blas_threads(work)
     np.matmul(a, w, out=out)
     if bias is not None:
         np.add(out, bias, out=out)
-    return False
