@@ -61,23 +61,3 @@ def test_small_products_stay_on_the_calling_thread(two_cores, monkeypatch):
     monkeypatch.setattr(_gemm, "gemm", lambda a, b, c, beta=0.0: seen.append(threading.current_thread().name))
     _gemm.split_gemm(np.ones((8, 8), np.float32), np.ones((8, 8), np.float32), np.empty((8, 8), np.float32))
     assert seen == [threading.current_thread().name]
-
-
-def test_a_matrix_vector_product_by_a_large_weight_runs_on_blas_threads(two_cores, monkeypatch):
-    """A classifier at batch 1 (1 x 1280 by 1280 x 1000) streams its weight from memory:
-    counted by the weight's size, it gets both cores, as one call on BLAS's threads (1.28
-    M multiply-adds alone are below the threshold for a second thread)."""
-    assert 1280 * 1000 < threads.PARALLEL_MIN_WORK <= _gemm.product_work(1, 1000, 1280)
-    counts, calls = [], []
-    monkeypatch.setattr(_gemm, "blas_threads", lambda work: counts.append(threads.blas_threads(work)))
-    product = _gemm.gemm
-    monkeypatch.setattr(_gemm, "gemm", lambda a, b, c, beta=0.0: calls.append(c.shape) or product(a, b, c, beta))
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((1, 1280)).astype(np.float32), rng.standard_normal((1000, 1280)).astype(np.float32).T
-    c = np.empty((1, 1000), np.float32)
-    _gemm.split_gemm(a, b, c)
-    np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
-    assert counts == [2] and calls == [(1, 1000)]
-    counts.clear()
-    _gemm.split_gemm(a[:, :8], b[:8, :8], c[:, :8])  # a small one: one thread
-    assert counts == [1]

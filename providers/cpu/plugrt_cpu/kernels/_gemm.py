@@ -14,23 +14,7 @@ from ._compiled import compiled_module
 from ._relu import relu_into
 from .elementwise import with_small_buffers
 
-__all__ = [
-    "available", "bias_relu", "sgemm_address", "epilogue", "epilogue_loops", "gemm", "product_work", "split_gemm",
-    "split_columns", "splits_columns",
-]
-
-#: Rows below which a product is counted as this many: a product of few rows by a large
-#: weight streams the weight from memory, one read of it per few multiply-adds, so its cost
-#: is the weight's size more than its multiply-adds. Counted so, a classifier's matrix-vector
-#: product gets both cores: MobileNet v2's 1280 x 1000, its weight cold, took 417 us on one
-#: thread of OpenBLAS and 221 on two; 512 x 1000, 208 and 109 (a 2-core Xeon).
-_STREAMED_ROWS = 16
-
-
-def product_work(m: int, n: int, k: int) -> int:
-    """The work, as ``threads_for`` and ``blas_threads`` take it, of an (m, k) by (k, n)
-    product: its multiply-adds, with fewer than ``_STREAMED_ROWS`` rows counted as that many."""
-    return max(m, _STREAMED_ROWS) * n * k
+__all__ = ["available", "bias_relu", "sgemm_address", "epilogue", "epilogue_loops", "gemm", "split_gemm", "split_columns", "splits_columns"]
 
 # cblas enums (cblas.h): row-major storage, no transpose / transpose.
 _ROW_MAJOR = 101
@@ -279,14 +263,7 @@ def split_gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -
     :func:`splits_columns`) over the free threads; each block packs its share of the wide
     operand and all of the narrow one, as one BLAS thread of a static split would."""
     m, n = c.shape
-    work = product_work(m, n, a.shape[1])
-    if m < _STREAMED_ROWS:
-        # a few rows: one call, on BLAS's own threads (bandwidth: 1 x 1280 by a cold 1280 x
-        # 1000 weight took 417 us on one thread, 221 on OpenBLAS's two, where blocks on the
-        # pool's threads cost more in their hand-offs than the product)
-        blas_threads(work)
-        gemm(a, b, c, beta)
-        return
+    work = m * n * a.shape[1]
     if splits_columns(m, n):
 
         def columns(start: int, stop: int) -> None:

@@ -37,7 +37,6 @@ import numpy as np
 from plugrt.threads import blas_threads, parallel_for, parallel_threads
 
 from ._compiled import compiled_module
-from ._gemm import product_work
 from .normalization import zero_vector
 
 __all__ = [
@@ -240,7 +239,7 @@ def dense_product(
         ):
             return activate
         return bool(finished and finished[0])
-    _blas_product(out, a, w, bias, product_work(m, n, k))
+    _blas_product(out, a, w, bias, work)
     return False
 
 
