@@ -2,7 +2,8 @@
 
 For each model: session build time, median and p90 latency over ``--runs`` runs after
 ``--warmup`` runs (the runtimes alternate run by run, so load from other processes hits
-them alike), peak memory, the ratios plugrt/onnxruntime and plugrt/reference, and a
+them alike; ``--back-to-back`` times each runtime's runs one after another instead, as an
+application's loop calls it, so that what one run leaves running slows the next), peak memory, the ratios plugrt/onnxruntime and plugrt/reference, and a
 correctness check. Markdown goes to stdout, JSON to ``--json PATH``.
 
     python benchmarks/compare.py --models 'resnet|encoder' --runs 20 --json out.json
@@ -454,7 +455,13 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         for name in order:
             if name != "reference":
                 runners[name](case.feeds)
-    for index in range(args.runs):
+    if args.back_to_back:  # each runtime's runs one after another, as an application's loop calls it
+        for name in order:
+            for _ in range(runs[name]):
+                started = time.perf_counter()
+                runners[name](case.feeds)
+                measurements[name].times_s.append(time.perf_counter() - started)
+    for index in range(0 if args.back_to_back else args.runs):
         shift = index % len(order)
         for name in order[shift:] + order[:shift]:
             if len(measurements[name].times_s) >= runs[name]:
@@ -589,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         help="'default' skips onnx.reference on the slow CNNs; 'all' runs it everywhere (minutes on VGG)",
     )
     parser.add_argument("--reference-runs", type=int, default=3, help="timed runs of onnx.reference at most (3)")
+    parser.add_argument(
+        "--back-to-back", action="store_true",
+        help="time each runtime's runs one after another (as an application's loop) instead of alternating "
+        "runtimes run by run: what one run leaves behind (threads still spinning) then slows the next",
+    )
     parser.add_argument("--optimization", default="all", choices=("none", "basic", "all"), help="plugrt's level")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--set", choices=("light", "exports", "all"), default="light",
