@@ -224,3 +224,41 @@ def test_light_shufflenet_matches_onnxruntime_and_its_expected_output(path, comp
     outputs = plugrt.load(_with_logits("shufflenet")[0], device="cpu").run(model.inputs)
     assert bool(compiled_calls) == (path == "numba")
     _check(model, list(outputs.values()))
+
+
+@pytest.mark.parametrize("case", ["3x3-stride-2", "5x5-same", "7x7-same", "multiplier-2"])
+@pytest.mark.parametrize("pool", ["compiled-pool", "parallel-for"])
+def test_planes_shared_out_on_two_threads_match_onnxruntime(case, pool, monkeypatch, compiled_calls):
+    """The planes as one job on the compiled pool (units of several planes, a work array
+    per slot), and on ``parallel_for`` where there is no pool: the same values."""
+    from plugrt_cpu.kernels import _compiled_parallel
+
+    if convolution.depthwise_loops() is None:
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+    jobs = []
+    if pool == "parallel-for":
+        monkeypatch.setattr(convolution, "compiled_pool", lambda: None)
+    else:
+        found = _compiled_parallel.compiled_pool()
+        if found is None:
+            pytest.skip("no compiled pool here")
+        original = found.run
+
+        def run(body, context, count, threads):
+            jobs.append((count, threads))
+            return original(body, context, count, threads)
+
+        monkeypatch.setattr(found, "run", run)
+        monkeypatch.setattr(convolution, "compiled_pool", lambda: found)
+    monkeypatch.setattr(convolution, "parallel_threads", lambda work: 2)
+    x_shape, w_shape, attributes = CASES[case]
+    x_shape = (x_shape[0], x_shape[1] * 8, *x_shape[2:])  # enough planes for several units a thread
+    w_shape = (w_shape[0] * 8, *w_shape[1:])
+    x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2), _random(w_shape[0], seed=3)
+    model = _model(x_shape, w, b, attributes, True)
+    actual = plugrt.load(model, device="cpu").run({"x": x})["y"]
+    np.testing.assert_allclose(actual, _onnxruntime(model, x), rtol=1e-4, atol=1e-5)
+    assert compiled_calls
+    if pool == "compiled-pool":
+        planes = x_shape[0] * w_shape[0]
+        assert jobs and all(threads == 2 and 1 < count <= planes for count, threads in jobs)

@@ -33,8 +33,9 @@ import numba
 import numpy as np
 
 from ._numba_epilogue import activation_rows
+from ._numba_parallel import float32_pointer, int64_pointer
 
-__all__ = ["depthwise_conv2d"]
+__all__ = ["JOB_WORDS", "depthwise_conv2d", "depthwise_job"]
 
 _compiled = numba.njit(
     fastmath={"contract", "arcp", "nsz", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True
@@ -278,3 +279,39 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, activation, low, hig
         if activation != 0:
             done = y_flat[plane * out_size : (plane + 1) * out_size].reshape((1, out_size))
             activation_rows(done, 0, 1, 0, out_size, activation, low, high)
+
+
+# The context of ``depthwise_job`` (int64 words; see ``conv._Convolution._depthwise_compiled``).
+(
+    JOB_X, JOB_IMAGES, JOB_CHANNELS, JOB_HEIGHT, JOB_WIDTH, JOB_WEIGHTS, JOB_OUTPUTS, JOB_TAPS, JOB_BIAS, JOB_LAYOUT,
+    JOB_LAYOUT_WORDS, JOB_MASKS, JOB_MASK_ROWS, JOB_MASK_COLUMNS, JOB_RELU, JOB_ACTIVATION, JOB_LOW, JOB_HIGH,
+    JOB_WORK, JOB_WORK_FLOATS, JOB_Y, JOB_OUT_HEIGHT, JOB_OUT_WIDTH, JOB_PLANES_PER_UNIT, JOB_PLANES,
+) = range(25)
+JOB_WORDS = 25  # JOB_LOW and JOB_HIGH: float32 bits in the low half of the word
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def depthwise_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of a depthwise Conv on the compiled pool: each unit
+    ``JOB_PLANES_PER_UNIT`` output planes by :func:`depthwise_conv2d`, in this slot's
+    work array, without the GIL."""
+    context = numba.carray(int64_pointer(c), JOB_WORDS)
+    n, channels = context[JOB_IMAGES], context[JOB_CHANNELS]
+    m = context[JOB_OUTPUTS]
+    x = numba.carray(float32_pointer(context[JOB_X]), (n, channels, context[JOB_HEIGHT], context[JOB_WIDTH]))
+    weights = numba.carray(float32_pointer(context[JOB_WEIGHTS]), (m, context[JOB_TAPS]))
+    bias = numba.carray(float32_pointer(context[JOB_BIAS]), m)
+    layout = numba.carray(int64_pointer(context[JOB_LAYOUT]), context[JOB_LAYOUT_WORDS])
+    masks = numba.carray(float32_pointer(context[JOB_MASKS]), (context[JOB_MASK_ROWS], context[JOB_MASK_COLUMNS]))
+    bounds = numba.carray(float32_pointer(c + JOB_LOW * 8), 3)  # low, (its high half), high
+    floats = context[JOB_WORK_FLOATS]
+    work = numba.carray(float32_pointer(context[JOB_WORK] + slot * floats * 4), floats)
+    y = numba.carray(float32_pointer(context[JOB_Y]), (n, m, context[JOB_OUT_HEIGHT], context[JOB_OUT_WIDTH]))
+    group = context[JOB_PLANES_PER_UNIT]
+    first = start * group
+    last = min(context[JOB_PLANES], stop * group)
+    if first < last:
+        depthwise_conv2d(
+            x, weights, bias, layout, masks, context[JOB_RELU] != 0, context[JOB_ACTIVATION], bounds[0], bounds[2],
+            work, y, first, last,
+        )

@@ -8,7 +8,7 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, split_threads
+from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, parallel_threads, split_threads
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
@@ -33,6 +33,7 @@ from ._window import (
 )
 from ._gemm import available, epilogue, gemm, split_gemm, splits_columns
 from .conv_gemm import grid_plan
+from ._compiled_parallel import compiled_pool
 from .conv_units import compiled_units, packed_weight, run_units
 from .winograd import winograd_loops, winograd_plan
 from ._relu import relu_into
@@ -62,6 +63,7 @@ _DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 pl
 # counts the latter.
 _DEPTHWISE_COMPILED_COST = 3
 _DEPTHWISE_COMPILED_GRAIN = 8  # planes per parallel_for chunk at least: each costs a call (~5 us)
+_DEPTHWISE_UNITS_PER_THREAD = 4  # units of planes per thread of a compiled-pool job
 
 
 def _compiled_threads(work: int) -> int:
@@ -475,9 +477,12 @@ class _Convolution:
     def _depthwise_compiled(
         self, x: np.ndarray, weight: "_ConvWeight", plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None
     ) -> np.ndarray:
-        """2-D float32 depthwise by the compiled loops: the output planes shared out by
-        ``parallel_for``, each thread with its own work array (a workspace), the results
-        written straight into ``y`` when it is given (nothing allocated per call)."""
+        """2-D float32 depthwise by the compiled loops: the output planes shared out as one
+        job on the compiled pool (``_numba_depthwise.depthwise_job``: no GIL, a hand-off of
+        microseconds; where there is no pool, by ``parallel_for``), each thread with its
+        own work array, the results written straight into ``y`` when it is given. On
+        ``parallel_for`` two threads ran no faster than one (384 planes of 14 x 14, 7x7:
+        0.35-0.38 ms either way): each chunk took the GIL to start."""
         loops = depthwise_loops()
         layout = plan.compiled
         assert loops is not None and layout is not None  # checked by the dispatch
@@ -492,6 +497,27 @@ class _Convolution:
         b = layout.no_bias if bias is None else bias.reshape(m)
         relu = self.relu
         code, low, high = self.activation
+        pool = compiled_pool()
+        if pool is not None and weights.flags.c_contiguous and b.flags.c_contiguous and y.flags.c_contiguous:
+            planes = n * m
+            threads = parallel_threads(layout.work)
+            # units of several planes, a few a thread, so that a thread that finishes first takes over
+            per_unit = max(1, planes // (threads * _DEPTHWISE_UNITS_PER_THREAD)) if threads > 1 else planes
+            units = -(-planes // per_unit)
+            slots = pool.slots(units, threads)
+            work, _ = _workspace("depthwise-job", (slots * layout.work_size,), np.dtype(np.float32))
+            context = np.array(
+                [
+                    x.ctypes.data, n, x.shape[1], x.shape[2], x.shape[3], weights.ctypes.data, m, weights.shape[1],
+                    b.ctypes.data, layout.layout.ctypes.data, layout.layout.shape[0], layout.masks.ctypes.data,
+                    layout.masks.shape[0], layout.masks.shape[1], int(relu), code,
+                    int(np.float32(low).view(np.uint32)), int(np.float32(high).view(np.uint32)),
+                    work.ctypes.data, layout.work_size, y.ctypes.data, plan.out[0], plan.out[1], per_unit, planes,
+                ],
+                np.int64,
+            )
+            pool.run(loops.depthwise_job.address, context, units, threads)
+            return y
 
         def chunk(start: int, stop: int) -> None:
             work, _ = _workspace("depthwise-compiled", (layout.work_size,), x.dtype)
