@@ -20,8 +20,9 @@ import numpy as np
 
 from ._numba_gemm import MR, _tile
 from ._numba_loops import _gelu
+from ._numba_parallel import float32_pointer, int64_pointer
 
-__all__ = ["VECTOR", "bias_columns", "pack_rows", "panel_product"]
+__all__ = ["JOB_WORDS", "VECTOR", "bias_columns", "pack_rows", "panel_job", "panel_product"]
 
 VECTOR = 16  # columns of one panel of the weight: one vector of the micro-kernel
 _FLOAT = 4
@@ -118,3 +119,29 @@ def panel_product(packed, panels, c, bias, gelu, t0, t1, depth):  # pragma: no c
             else:
                 for j in range(columns):
                     row[j] = row[j] + shift[j]
+
+
+# The context of ``panel_job`` (int64 words; see ``kernels.dense.dense_product``).
+(
+    JOB_PACKED, JOB_ROW_TILES, JOB_DEPTH_K, JOB_PANELS, JOB_PANEL_COUNT, JOB_C, JOB_ROWS, JOB_COLUMNS, JOB_BIAS,
+    JOB_GELU, JOB_SLICE, JOB_PANELS_PER_UNIT,
+) = range(12)
+JOB_WORDS = 12
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def panel_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of a dense product on the compiled pool: each unit
+    ``JOB_PANELS_PER_UNIT`` weight panels by :func:`panel_product`, without the GIL."""
+    context = numba.carray(int64_pointer(c), JOB_WORDS)
+    k = context[JOB_DEPTH_K]
+    count = context[JOB_PANEL_COUNT]
+    packed = numba.carray(float32_pointer(context[JOB_PACKED]), (context[JOB_ROW_TILES], k, MR))
+    panels = numba.carray(float32_pointer(context[JOB_PANELS]), (count, k, VECTOR))
+    out = numba.carray(float32_pointer(context[JOB_C]), (context[JOB_ROWS], context[JOB_COLUMNS]))
+    bias = numba.carray(float32_pointer(context[JOB_BIAS]), context[JOB_COLUMNS])
+    group = context[JOB_PANELS_PER_UNIT]
+    first = start * group
+    last = min(count, stop * group)
+    if first < last:
+        panel_product(packed, panels, out, bias, context[JOB_GELU] != 0, first, last, context[JOB_SLICE])
