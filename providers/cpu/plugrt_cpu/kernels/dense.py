@@ -21,9 +21,10 @@ free cores): the packed body splits the panels over them.
 Which is faster depends on the host: on a Zen 4 EPYC, where numpy's OpenBLAS runs its
 AVX2 kernels, the packed body was 1.6-2x faster; on an AVX-512 Xeon, where OpenBLAS runs
 its SkylakeX kernels, BLAS was 1.1-1.5x faster on one thread and 1.5-2.9x on two (ViT's
-197 x 768 x 768: 195 against 104 GFLOP/s). So the first product of each shape (rows, K,
-N, threads, GELU) in a process times both bodies, and that shape keeps the faster
-(:func:`preferred_body`).
+197 x 768 x 768: 195 against 104 GFLOP/s). So the first product of a process times both
+bodies, and every product keeps the faster (:func:`preferred_body`). The packed body's
+panels run as one job on the compiled pool (``_numba_dense.panel_job``), where there is
+one: on ``parallel_for``'s Python threads two threads ran it little faster than one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 from plugrt.threads import blas_threads, parallel_for, parallel_threads
 
 from ._compiled import compiled_module
+from ._compiled_parallel import compiled_pool
 from .normalization import zero_vector
 
 __all__ = [
@@ -53,6 +55,7 @@ _F32 = np.dtype(np.float32)
 #: one pool (or BLAS's threads are told to sleep).
 PACKED_PARALLEL_MIN_WORK = 1 << 26
 _VECTOR = 16  # columns of a weight panel (_numba_dense.VECTOR)
+_UNITS_PER_THREAD = 4  # units of panels per thread of a compiled-pool job
 Allocate = Callable[[str, tuple[int, ...], Any], np.ndarray]
 
 
@@ -122,20 +125,25 @@ class WeightPanels:
         return self.panels
 
 
-#: (rows, K, N, threads, GELU) -> whether the packed body was the faster here
-_PREFERRED: dict[tuple[int, int, int, int, bool], bool] = {}
-#: timed calls of each body before a shape keeps the faster (after an untimed one each)
+#: Whether the packed body was the faster here (None: not measured yet), and the shape of
+#: the product that measured it
+_PREFERRED: dict[str, Any] = {"packed": None, "measured": None}
+#: timed runs of each body when measuring (after an untimed one each)
 TRIAL_CALLS = 2
 
 
 def preferred_body(key: tuple[int, int, int, int, bool], packed: Callable[[], Any], blas: Callable[[], Any]) -> bool:
-    """Runs this call's product by the body that is faster for shape ``key`` on this host,
-    and returns whether that was the packed one. The first call of a shape measures: each
+    """Runs this call's product by the body that is faster on this host, and returns
+    whether that was the packed one. The first product of the process measures: each
     body once untimed (their buffers' first touch, their threads' start), then
-    ``TRIAL_CALLS`` timed runs of each in turn; the shape keeps the body with the faster
-    best time, for the process, and the call ends with a run of it. Deciding within one
-    call keeps every later call, and a capture's replays, on one body."""
-    choice = _PREFERRED.get(key)
+    ``TRIAL_CALLS`` timed runs of each in turn; the faster best time decides for every
+    later product of every shape (``key``, the measuring product's shape, is kept for
+    reports). One choice for all: what decides it is the host's BLAS (its vector kernels),
+    and a model whose products mix the two bodies measured slower than either alone (ViT-B
+    345 ms a run, 252 all on BLAS, 281 all packed: OpenBLAS's workers spin after a call and
+    slow the pool's jobs next to them). Deciding within one call keeps later calls, and a
+    capture's replays, on one body."""
+    choice = _PREFERRED["packed"]
     if choice is None:
         packed()
         blas()
@@ -146,7 +154,8 @@ def preferred_body(key: tuple[int, int, int, int, bool], packed: Callable[[], An
                 (packed if body else blas)()
                 elapsed = time.perf_counter() - started
                 best[body] = min(elapsed, best.get(body, elapsed))
-        choice = _PREFERRED[key] = best[True] < best[False]
+        choice = best[True] < best[False]
+        _PREFERRED.update(packed=choice, measured=key)
     (packed if choice else blas)()
     return choice
 
@@ -220,10 +229,22 @@ def dense_product(
         tiles = laid_out.shape[0]
         threads = parallel_threads(work) if work >= PACKED_PARALLEL_MIN_WORK else 1
 
+        pool = compiled_pool()
+
         def packed_body() -> None:
             loops.pack_rows(a, packed)
             if threads <= 1 or tiles < 2:
                 block(0, tiles)
+            elif pool is not None:  # one job without the GIL: parallel_for's chunks each took it to start
+                per_unit = max(1, tiles // (threads * _UNITS_PER_THREAD))
+                context = np.array(
+                    [
+                        packed.ctypes.data, packed.shape[0], k, laid_out.ctypes.data, tiles, out.ctypes.data, m, n,
+                        shift.ctypes.data, int(activate), depth, per_unit,
+                    ],
+                    np.int64,
+                )
+                pool.run(loops.panel_job.address, context, -(-tiles // per_unit), threads)
             else:
                 parallel_for(tiles, block, work, threads=threads, chunks_per_thread=2)
             if bias is not None and not fused:
