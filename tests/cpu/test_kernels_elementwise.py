@@ -433,30 +433,3 @@ def test_pow_of_an_integer_base_by_a_float_exponent_truncates_the_real_power(bas
     assert got.dtype == base_type
     expected = np.trunc(np.power(base.astype(np.float64), exponent.astype(np.float64))).astype(base_type)
     np.testing.assert_array_equal(got, expected)  # [1, 5, 2, 794, 0, 0, 3]
-
-
-@pytest.mark.parametrize("op, expected", [("Add", np.add), ("Sub", np.subtract), ("Mul", np.multiply)])
-def test_a_sum_with_a_transposed_operand_comes_out_in_c_order(op, expected):
-    """A residual sum of a block input and a permuted branch (ConvNeXt's) is written in C
-    order, so the Conv that reads it next need not copy it first; a capture of it replays
-    bitwise."""
-    import plugrt
-    from onnx import TensorProto, helper
-    from plugrt.capture import Captured
-
-    graph = helper.make_graph(
-        [helper.make_node("Transpose", ["a"], ["t"], perm=[0, 3, 1, 2]), helper.make_node(op, ["b", "t"], ["y"])],
-        "g",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 6, 7, 5]),
-         helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 5, 6, 7])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
-    rng = np.random.default_rng(0)
-    feeds = {"a": rng.standard_normal((2, 6, 7, 5)).astype(np.float32), "b": rng.standard_normal((2, 5, 6, 7)).astype(np.float32)}
-    session = plugrt.load(model, device="cpu")
-    y = session.run(feeds)["y"]
-    assert y.flags.c_contiguous
-    np.testing.assert_array_equal(y, expected(feeds["b"], feeds["a"].transpose(0, 3, 1, 2)))
-    assert isinstance(session.try_capture(feeds), Captured) and session.capture_report.seams == []
-    np.testing.assert_array_equal(session.replay(feeds)["y"], y)
