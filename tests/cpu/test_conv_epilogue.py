@@ -74,8 +74,10 @@ def test_epilogue_of_other_dtypes_takes_numpy(path):
     np.testing.assert_array_equal(matrix, expected)
 
 
-def _reference(x, w, b, z, group: int, relu: bool) -> np.ndarray:
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], group=group), helper.make_node("Add", ["c", "z"], ["s"])]
+def _reference(x, w, b, z, group: int, relu: bool, **attributes) -> np.ndarray:
+    """onnx.reference's Relu(Conv(x, w, b) + z) (Identity for the Relu when not ``relu``)."""
+    conv = helper.make_node("Conv", ["x", "w", "b"], ["c"], group=group, **attributes)
+    nodes = [conv, helper.make_node("Add", ["c", "z"], ["s"])]
     nodes.append(helper.make_node("Relu" if relu else "Identity", ["s"], ["y"]))
     graph = helper.make_graph(
         nodes,
@@ -130,21 +132,6 @@ IM2COL = {
 }
 
 
-def _im2col_reference(x, w, b, z, stride: int, pad: int, relu: bool) -> np.ndarray:
-    attributes = {"strides": [stride, stride], "pads": [pad] * 4}
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attributes), helper.make_node("Add", ["c", "z"], ["s"])]
-    nodes.append(helper.make_node("Relu" if relu else "Identity", ["s"], ["y"]))
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, a.shape) for n, a in (("x", x), ("z", z))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    return ReferenceEvaluator(model).run(None, {"x": x, "z": z})[0]
-
-
 @pytest.mark.parametrize("case", IM2COL)
 @pytest.mark.parametrize("relu", [True, False], ids=["relu", "no_relu"])
 def test_an_im2col_conv_adds_its_residual_in_the_units(case, relu, monkeypatch):
@@ -156,7 +143,7 @@ def test_an_im2col_conv_adds_its_residual_in_the_units(case, relu, monkeypatch):
     out = (size + 2 * pad - kernel_size) // stride + 1
     x, z = _random(n, c, size, size, seed=4), _random(n, m, out, out, seed=5)
     w, b = _random(m, c, kernel_size, kernel_size, seed=6) * 0.2, _random(m, seed=7)
-    expected = _im2col_reference(x, w, b, z, stride, pad, relu)
+    expected = _reference(x, w, b, z, 1, relu, strides=[stride, stride], pads=[pad] * 4)
     residuals = []
     original = conv.run_units
 
