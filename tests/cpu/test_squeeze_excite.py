@@ -99,3 +99,32 @@ def test_a_weight_fed_at_run_time_keeps_the_pattern_apart():
     proto.graph.initializer.remove(w1)
     ops, _ = _step_ops(proto.SerializeToString(), feeds)
     assert "SqueezeExcite" not in ops
+
+
+@pytest.mark.parametrize("hidden, gate", [("relu", "sigmoid"), ("silu", "sigmoid"), ("hard-swish", "hard-sigmoid")])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_the_compiled_step_runs_each_image_in_one_call(hidden, gate, bias, monkeypatch):
+    """With numba, float32 runs the whole step as one compiled call per image (the values
+    onnxruntime gives, its replay as its run)."""
+    import plugrt
+    from plugrt_cpu.kernels import squeeze_excite
+
+    loops = squeeze_excite.epilogue_loops()
+    if loops is None:
+        pytest.skip("needs numba's compiled loops")
+    calls = []
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(loops, name)
+
+        def squeeze_excite(self, *args):
+            calls.append(args[0].shape)
+            return loops.squeeze_excite(*args)
+
+    monkeypatch.setattr(squeeze_excite, "epilogue_loops", lambda: Counted())
+    model, feeds = _model(hidden, gate, bias=bias)
+    session = plugrt.load(model, device="cpu")
+    (expected,) = _onnxruntime(model, feeds)
+    np.testing.assert_allclose(session.run(feeds)["y"], expected, rtol=1e-5, atol=1e-6)
+    assert calls == [(16, 25), (16, 25)]  # two images of 16 channels, 5 x 5

@@ -25,7 +25,8 @@ from numba.extending import intrinsic
 
 __all__ = [
     "bias_relu_rows", "bias_residual_relu_rows", "clip_in_place", "hard_swish_in_place", "scale_shift_relu_rows",
-    "silu_in_place", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP",
+    "silu_in_place", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP", "squeeze_excite",
+    "SE_RELU", "SE_SILU", "SE_HARD_SWISH", "SE_SIGMOID", "SE_HARD_SIGMOID",
 ]
 
 _ZERO = np.float32(0.0)
@@ -243,3 +244,80 @@ def activation_rows(c, r0, r1, j0, j1, code, low, high):  # pragma: no cover  (c
                 v = row[j]
                 v = low if v < low else v
                 row[j] = high if v > high else v
+
+
+# -- squeeze-excitation in one call ----------------------------------------------------------
+
+#: The SE step's hidden activations and gates (``squeeze_excite``'s names, in this order).
+SE_RELU, SE_SILU, SE_HARD_SWISH = 0, 1, 2
+SE_SIGMOID, SE_HARD_SIGMOID = 0, 1
+
+_SE_IMAGE = numba.types.Array(numba.float32, 2, "C", readonly=True)  # (C, positions)
+_SE_WEIGHT = numba.types.Array(numba.float32, 2, "C", readonly=True)
+_SE_VECTOR = numba.types.Array(numba.float32, 1, "C", readonly=True)
+
+
+@numba.njit(
+    [numba.void(_SE_IMAGE, _SE_WEIGHT, _SE_VECTOR, _SE_WEIGHT, _SE_VECTOR, numba.int64, numba.int64, numba.float32,
+                numba.float32, numba.float32[::1], numba.float32[::1], _MATRIX)],
+    fastmath=_FAST,
+    nogil=True,
+    boundscheck=False,
+    error_model="numpy",
+    cache=True,
+)
+def squeeze_excite(x, w1, b1, w2, b2, hidden, gate, alpha, beta, h, g, out):  # pragma: no cover  (compiled)
+    """``out = x * gate(act(mean(x) @ w1.T + b1) @ w2.T + b2)`` for one image ``x`` (C,
+    positions): the channel means (summed in float64), the two small products, the hidden
+    activation (``SE_*``: Relu, SiLU, HardSwish), the gate (Sigmoid, or HardSigmoid with
+    ``alpha`` and ``beta``) and the scaling, in one call; ``h`` (hidden) and ``g`` (C) are
+    work arrays. ``out`` may be ``x``'s buffer. Sigmoid and SiLU use the vectorised exp
+    (within 2 ulp of numpy's)."""
+    channels, positions = x.shape
+    hidden_count = w1.shape[0]
+    for c in range(channels):
+        row = x[c]
+        total = 0.0
+        for j in range(positions):
+            total += row[j]
+        g[c] = np.float32(total / positions)
+    for r in range(hidden_count):
+        weights = w1[r]
+        acc = b1[r]
+        for c in range(channels):
+            acc += weights[c] * g[c]
+        if hidden == SE_RELU:
+            acc = _ZERO if acc < _ZERO else acc
+        elif hidden == SE_SILU:
+            acc = acc / (_ONE + _exp(-acc))
+        else:
+            gate_value = acc * _SIXTH + _HALF
+            gate_value = _ZERO if gate_value < _ZERO else gate_value
+            gate_value = _ONE if gate_value > _ONE else gate_value
+            acc = acc * gate_value
+        h[r] = acc
+    for c in range(channels):
+        weights = w2[c]
+        acc = b2[c]
+        for r in range(hidden_count):
+            acc += weights[r] * h[r]
+        if gate == SE_SIGMOID:
+            acc = _ONE / (_ONE + _exp(-acc))
+        else:
+            acc = acc * alpha + beta
+            acc = _ZERO if acc < _ZERO else acc
+            acc = _ONE if acc > _ONE else acc
+        g[c] = acc
+    if x.ctypes.data == out.ctypes.data:  # in place: one array a loop, so that it vectorises
+        for c in range(channels):
+            scale = g[c]
+            target = out[c]
+            for j in range(positions):
+                target[j] = target[j] * scale
+        return
+    for c in range(channels):
+        scale = g[c]
+        source = x[c]
+        target = out[c]
+        for j in range(positions):
+            target[j] = source[j] * scale
