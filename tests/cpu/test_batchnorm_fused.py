@@ -179,3 +179,24 @@ def test_densenet_runs_each_batch_norm_and_relu_as_one_step_and_matches_its_expe
     assert "BatchNormalization" not in ops and "Relu" not in ops
     assert ops.count("ChannelAffine") == 62
     _check(model, outputs)  # logits against onnxruntime's, then the expected probabilities
+
+
+@pytest.mark.parametrize("relu", [True, False], ids=["relu", "affine"])
+def test_the_compiled_affine_in_place_gives_what_it_gives_apart(relu):
+    """``scale_shift_relu_rows`` with ``y`` the same array as ``x`` (an in-place step) runs
+    its one-array loop: the values numpy's product then sum give, NaN kept."""
+    loops = _gemm.epilogue_loops()
+    if loops is None:
+        pytest.skip("needs numba's compiled loops")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2 * 6, 37)).astype(np.float32)
+    x[3, 5] = np.nan
+    multiplier, shift = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    expected = x * np.tile(multiplier, 2)[:, None] + np.tile(shift, 2)[:, None]
+    if relu:
+        expected = np.where(expected < 0, np.float32(0), expected)
+    apart, in_place = np.empty_like(x), x.copy()
+    loops.scale_shift_relu_rows(x, apart, multiplier, shift, relu, 0, 12)
+    loops.scale_shift_relu_rows(in_place, in_place, multiplier, shift, relu, 0, 12)
+    np.testing.assert_array_equal(apart, expected)
+    np.testing.assert_array_equal(in_place, expected)

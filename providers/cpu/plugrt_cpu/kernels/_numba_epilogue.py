@@ -98,11 +98,21 @@ def scale_shift_relu_rows(x, y, multiplier, shift, relu, r0, r1):  # pragma: no 
     may be ``x``. The product is rounded before the sum, as numpy's two ufuncs do."""
     channels = multiplier.shape[0]
     plane = x.shape[1]
+    alone = x.ctypes.data == y.ctypes.data  # in place: one array a loop, so that it vectorises
     for r in range(r0, r1):
-        source = x[r]
         target = y[r]
         m = multiplier[r % channels]
         s = shift[r % channels]
+        if alone:
+            if relu:
+                for j in range(plane):
+                    v = target[j] * m + s
+                    target[j] = _ZERO if v < _ZERO else v
+            else:
+                for j in range(plane):
+                    target[j] = target[j] * m + s
+            continue
+        source = x[r]
         if relu:
             for j in range(plane):
                 v = source[j] * m + s
@@ -321,3 +331,4 @@ def squeeze_excite(x, w1, b1, w2, b2, hidden, gate, alpha, beta, h, g, out):  # 
         target = out[c]
         for j in range(positions):
             target[j] = source[j] * scale
+
