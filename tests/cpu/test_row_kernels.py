@@ -141,3 +141,35 @@ def test_softmax_takes_the_compiled_passes_exactly_where_they_apply(path):
     if compiled is not None:
         wide = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
         np.testing.assert_allclose(compiled, wide / wide.sum(axis=1, keepdims=True), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(4, 4, 256, 256), (1, 12, 197, 197)])
+@pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in-place"])
+def test_a_large_softmax_shared_over_the_compiled_pool_matches_float64(shape, in_place, monkeypatch):
+    """The rows of a large softmax as one job on the compiled pool, each row in one compiled
+    loop (the vectorised exp): within float32 rounding of a float64 softmax, a masked (-inf)
+    column kept at zero, a row holding NaN all NaN."""
+    from plugrt_cpu.kernels import softmax
+    from plugrt_cpu.kernels._compiled_parallel import compiled_pool
+
+    pool = compiled_pool()
+    if pool is None or softmax.compiled_loops() is None:
+        pytest.skip("needs numba's compiled loops and pool")
+    jobs = []
+    original = pool.run
+    monkeypatch.setattr(pool, "run", lambda *args: jobs.append(args[2]) or original(*args))
+    monkeypatch.setattr(softmax, "parallel_threads", lambda work: 2)
+    x = (np.random.default_rng(0).standard_normal(shape) * 4).astype(np.float32)
+    x[..., 3] = -np.inf
+    x[0, 0, 5, 7] = np.nan
+    expected = np.exp(x.astype(np.float64) - np.nanmax(x, axis=-1, keepdims=True))
+    expected /= expected.sum(axis=-1, keepdims=True)
+    expected[0, 0, 5] = np.nan
+    out = x if in_place else np.empty_like(x)
+    source = x.copy()
+    y = softmax._compiled_softmax(source if not in_place else out, -1, out)
+    assert jobs and jobs[0] > 2  # several units
+    np.testing.assert_allclose(y, expected, rtol=2e-6, atol=1e-7)
+    masked = y[..., 3].copy()
+    masked[0, 0, 5] = 0  # the NaN row
+    assert (masked == 0).all() and np.isnan(y[0, 0, 5]).all()

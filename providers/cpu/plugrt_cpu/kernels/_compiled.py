@@ -79,6 +79,7 @@ MODULES: dict[str, str] = {
 IMPORTS: dict[str, tuple[str, ...]] = {
     "_numba_conv": ("_numba_parallel", "_numba_epilogue", "_numba_gemm"),
     "_numba_dense": ("_numba_parallel", "_numba_gemm", "_numba_loops"),
+    "_numba_loops": ("_numba_parallel", "_numba_epilogue"),
     "_numba_depthwise": ("_numba_parallel", "_numba_epilogue"),
     "_numba_int4": ("_numba_parallel",),
     "_numba_pool": ("_numba_parallel",),

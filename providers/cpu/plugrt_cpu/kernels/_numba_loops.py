@@ -19,6 +19,9 @@ from typing import Any
 import numba
 import numpy as np
 
+from ._numba_epilogue import _exp
+from ._numba_parallel import float32_pointer, int64_pointer
+
 __all__ = [
     "bias_gelu_rows",
     "gelu_erf",
@@ -26,6 +29,7 @@ __all__ = [
     "normalize_rows",
     "scale_and_shift_rows",
     "skip_layer_norm",
+    "softmax_job",
     "subtract_row_max",
 ]
 
@@ -194,3 +198,44 @@ def normalize_rows(x):  # pragma: no cover  (compiled)
         inverse = _F(1.0) / total
         for j in range(width):
             x[r, j] *= inverse
+
+
+@_compiled
+def _softmax_row(row):  # pragma: no cover  (compiled; inlined)
+    """softmax(row) in place: one array a loop, so that each vectorises (see gelu_erf);
+    the exp is ``_numba_epilogue``'s polynomial one (within 2 ulp of numpy's)."""
+    width = row.shape[0]
+    peak = _peak(row)
+    total = _F(0.0)
+    for j in range(width):
+        value = _exp(row[j] - peak)
+        row[j] = value
+        total += value
+    inverse = _F(1.0) / total
+    for j in range(width):
+        row[j] *= inverse
+
+
+# The context of ``softmax_job`` (int64 words; see ``softmax._compiled_softmax``).
+SOFTMAX_X, SOFTMAX_Y, SOFTMAX_ROWS, SOFTMAX_WIDTH, SOFTMAX_PER_UNIT = range(5)
+SOFTMAX_WORDS = 5
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def softmax_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of a softmax over the rows of a C-contiguous float32 (rows,
+    width) on the compiled pool, ``SOFTMAX_PER_UNIT`` rows a unit: each row copied into the
+    output (unless it is the input), then its softmax in place."""
+    context = numba.carray(int64_pointer(c), SOFTMAX_WORDS)
+    rows, width = context[SOFTMAX_ROWS], context[SOFTMAX_WIDTH]
+    x = numba.carray(float32_pointer(context[SOFTMAX_X]), (rows, width))
+    y = numba.carray(float32_pointer(context[SOFTMAX_Y]), (rows, width))
+    group = context[SOFTMAX_PER_UNIT]
+    apart = context[SOFTMAX_X] != context[SOFTMAX_Y]
+    for r in range(start * group, min(rows, stop * group)):
+        row = y[r]
+        if apart:
+            source = x[r]
+            for j in range(width):
+                row[j] = source[j]
+        _softmax_row(row)
