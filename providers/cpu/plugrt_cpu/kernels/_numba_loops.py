@@ -19,9 +19,6 @@ from typing import Any
 import numba
 import numpy as np
 
-from ._numba_epilogue import _exp
-from ._numba_parallel import float32_pointer, int64_pointer
-
 __all__ = [
     "bias_gelu_rows",
     "gelu_erf",
@@ -35,6 +32,11 @@ __all__ = [
 
 _FLAGS: dict[str, Any] = dict(fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True)
 _compiled = numba.njit(**_FLAGS)
+
+# After numba's first use above: a numba that cannot set up (no writable cache, say) fails
+# there, with its own error, before these modules' imports of llvmlite could.
+from ._numba_epilogue import _exp  # noqa: E402
+from ._numba_parallel import float32_pointer, int64_pointer  # noqa: E402
 
 
 def _entry(signature):  # type: ignore[no-untyped-def]
