@@ -405,8 +405,9 @@ class _Convolution:
         self.pads = attributes.get("pads")
         self.strides = attributes.get("strides")
         self.relu = relu  # a fused Relu, applied to each output block while it is in cache
-        # a fused activation the compiled paths apply to each block after the Relu
-        # (``conv_activation.fused_code``: code, Clip's bounds; code 0: none)
+        # a fused activation the compiled paths apply to each block after the Relu (the
+        # ``fused`` of a ``conv_activation.activation_in_place`` body: code, Clip's bounds;
+        # code 0: none); the paths that do say so through ``applied``
         self.activation: tuple[int, float, float] = (0, 0.0, 0.0)
         self._plans = _ShapeCache(lambda xs, ws, item: _ConvPlan(self, xs, ws, item))
 
@@ -449,9 +450,10 @@ class _Convolution:
         if plan.kind == "pointwise":
             y = self._pointwise(x, wg, plan, bias, y, packed=weight.packed(), applied=applied)
         elif plan.kind == "depthwise" and plan.compiled is not None and x.dtype == np.float32 and depthwise_loops():
-            y = self._depthwise_compiled(x, weight, plan, bias, y)
-            if applied is not None and self.activation[0]:
-                applied.append(True)
+            activation = self.activation if applied is not None else (0, 0.0, 0.0)
+            y = self._depthwise_compiled(x, weight, plan, bias, y, activation)
+            if activation[0]:
+                applied.append(True)  # type: ignore[union-attr]
         elif plan.kind == "depthwise" and plan.depthwise_product:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
@@ -475,7 +477,13 @@ class _Convolution:
         return plan.winograd(x, weight, bias, self.relu, None if y is None else y.reshape(x.shape[0], plan.m, *plan.out))
 
     def _depthwise_compiled(
-        self, x: np.ndarray, weight: "_ConvWeight", plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None
+        self,
+        x: np.ndarray,
+        weight: "_ConvWeight",
+        plan: _ConvPlan,
+        bias: np.ndarray | None,
+        y: np.ndarray | None,
+        activation: tuple[int, float, float] = (0, 0.0, 0.0),
     ) -> np.ndarray:
         """2-D float32 depthwise by the compiled loops: the output planes shared out as one
         job on the compiled pool (``_numba_depthwise.depthwise_job``: no GIL, a hand-off of
@@ -496,7 +504,7 @@ class _Convolution:
         weights = weight.gemm.reshape(m, -1)
         b = layout.no_bias if bias is None else bias.reshape(m)
         relu = self.relu
-        code, low, high = self.activation
+        code, low, high = activation
         pool = compiled_pool()
         if pool is not None and weights.flags.c_contiguous and b.flags.c_contiguous and y.flags.c_contiguous:
             planes = n * m

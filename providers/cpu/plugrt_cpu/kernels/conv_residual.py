@@ -60,6 +60,7 @@ def build_residual_conv(ctx: KernelContext, relu: bool) -> Callable[..., np.ndar
                 done = plan.winograd(x, weight, bias, relu, np.empty(shape, x.dtype) if y is None else y.reshape(shape), z)
                 if done is not None:
                     return done
+            # z stands in for the output here: the output takes its shape and C order
             if op._gathers(x, plan) and (found := op._compiled_units(x, weight.gemm, bias, z, z)) is not None:
                 return op._im2col(x, weight.gemm, plan, bias, y, packed=weight.packed(), residual=z, relu=relu,
                                   found=found).reshape(z.shape)

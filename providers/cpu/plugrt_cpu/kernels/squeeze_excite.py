@@ -53,6 +53,14 @@ def _gate(name: str, alpha: float, beta: float) -> Callable[[np.ndarray], None]:
     return sigmoid if name == "Sigmoid" else hard_sigmoid
 
 
+def _work(into: np.ndarray | None, slot: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A work array: kept with ``into`` (the output buffer of an ``into`` call, so that a
+    replay allocates nothing), or fresh without one."""
+    if into is None:
+        return np.empty(shape, dtype)
+    return scratch(into, ("squeeze-excite", slot), shape, dtype)
+
+
 def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """``SqueezeExcite(x, w1, b1, w2, b2)``: ``x * gate(act(mean(x) @ w1.T + b1) @ w2.T + b2)``
     per image and channel, ``w1`` (hidden, C, 1, ...) and ``w2`` (C, hidden, 1, ...) as the
@@ -67,7 +75,9 @@ def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
     # the Conv + activation fusions' in-place bodies (the same values as the standalone kernels)
     hidden = _relu if hidden_name == "Relu" else activation_in_place(hidden_name, [])
     assert hidden is not None
-    gate = _gate(gate_name, float(ctx.attributes.get("alpha", 0.2)), float(ctx.attributes.get("beta", 0.5)))
+    alpha, beta = float(ctx.attributes.get("alpha", 0.2)), float(ctx.attributes.get("beta", 0.5))
+    gate = _gate(gate_name, alpha, beta)
+    codes = (HIDDEN_ACTIVATIONS.index(hidden_name), GATES.index(gate_name))  # the compiled step's
 
     def products(
         x: np.ndarray,
@@ -81,9 +91,7 @@ def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
         buffer of an ``into`` call) or fresh ones."""
 
         def work(slot: str, shape: tuple[int, ...]) -> np.ndarray:
-            if into is None:
-                return np.empty(shape, x.dtype)
-            return scratch(into, ("squeeze-excite", slot), shape, x.dtype)
+            return _work(into, slot, shape, x.dtype)
 
         n, c = x.shape[:2]
         r = w1.shape[0]
@@ -103,48 +111,43 @@ def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
         gate(g)
         return g.reshape(n, c, *([1] * (x.ndim - 2)))
 
-    codes = (HIDDEN_ACTIVATIONS.index(hidden_name), GATES.index(gate_name))
-    alpha, beta = float(ctx.attributes.get("alpha", 0.2)), float(ctx.attributes.get("beta", 0.5))
-
     def compiled(
         x: np.ndarray,
         w1: np.ndarray,
         b1: np.ndarray | None,
         w2: np.ndarray,
         b2: np.ndarray | None,
-        out: np.ndarray,
         into: np.ndarray | None,
-    ) -> bool:
-        """The whole step by one compiled call per image (float32, C order, numba there),
-        its work arrays kept with ``into`` (an ``into`` call's output) or fresh; False where
-        it does not run."""
+    ) -> np.ndarray | None:
+        """The whole step by one compiled call per image (float32, C order, numba there)
+        into ``into`` (an ``into`` call's output, which keeps the work arrays) or a new
+        array: the output, or None where it does not run."""
         loops = epilogue_loops()
-        if loops is None or x.dtype != np.float32 or x.ndim < 3 or not (x.flags.c_contiguous and out.flags.c_contiguous):
-            return False
+        if loops is None or x.dtype != np.float32 or x.ndim < 3 or not x.flags.c_contiguous:
+            return None
+        if into is not None and not into.flags.c_contiguous:
+            return None
         n, c = x.shape[:2]
         r = w1.shape[0]
         weights = [np.ascontiguousarray(w, np.float32) for w in (w1.reshape(r, c), w2.reshape(c, r))]
         biases = [zero_vector(size) if b is None else b.reshape(size) for b, size in ((b1, r), (b2, c))]
         if any(b.dtype != np.float32 or not b.flags.c_contiguous for b in biases):
-            return False
-        if into is None:
-            h, g = np.empty(r, np.float32), np.empty(c, np.float32)
-        else:
-            h = scratch(into, ("squeeze-excite", "hidden-1d"), (r,), np.float32)
-            g = scratch(into, ("squeeze-excite", "gate-1d"), (c,), np.float32)
+            return None
+        h, g = _work(into, "hidden-1d", (r,), x.dtype), _work(into, "gate-1d", (c,), x.dtype)
+        out = np.empty_like(x) if into is None else into
         rows, targets = x.reshape(n, c, -1), out.reshape(n, c, -1)
         for image in range(n):
             loops.squeeze_excite(
                 rows[image], weights[0], biases[0], weights[1], biases[1], codes[0], codes[1], alpha, beta, h, g,
                 targets[image],
             )
-        return True
+        return out
 
     def run(
         x: np.ndarray, w1: np.ndarray, b1: np.ndarray | None, w2: np.ndarray, b2: np.ndarray | None = None
     ) -> np.ndarray:
-        out = np.empty_like(x, order="C")
-        if compiled(x, w1, b1, w2, b2, out, None):
+        out = compiled(x, w1, b1, w2, b2, None)
+        if out is not None:
             return out
         return np.multiply(x, products(x, w1, b1, w2, b2, None))
 
@@ -156,7 +159,7 @@ def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
         w2: np.ndarray,
         b2: np.ndarray | None = None,
     ) -> None:
-        if compiled(x, w1, b1, w2, b2, out, out):
+        if compiled(x, w1, b1, w2, b2, out) is not None:
             return
         np.multiply(x, products(x, w1, b1, w2, b2, out), out=out)
 
