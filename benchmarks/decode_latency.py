@@ -8,7 +8,8 @@ Qwen2.5-0.5B; random weights, built by ``scripts/make_decoder_models.py`` under
 ``--models`` when missing, which needs torch, transformers and onnxruntime-genai): each
 runtime runs in a process of its own, so that its peak RSS is its own, and prints the time
 to first token after a ``--prompt``-token prompt, the median ms per token over ``--tokens``
-new tokens, tokens/s and peak RSS, side by side with onnxruntime-genai. The first token is
+new tokens, tokens/s and peak RSS, side by side with onnxruntime-genai given ``--threads``
+intra-op threads (its default on a 2-core machine decodes on one). The first token is
 timed from a loaded model (the prompt's prefill and the token after it); the load (importing
 the runtime, reading and building the model and making its generator) is printed beside it,
 and their sum.
@@ -55,10 +56,21 @@ ASSETS = Path(__file__).resolve().parents[1] / "tests" / "genai" / "assets" / "t
 PROMPT = [1, 17, 42, 99, 7, 200, 3]
 
 
-def _quiet_genai_copy(folder: Path, target: Path, threads: int) -> Path:
+def _quiet_genai_copy(folder: Path, target: Path, threads: int, link: bool = False) -> Path:
     """The model folder with onnxruntime-genai's session given the threads compare.py gives
-    onnxruntime (its genai_config.json takes no session config entries such as spinning)."""
-    shutil.copytree(folder, target)
+    onnxruntime (its genai_config.json takes no session config entries such as spinning).
+    ``link``: the other files linked, not copied (the shapes people run have large data files).
+    Without it, onnxruntime-genai decodes on one thread where plugrt uses every usable core:
+    its default measured 13 ms/token on SmolLM2's shape with 13 ms of CPU a token, two
+    threads 7.8 ms (2-core Xeon)."""
+    if link:
+        target.mkdir(parents=True)
+        for item in folder.iterdir():
+            if item.name != "genai_config.json":
+                (target / item.name).symlink_to(item.resolve())
+        shutil.copy(folder / "genai_config.json", target / "genai_config.json")
+    else:
+        shutil.copytree(folder, target)
     config_path = target / "genai_config.json"
     config = json.loads(config_path.read_text())
     options = config["model"]["decoder"].setdefault("session_options", {})
@@ -293,16 +305,21 @@ def _build(models: Path, shape: str, precision: str) -> Path:
     return folder
 
 
-def measure_shape(shape: str, precisions: list[str], models: Path, prompt: int, tokens: int, rounds: int) -> bool:
+def measure_shape(
+    shape: str, precisions: list[str], models: Path, prompt: int, tokens: int, rounds: int, threads: int, scratch: Path
+) -> bool:
     ok = True
     for precision in precisions:
         folder = _build(models, shape, precision)
+        # onnxruntime-genai gets the threads plugrt uses (every usable core), as onnxruntime does in compare.py
+        folders = {"onnxruntime-genai": _quiet_genai_copy(folder, scratch / shape / precision, threads, link=True),
+                   "plugrt": folder}
         results: dict[str, list[dict]] = {"onnxruntime-genai": [], "plugrt": []}
         for round_index in range(rounds):
             order = list(results) if round_index % 2 == 0 else list(results)[::-1]
             for runtime in order:
                 done = subprocess.run(
-                    [sys.executable, __file__, "--child", runtime, str(folder), "--prompt", str(prompt),
+                    [sys.executable, __file__, "--child", runtime, str(folders[runtime]), "--prompt", str(prompt),
                      "--tokens", str(tokens)], capture_output=True, text=True,
                 )
                 if done.returncode != 0:
@@ -340,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=None, help="default: 7 (tiny), 3 processes each (others)")
     parser.add_argument("--turns", choices=("generation", "step"), default="generation")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime's intra-op threads")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="onnxruntime's and onnxruntime-genai's intra-op threads (default: every usable core, as plugrt)")
     parser.add_argument("--shape", default="tiny", help="tiny, smollm2-135m or qwen2.5-0.5b")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens for the shapes people run")
     parser.add_argument("--models", type=Path, default=Path("build/decoder_models"), help="where built shapes are kept")
@@ -359,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         from compare import BackgroundLoad  # benchmarks/compare.py's busy processes
 
         precisions = (args.precisions or "int4,int4-acc1,fp32").split(",")
-        with BackgroundLoad(args.load, 1800):
-            done = measure_shape(args.shape, precisions, args.models, args.prompt, args.tokens, args.rounds or 3)
+        with BackgroundLoad(args.load, 1800), tempfile.TemporaryDirectory() as scratch:
+            done = measure_shape(args.shape, precisions, args.models, args.prompt, args.tokens, args.rounds or 3,
+                                 args.threads, Path(scratch))
         return 0 if done else 1
     args.precisions = args.precisions or "fp32,int4"
     args.rounds = args.rounds or 7
