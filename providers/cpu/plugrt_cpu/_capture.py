@@ -37,7 +37,7 @@ def _identical(a: Any, b: Any) -> bool:
 
 def capture_partition(compiled: CompiledPartition, ctx: CaptureContext, metadata: list) -> CapturedPartition:
     """Capture every step of a CPU partition; ``metadata[i]`` is (spec, attributes) or None."""
-    from .kernels._compiled import pinned, snapshot  # the kernels are loaded by now
+    from .kernels._compiled import call_pinned, pinned, snapshot  # the kernels are loaded by now
 
     runs: list[Callable[[], None]] = []
     run_nodes: list[str] = []
@@ -50,7 +50,7 @@ def capture_partition(compiled: CompiledPartition, ctx: CaptureContext, metadata
         for step, meta in zip(compiled.steps, metadata):
             run, reason = _capture_step(step, meta, ctx, meter)
             if run is not None:
-                runs.append(run if view is None else functools.partial(_run_pinned, view, run))
+                runs.append(run if view is None else functools.partial(call_pinned, view, run))
                 run_nodes.append(step.name)
             nodes.append((step.name, not reason, reason))
             ctx.step_done(step)
@@ -69,14 +69,6 @@ def eager_replay(step: Step, inputs: list, recorded: list, ctx: CaptureContext) 
         note_allocations(count, nbytes)
 
     return counted
-
-
-def _run_pinned(view: Any, run: Callable[[], None]) -> None:
-    """``run`` with the compiled loops of ``view`` (a ``kernels._compiled.Snapshot``)."""
-    from .kernels._compiled import pinned
-
-    with pinned(view):
-        run()
 
 
 #: Traced bytes above which a captured step's kernel counts as allocating (below: Python's

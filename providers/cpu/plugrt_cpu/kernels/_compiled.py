@@ -48,6 +48,7 @@ __all__ = [
     "MODULES",
     "Snapshot",
     "build_all",
+    "call_pinned",
     "build_finished",
     "cache_directory",
     "cache_stamp",
@@ -282,6 +283,18 @@ def pinned(view: Snapshot | None) -> Iterator[None]:
     _PINNED.view = view
     try:
         yield
+    finally:
+        _PINNED.view = before
+
+
+def call_pinned(view: Snapshot, run: Callable[[], None]) -> None:
+    """``run()`` with this thread's ``compiled_module`` answering from ``view``: what
+    ``pinned`` does, without a generator's enter and exit (a replay makes this call for
+    each of its steps, hundreds a decode step)."""
+    before = getattr(_PINNED, "view", None)
+    _PINNED.view = view
+    try:
+        run()
     finally:
         _PINNED.view = before
 
