@@ -853,3 +853,51 @@ def test_multi_head_attention_mismatched_past_is_a_typed_error():
     session = plugrt.InferenceSession(model.SerializeToString())
     with pytest.raises(KernelError, match="past_key and past_value"):
         session.run(None, {k: v for k, v in inputs.items() if v is not None})
+
+
+def test_a_bound_skip_rms_follows_its_inputs_as_into_does():
+    """``into.bind`` of SkipSimplifiedLayerNormalization (what a capture replays): one
+    compiled call over fixed buffers that reads the inputs as they are at each call and
+    writes all four outputs as ``into`` does, the unused mean's buffer zeroed again even
+    when something else wrote it between calls; None where an input is not contiguous.
+    Expected values: onnxruntime's kernel on the same inputs."""
+    import os
+
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+    pytest.importorskip("numba")
+    from plugrt_cpu.kernels import _compiled, contrib_normalization as cn
+
+    assert _compiled.wait_ready(600)
+    if cn.decode_loops() is None:
+        pytest.skip("the compiled loops are off here")
+    into = cn._skip_simplified_layer_normalization_into
+    rng = np.random.default_rng(4)
+    hidden = 96
+    x, skip = np.empty((1, 3, hidden), np.float32), np.empty((1, 3, hidden), np.float32)
+    gamma, bias = rng.standard_normal(hidden).astype(np.float32), rng.standard_normal(hidden).astype(np.float32)
+    out = (np.empty_like(x), np.empty((1, 3, 1), np.float32), np.empty((1, 3, 1), np.float32), np.empty_like(x))
+    replay = into.bind(out, x, skip, gamma, bias, epsilon=1e-6)
+    assert replay is not None
+    node = helper.make_node(
+        "SkipSimplifiedLayerNormalization", ["x", "skip", "gamma", "bias"], ["y", "", "inv_std", "total"],
+        domain="com.microsoft", epsilon=1e-6,
+    )
+    floats = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(n, floats, None) for n in ("x", "skip", "gamma", "bias")],
+        [helper.make_tensor_value_info(n, floats, None) for n in ("y", "inv_std", "total")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for _ in range(3):
+        x[...], skip[...] = rng.standard_normal(x.shape), rng.standard_normal(skip.shape)
+        out[1].fill(7)
+        replay()
+        y, inv_std, total = reference.run(None, {"x": x, "skip": skip, "gamma": gamma, "bias": bias})
+        np.testing.assert_allclose(out[0], y, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out[2], inv_std, rtol=1e-5)
+        np.testing.assert_allclose(out[3], total, rtol=1e-6, atol=1e-7)
+        assert not out[1].any()
+    strided = np.empty((1, 3, 2 * hidden), np.float32)[..., ::2]
+    assert into.bind(out, strided, skip, gamma, bias, epsilon=1e-6) is None

@@ -283,3 +283,79 @@ def test_external_4bit_weights_leave_no_pages_of_their_file_mapped_once_repacked
     onnx.save_model(model, str(path), save_as_external_data=True, location="stack.data", size_threshold=0)
     plugrt.load(str(path), device="cpu")
     assert _resident_kib_of(str(tmp_path / "stack.data")) <= 16  # of 640 KiB
+
+
+def _kernel(model: bytes):
+    """The MatMulNBits kernel ``_model`` describes, built as the provider builds it."""
+    import onnx
+    from onnx import numpy_helper
+
+    from plugrt_cpu._registry import KernelContext
+
+    proto = onnx.load_from_string(model)
+    node = proto.graph.node[0]
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    constants = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    inputs = [constants.get(name) for name in node.input]
+    ctx = KernelContext(
+        "MatMulNBits", "com.microsoft", 1, attributes, len(inputs), 1,
+        [np.dtype(np.float32)] + [None if v is None else v.dtype for v in inputs[1:]], inputs,
+    )
+    return contrib_quantization.matmul_nbits(ctx), inputs[1:]
+
+
+@pytest.mark.parametrize("accuracy", [1, 4])
+@pytest.mark.parametrize("rows, n, k", [(1, 1000, 576), (1, 37, 70), (40, 1000, 576)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bound_product_follows_its_input_as_into_does(path, monkeypatch, accuracy, rows, n, k, threads):
+    """``into.bind`` (what a capture replays): one call over fixed buffers, which reads
+    what the input holds at each call and writes what ``into`` writes, on one thread or
+    sharing the tiles over two; a non-contiguous input is left to ``into``."""
+    if path == "numpy":
+        pytest.skip("only the compiled kernels bind")
+    from plugrt_cpu.kernels._compiled_parallel import compiled_pool
+
+    if threads == 2 and compiled_pool() is None:
+        pytest.skip("no compiled pool here")
+    monkeypatch.setattr(contrib_quantization, "threads_for", lambda work: threads)
+    kernel, constants = _kernel(_model(n, k, 32, accuracy, True))
+    rng = np.random.default_rng(9)
+    a = np.empty((rows, k), np.float32)
+    out = np.empty((rows, n), np.float32)
+    replay = kernel.into.bind(out, a, *constants)
+    assert replay is not None
+    for _ in range(3):
+        a[...] = rng.standard_normal((rows, k))
+        replay()
+        expected = np.empty_like(out)
+        kernel.into(expected, a.copy(), *constants)
+        np.testing.assert_array_equal(out, expected)
+    assert kernel.into.bind(out, np.empty((rows, 2 * k), np.float32)[:, ::2], *constants) is None
+
+
+@pytest.mark.parametrize("accuracy", [1, 4])
+def test_a_captured_decode_projection_replays_like_onnxruntime_without_allocating(path, accuracy):
+    """A captured one-row product (a decode step's) replays, on new inputs, what a run
+    gives, within onnxruntime's figures, and allocates nothing."""
+    if path == "numpy":
+        pytest.skip("the numpy path allocates its slab")
+    from plugrt.capture import Captured
+
+    from cpu.test_into import REPLAY_BYTES, replay_bytes
+
+    model = _model(1536, 576, 32, accuracy, False)
+    session = plugrt.load(model)
+    rng = np.random.default_rng(3)
+    feeds = [{"A": rng.standard_normal((1, 576)).astype(np.float32)} for _ in range(3)]
+    captured = session.try_capture(feeds[0])
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    exact = _model(1536, 576, 32, 1, False)
+    for f in feeds[1:] + feeds[:1]:
+        got = session.replay(f)["Y"]
+        np.testing.assert_array_equal(got, session.run(f)["Y"])
+        if accuracy == 1:
+            assert _relative(got, _onnxruntime(model, f["A"])) <= 1e-4
+        else:
+            quantized = _onnxruntime(model, f["A"])
+            assert _relative(got, quantized) <= _relative(quantized, _onnxruntime(exact, f["A"]))
+    assert replay_bytes(lambda: session.replay(feeds[1]), small_buffers=True) < REPLAY_BYTES

@@ -139,7 +139,10 @@ def _capture_step(
         or [ctx.buffer_like(r) for r in recorded]
     )
     out = tuple(buffers) if step.multi_output else buffers[0]
-    replay = functools.partial(into, out, *inputs)
+    # a kernel's ``into.bind(out, *inputs)`` may give the replay as one call, checked once
+    # for these buffers (None: it does not apply to them); checked below as ``into`` is
+    bind = getattr(into, "bind", None)
+    replay = (bind(out, *inputs) if bind is not None else None) or functools.partial(into, out, *inputs)
     replay()
     if not all(_identical(b, np.asarray(r)) for b, r in zip(buffers, recorded)):
         return eager_replay(step, inputs, recorded, ctx), "its out= variant differs from the eager result"
@@ -208,5 +211,9 @@ def into_of(step: Step) -> Callable[..., Any] | None:
         return lambda out, *args: base(*args, out=out, **keywords)
     into = getattr(base, "into", None)
     if into is not None and isinstance(fn, functools.partial):
-        return functools.partial(into, **fn.keywords)
+        bound = functools.partial(into, **fn.keywords)
+        bind = getattr(into, "bind", None)
+        if bind is not None:  # the attributes go to the one-call variant too
+            bound.bind = functools.partial(bind, **fn.keywords)  # type: ignore[attr-defined]
+        return bound
     return into

@@ -220,7 +220,34 @@ def _skip_simplified_layer_normalization_into(out, x, skip, gamma, bias=None, *,
     _rms_into(y, inv_std, total, gamma, epsilon, -1)
 
 
+def _skip_simplified_layer_normalization_bind(out, x, skip, gamma, bias=None, *, epsilon=1e-12):
+    """For a capture: the compiled skip + RMS loop over these buffers as one call with no
+    arguments (``into`` checks its arguments on every call), or None where it does not apply."""
+    if len(out) != 4 or skip.shape != x.shape or skip.dtype != x.dtype:
+        return None
+    y, mean, inv_std, total = out
+    loops = _compiled_rms(x, gamma, bias)
+    arrays = (x, skip, y, mean, inv_std, total)
+    if loops is None or not all(isinstance(v, np.ndarray) and v.flags.c_contiguous for v in arrays):
+        return None
+    statistics = _statistics_shape(x, -1)
+    if y.shape != x.shape or total.shape != x.shape or mean.shape != statistics or inv_std.shape != statistics:
+        return None
+    if any(v.dtype != _F32 for v in (y, mean, inv_std, total)):
+        return None
+    rows = (_rows(x), _rows(skip), _NO_BIAS if bias is None else bias, float(epsilon), gamma)
+    outputs = (_rows(y), inv_std.reshape(-1), _rows(total))
+    skip_rms_rows = loops.skip_rms_rows
+
+    def replay() -> None:
+        skip_rms_rows(*rows, *outputs)
+        mean.fill(0)  # its buffer may serve another value between replays
+
+    return replay
+
+
 declare_into(_skip_simplified_layer_normalization_into, skip_simplified_layer_normalization)
+_skip_simplified_layer_normalization_into.bind = _skip_simplified_layer_normalization_bind  # type: ignore[attr-defined]
 
 
 @kernel("FastGelu", 1, domain=_MS)

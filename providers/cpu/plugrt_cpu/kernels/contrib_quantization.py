@@ -513,6 +513,52 @@ def matmul_nbits(ctx: KernelContext):
             else:
                 y[:, n0:n1] = a2 @ slab.T
 
+    def bind(out, a, b, scales, zero_points=None, g_idx=None, bias=None):
+        """For a capture: ``into(out, a, ...)`` as one call with no arguments, for these
+        arrays (the replay's persistent buffers), when the compiled kernels take them; None
+        otherwise. Checked once here, where ``into`` checks on every call; the product gets
+        a job of its own (its activation buffers), and still asks for threads each call."""
+        loops = compiled_module("_numba_int4")
+        if (
+            packed is None
+            or loops is None
+            or bias is not None
+            or b.size == 0
+            or a.dtype != np.float32
+            or out.dtype != np.float32
+            or not (a.flags.c_contiguous and out.flags.c_contiguous)  # the views below stay views
+            or a.shape[-1:] != (k,)
+            or out.shape != a.shape[:-1] + (n,)
+            or a.size == 0
+            or n == 0
+        ):
+            return None
+        rows = a.size // k
+        a2, y = a.reshape(rows, k), out.reshape(rows, n)
+        body = loops.body_code(loops.choose_body()) if int8_activations else loops.FLOAT_BODY
+        padded = not int8_activations and blocks * block_size != k
+        job = _Job(loops, packed, rows, n, block_size, body, padded)
+        context, address, prepare = job.context, job.address, loops.prepare
+        units_word = loops.CTX_UNITS
+        units_body = (loops.int8_units if int8_activations else loops.float_units).address
+        split = rows * n * k >= _COMPILED_MIN_WORK
+
+        def replay() -> None:
+            count = threads_for(PARALLEL_MIN_WORK) if split else 1
+            pool = compiled_pool() if count > 1 else None
+            if pool is None:
+                prepare(a2, y, context, True)
+                return
+            prepare(a2, y, context, False)
+            count = min(count, _SLOTS)
+            units = min(packed.tiles, count * _UNITS_PER_THREAD)
+            context[units_word] = units
+            pool.run(units_body, address, units, count)
+
+        replay.job = job  # type: ignore[attr-defined]  # its buffers live as long as the replay
+        return replay
+
+    into.bind = bind  # type: ignore[attr-defined]
     declare_into(into, run)
     return run
 
