@@ -195,6 +195,11 @@ class _Loader:
             finally:
                 with self._lock:
                     self._wanted = [w for w in self._wanted if w not in self.ready and w not in self.failed]
+            if self.ready and "numpy.ma" not in sys.modules:
+                # numba's typeof of an array reads numpy.ma, whose import (~9 ms) numpy defers:
+                # here, beside the session's build, rather than in the first run's first call
+                with contextlib.suppress(ImportError):
+                    importlib.import_module("numpy.ma")
 
     def snapshot(self) -> Snapshot:
         with self._lock:
