@@ -359,3 +359,17 @@ def test_a_captured_decode_projection_replays_like_onnxruntime_without_allocatin
             quantized = _onnxruntime(model, f["A"])
             assert _relative(got, quantized) <= _relative(quantized, _onnxruntime(exact, f["A"]))
     assert replay_bytes(lambda: session.replay(feeds[1]), small_buffers=True) < REPLAY_BYTES
+
+
+@pytest.mark.parametrize("rows", [8, 11, 64])
+def test_a_prompts_rows_give_bitwise_what_each_row_gives_alone(path, rows):
+    """accuracy_level 4 with several rows of A: the multi-row tiles (INT8_ROWS rows a pass,
+    the rest one at a time) give each row exactly what that row gives alone."""
+    if path == "numpy":
+        pytest.skip("the numpy path's BLAS sums a block of rows in its own order")
+    model = _model(200, 576, 32, 4, True)
+    a = np.random.default_rng(12).standard_normal((rows, 576)).astype(np.float32)
+    session = plugrt.load(model)
+    together = session.run({"A": a})["Y"]
+    alone = np.concatenate([session.run({"A": a[i : i + 1]})["Y"] for i in range(rows)])
+    np.testing.assert_array_equal(together, alone)

@@ -13,6 +13,10 @@ rows, the block's scales (stored ``[tile][block][16]``) scale all of them in one
 and nothing is reduced across lanes. Half a byte per weight, as packed; the scales and
 zero points (``[tile][block][16]`` float32 and uint8) as many as before.
 
+A prompt's rows of A go ``INT8_ROWS`` at a time through a tile (VNNI and portable bodies):
+each chunk's nibbles are split once for all of them, each row keeps its own accumulator,
+and each row's result is bitwise what it gives alone.
+
 Activations (accuracy_level 4) are quantized per row and block as onnxruntime's MLAS does:
 scale = max |a| / 127, q = round-half-even(a * 127 / max |a|) (0 for an all-zero block);
 each block's int32 product less zero point x sum(q) is scaled by the weight's and the
@@ -330,6 +334,91 @@ def _int8_codegen(body: str):  # type: ignore[no-untyped-def]
 
 _TILE_SIGNATURE = types.void(*([types.int64] * 10))
 
+#: Rows of A the multi-row int8 tiles take at once: each chunk's nibbles are split once
+#: for all of them (a prompt's rows), one int32 accumulator a row.
+INT8_ROWS = 8
+
+
+def _int8_rows_codegen(body: str):  # type: ignore[no-untyped-def]
+    """``INT8_ROWS`` rows of A by one tile, as ``_int8_codegen`` computes each row: the
+    same products and per-block corrections and scaling, in the same order, so each row's
+    result is bitwise the one-row tile's. Row ``i`` of A's buffers is at ``aq + i * width``
+    (its scales and sums at ``+ i * blocks * 4``) and its output at ``out + i * ldo * 4``.
+    Bodies: ``vnni`` and ``portable`` (what the host lacks is emitted as ``portable``)."""
+    if body not in bodies():
+        body = "portable"
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        w, scales, zeros, aq, ascale, asum, blocks, groups, out, rows, width, ldo = args
+        module = builder.module
+        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
+        if body == "vnni":
+            dot = cgutils.get_or_insert_function(module, ir.FunctionType(_V32, [_V32, _V32, _V32]), "llvm.x86.avx512.vpdpbusd.512")
+        v64 = ir.VectorType(_I8, _CHUNK)
+        low_bits = ir.Constant(v64, [0x0F] * _CHUNK)
+        four = ir.Constant(v64, [4] * _CHUNK)
+        totals = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * ROWS)) for _ in range(INT8_ROWS)]
+        accs = [cgutils.alloca_once(builder, _V32) for _ in range(INT8_ROWS)]
+        row_aq = [builder.add(aq, builder.mul(width, _c(i))) for i in range(INT8_ROWS)]
+        row_stats = [builder.mul(builder.mul(blocks, _c(4)), _c(i)) for i in range(INT8_ROWS)]
+        with cgutils.for_range(builder, blocks) as block_loop:
+            block = block_loop.index
+            for acc in accs:
+                builder.store(ir.Constant(_V32, [0] * ROWS), acc)
+            _prefetch(builder, builder.add(scales, builder.mul(block, _c(4 * ROWS))), _PREFETCH_SCALES)
+            with cgutils.for_range(builder, groups) as group_loop:
+                group = builder.add(builder.mul(block, groups), group_loop.index)
+                base = builder.add(w, builder.mul(group, _c(4 * _CHUNK)))
+                for c in range(4):
+                    _prefetch(builder, builder.add(base, _c(c * _CHUNK)), _PREFETCH_WEIGHTS)
+                nibbles = []
+                for c in range(4):
+                    chunk = _load(builder, builder.add(base, _c(c * _CHUNK)), v64)
+                    nibbles.append((builder.and_(chunk, low_bits), builder.and_(builder.lshr(chunk, four), low_bits)))
+                offset = builder.mul(group, _c(_GROUP))
+                for i in range(INT8_ROWS):
+                    activations = builder.add(row_aq[i], offset)
+                    sums = builder.load(accs[i])
+                    for c, (low, high) in enumerate(nibbles):
+                        a_low = _load(builder, builder.add(activations, _c(4 * c)), _I32)
+                        a_high = _load(builder, builder.add(activations, _c(16 + 4 * c)), _I32)
+                        if body == "vnni":
+                            sums = builder.call(dot, [sums, builder.bitcast(low, _V32), _splat(builder, a_low, _V32)])
+                            sums = builder.call(dot, [sums, builder.bitcast(high, _V32), _splat(builder, a_high, _V32)])
+                        else:
+                            sums = _generic_dot(builder, sums, low, a_low)
+                            sums = _generic_dot(builder, sums, high, a_high)
+                    builder.store(sums, accs[i])
+            zero_lanes = _zero_lanes(builder, zeros, block)
+            scale = _load(builder, builder.add(scales, builder.mul(block, _c(4 * ROWS))), _VF)
+            for i in range(INT8_ROWS):
+                stat = builder.add(row_stats[i], builder.mul(block, _c(4)))
+                block_sum = _load(builder, builder.add(asum, stat), _I32)
+                corrected = builder.sub(builder.load(accs[i]), builder.mul(zero_lanes, _splat(builder, block_sum, _V32)))
+                a_scale = _load(builder, builder.add(ascale, stat), _F32)
+                combined = builder.fmul(scale, _splat(builder, a_scale, _VF))
+                builder.store(builder.call(fma, [builder.sitofp(corrected, _VF), combined, builder.load(totals[i])]), totals[i])
+        for i in range(INT8_ROWS):
+            _store_rows(builder, builder.load(totals[i]), builder.add(out, builder.mul(builder.mul(ldo, _c(4)), _c(i))), rows)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+_ROWS_SIGNATURE = types.void(*([types.int64] * 12))
+
+
+@intrinsic
+def _vnni_rows(typingctx, w, scales, zeros, aq, ascale, asum, blocks, groups, out, rows, width, ldo):  # type: ignore[no-untyped-def]
+    """``INT8_ROWS`` rows of A by one tile, ``vpdpbusd`` (AVX-512 VNNI)."""
+    return _ROWS_SIGNATURE, _int8_rows_codegen("vnni")
+
+
+@intrinsic
+def _portable_rows(typingctx, w, scales, zeros, aq, ascale, asum, blocks, groups, out, rows, width, ldo):  # type: ignore[no-untyped-def]
+    """``INT8_ROWS`` rows of A by one tile in generic vector code."""
+    return _ROWS_SIGNATURE, _int8_rows_codegen("portable")
+
 
 @intrinsic
 def _vnni_tile(typingctx, w, scales, zeros, aq, ascale, asum, blocks, groups, out, rows):  # type: ignore[no-untyped-def]
@@ -470,7 +559,19 @@ def _int8_span(context, first, last):  # pragma: no cover  (compiled)
         scales = context[CTX_SCALES] + t * blocks * ROWS * 4
         zeros = context[CTX_ZEROS] + t * blocks * ROWS if context[CTX_ZEROS] != 0 else 0
         rows = min(ROWS, n - t * ROWS)
-        for m in range(m_rows):
+        m0 = 0
+        if body != 1:  # vnni, portable: the rows of A INT8_ROWS at a time while they last
+            while m0 + INT8_ROWS <= m_rows:
+                aq = context[CTX_ACTIVATIONS] + m0 * padded
+                ascale = context[CTX_ASCALES] + m0 * blocks * 4
+                asum = context[CTX_ASUMS] + m0 * blocks * 4
+                out = context[CTX_OUT] + (m0 * n + t * ROWS) * 4
+                if body == 0:
+                    _vnni_rows(w, scales, zeros, aq, ascale, asum, blocks, groups, out, rows, padded, n)
+                else:
+                    _portable_rows(w, scales, zeros, aq, ascale, asum, blocks, groups, out, rows, padded, n)
+                m0 += INT8_ROWS
+        for m in range(m0, m_rows):
             aq = context[CTX_ACTIVATIONS] + m * padded
             ascale = context[CTX_ASCALES] + m * blocks * 4
             asum = context[CTX_ASUMS] + m * blocks * 4
