@@ -901,3 +901,58 @@ def test_a_bound_skip_rms_follows_its_inputs_as_into_does():
         assert not out[1].any()
     strided = np.empty((1, 3, 2 * hidden), np.float32)[..., ::2]
     assert into.bind(out, strided, skip, gamma, bias, epsilon=1e-6) is None
+
+
+@pytest.mark.parametrize(
+    "packed, attributes",
+    [(True, {"do_rotary": 1}), (False, {}), (True, {"do_rotary": 1, "rotary_interleaved": 1, "local_window_size": 4})],
+)
+def test_a_bound_decode_attention_follows_its_cache_as_into_does(packed, attributes):
+    """``into.bind`` of GroupQueryAttention (what a captured decode step replays) over a
+    cache whose presents are its pasts: step after step, with seqlens_k and
+    total_sequence_length read at each call, it writes the output and the cache bitwise as
+    ``into`` does on copies (``into`` is checked against onnxruntime above); a length past
+    the cache's capacity is a ValueError; a feature ``into`` handles alone (a bias) gets None."""
+    import os
+
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+    pytest.importorskip("numba")
+    from plugrt_cpu._registry import KernelContext
+    from plugrt_cpu.kernels import _compiled, contrib_attention
+
+    assert _compiled.wait_ready(600)
+    batch, heads, kv_heads, size, capacity, past = 2, 4, 2, 16, 12, 5
+    attrs = {"num_heads": heads, "kv_num_heads": kv_heads, **attributes}
+    ctx = KernelContext("GroupQueryAttention", "com.microsoft", 1, attrs, 9, 3, [np.dtype(np.float32)] * 9, [None] * 9)
+    kernel = contrib_attention.group_query_attention(ctx)
+    rng = _rng(7)
+    width = (heads + 2 * kv_heads) * size
+    query = np.empty((batch, 1, width if packed else heads * size), np.float32)
+    key = None if packed else np.empty((batch, 1, kv_heads * size), np.float32)
+    value = None if packed else np.empty((batch, 1, kv_heads * size), np.float32)
+    cache_k, cache_v = (np.zeros((batch, kv_heads, capacity, size), np.float32) for _ in range(2))
+    cache_k[:, :, :past], cache_v[:, :, :past] = _randn(rng, batch, kv_heads, past, size), _randn(rng, batch, kv_heads, past, size)
+    seqlens, total = np.empty(batch, np.int32), np.empty(1, np.int32)
+    cos = sin = None
+    if attributes.get("do_rotary"):
+        cos, sin = _randn(rng, 64, size // 2), _randn(rng, 64, size // 2)
+    out = (np.empty((batch, 1, heads * size), np.float32), cache_k, cache_v)
+    replay = kernel.into.bind(out, query, key, value, cache_k, cache_v, seqlens, total, cos, sin)
+    assert replay is not None
+    for length in range(past + 1, capacity + 1):
+        for array in (query, key, value):
+            if array is not None:
+                array[...] = rng.standard_normal(array.shape)
+        seqlens[:], total[:] = length - 1, length
+        expected = (np.empty_like(out[0]), cache_k.copy(), cache_v.copy())
+        copies = [None if a is None else a.copy() for a in (query, key, value)]
+        kernel.into(expected, *copies, expected[1], expected[2], seqlens.copy(), total.copy(), cos, sin)
+        replay()
+        for got, want in zip(out, expected):
+            np.testing.assert_array_equal(got, want)
+    seqlens[:], total[:] = capacity, capacity + 1
+    with pytest.raises(ValueError, match="do not fit"):
+        replay()
+    bias = np.zeros((batch, heads, 1, capacity), np.float32)
+    assert kernel.into.bind(out, query, key, value, cache_k, cache_v, seqlens, total, cos, sin, None, bias) is None

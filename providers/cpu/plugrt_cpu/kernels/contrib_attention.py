@@ -770,6 +770,108 @@ def group_query_attention(ctx: KernelContext):
     def into(out, *inputs):
         run(*inputs, out=tuple(out) if isinstance(out, (tuple, list)) else (out,))
 
+    def bind(
+        out, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+        total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None, *rest,
+    ):
+        """For a capture: a decode step's attention over a cache its presents share with
+        their pasts (one binding each), as one call with no arguments: the compiled
+        rotation into the cache, the cache's tail and the attention, with the heads' views
+        and work arrays found once. Each call reads seqlens_k, total_sequence_length (and
+        position_ids) as they are then, and checks them against the cache. None where a
+        feature or layout asks for ``into`` (biases, sinks, softcap, a separate past, ...)."""
+        loops = decode_loops()
+        outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if loops is None or softcap > 0 or smooth or any(r is not None for r in rest) or len(outputs) != 3:
+            return None
+        arrays = [query, key, value, past_key, past_value, *outputs]
+        if any(a is not None and not (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays):
+            return None
+        if past_key is None or past_value is None or query.ndim != 3 or (key is None) != (value is None):
+            return None
+        if not isinstance(seqlens_k, np.ndarray) or not isinstance(total_sequence_length, np.ndarray):
+            return None
+        output, present_k, present_v = outputs
+        shared = all(
+            past.shape == present.shape and np.may_share_memory(past, present)
+            for past, present in ((past_key, present_k), (past_value, present_v))
+        )
+        if not shared:
+            return None
+        batch, seq, hidden = query.shape
+        if key is None:
+            if hidden % (num_heads + 2 * kv_num_heads):
+                return None
+            packed = _heads(query, num_heads + 2 * kv_num_heads, "packed QKV")
+            q_heads, k_heads = packed[:, :, :num_heads], packed[:, :, num_heads : num_heads + kv_num_heads]
+            v_heads = packed[:, :, num_heads + kv_num_heads :]
+        else:
+            if hidden % num_heads or key.shape[-1] % kv_num_heads or value.shape[-1] % kv_num_heads:
+                return None
+            q_heads, k_heads = _heads(query, num_heads, "query"), _heads(key, kv_num_heads, "key")
+            v_heads = _heads(value, kv_num_heads, "value")
+            if k_heads.shape[:2] != (batch, seq) or k_heads.shape[-1] != q_heads.shape[-1] or v_heads.shape[:2] != (batch, seq):
+                return None
+        head_size = v_heads.shape[-1]
+        capacity = past_key.shape[2]
+        if (
+            seqlens_k.size != batch
+            or present_k.shape != (batch, kv_num_heads, capacity, head_size)
+            or output.shape != (batch, seq, num_heads * head_size)
+        ):
+            return None
+        if do_rotary:
+            if cos_cache is None or sin_cache is None or not all(
+                isinstance(c, np.ndarray) and c.dtype == np.float32 and c.ndim == 2 for c in (cos_cache, sin_cache)
+            ):
+                return None
+            if cos_cache.shape != sin_cache.shape or 2 * cos_cache.shape[-1] > head_size:
+                return None
+            cos, sin, rows = cos_cache, sin_cache, cos_cache.shape[0]
+        else:
+            cos = sin = _NO_ROTATION
+            rows = 0
+        work = works.get(output, (batch, num_heads, kv_num_heads, seq, capacity, head_size))
+        if not work.queries.flags.c_contiguous:
+            return None
+        scale = np.float32(scale_attr or 1 / math.sqrt(head_size))
+        lengths, starts = np.empty(batch, np.int64), np.empty(batch, np.int64)
+        positions = np.zeros((batch, seq), np.int64)
+        steps = np.arange(seq, dtype=np.int64)
+        scores = work.scores.reshape(-1)
+        seqlens, totals = seqlens_k.reshape(-1), total_sequence_length.reshape(-1)
+
+        def replay() -> None:
+            np.add(seqlens, 1, out=lengths)  # cached after this step
+            first_prompt = seq == int(totals[0])
+            if first_prompt:
+                starts.fill(0)
+            else:
+                np.subtract(lengths, seq, out=starts)
+            if int(starts.min()) < 0 or int(lengths.max()) > capacity:
+                raise ValueError(
+                    f"seqlens_k {(lengths - 1).tolist()} do not fit a step of {seq} tokens in a cache of {capacity}"
+                )
+            if do_rotary:
+                if position_ids is None:
+                    if int(starts.max()) + seq > rows:
+                        raise ValueError(
+                            f"position ids reach {int(starts.max()) + seq - 1} but cos_cache has {rows} rows; build the "
+                            "cache for the longest sequence the model will see"
+                        )
+                    np.add(starts[:, None], steps, out=positions)
+                else:
+                    positions[...] = _rotary_positions(position_ids, starts.tolist(), first_prompt, batch, seq, rows)
+            loops.rotate_into_cache(
+                q_heads, k_heads, v_heads, cos, sin, positions, interleaved, scale, work.queries, present_k, present_v, starts
+            )
+            loops.finish_caches(present_k, present_v, present_k, present_v, False, starts, seq)
+            loops.causal_attention(work.queries, present_k, present_v, lengths, starts, window, scores, output)
+
+        return replay
+
+    into.bind = bind  # type: ignore[attr-defined]
+
     # A capture may give the presents the past buffers themselves when one binding carries
     # both (onnxruntime's past_present_share_buffer): only the new tokens are written then.
     into.writes_over_inputs = {1: 3, 2: 4}  # type: ignore[attr-defined]
