@@ -239,6 +239,16 @@ def _prefetch(builder, address, ahead):  # type: ignore[no-untyped-def]
     builder.call(hint, [_pointer(builder, builder.add(address, _c(ahead)), _I8), _c(0, _I32), _c(3, _I32), _c(1, _I32)])
 
 
+def _group_chunks(builder, w, block, groups, index):  # type: ignore[no-untyped-def]
+    """Group ``index`` of ``block``: its number among the tile's groups and the address of
+    its four chunks, the lines ahead of them asked for."""
+    group = builder.add(builder.mul(block, groups), index)
+    base = builder.add(w, builder.mul(group, _c(4 * _CHUNK)))
+    for c in range(4):
+        _prefetch(builder, builder.add(base, _c(c * _CHUNK)), _PREFETCH_WEIGHTS)
+    return group, base
+
+
 def _generic_dot(builder, sums, nibbles, activation):  # type: ignore[no-untyped-def]
     """``sums`` plus, per int32 lane, the four u8 ``nibbles`` of the lane times the four
     s8 bytes of ``activation`` (what ``vpdpbusd`` does), in generic vector code."""
@@ -280,10 +290,7 @@ def _int8_codegen(body: str):  # type: ignore[no-untyped-def]
             builder.store(ir.Constant(_V32, [0] * ROWS), acc)
             _prefetch(builder, builder.add(scales, builder.mul(block, _c(4 * ROWS))), _PREFETCH_SCALES)
             with cgutils.for_range(builder, groups) as group_loop:
-                group = builder.add(builder.mul(block, groups), group_loop.index)
-                base = builder.add(w, builder.mul(group, _c(4 * _CHUNK)))
-                for c in range(4):
-                    _prefetch(builder, builder.add(base, _c(c * _CHUNK)), _PREFETCH_WEIGHTS)
+                group, base = _group_chunks(builder, w, block, groups, group_loop.index)
                 activations = builder.add(aq, builder.mul(group, _c(_GROUP)))
                 sums = builder.load(acc)
                 halves = []
@@ -367,10 +374,7 @@ def _int8_rows_codegen(body: str):  # type: ignore[no-untyped-def]
                 builder.store(ir.Constant(_V32, [0] * ROWS), acc)
             _prefetch(builder, builder.add(scales, builder.mul(block, _c(4 * ROWS))), _PREFETCH_SCALES)
             with cgutils.for_range(builder, groups) as group_loop:
-                group = builder.add(builder.mul(block, groups), group_loop.index)
-                base = builder.add(w, builder.mul(group, _c(4 * _CHUNK)))
-                for c in range(4):
-                    _prefetch(builder, builder.add(base, _c(c * _CHUNK)), _PREFETCH_WEIGHTS)
+                group, base = _group_chunks(builder, w, block, groups, group_loop.index)
                 nibbles = []
                 for c in range(4):
                     chunk = _load(builder, builder.add(base, _c(c * _CHUNK)), v64)
@@ -448,10 +452,7 @@ def _float_codegen(context, builder, signature, args):  # type: ignore[no-untype
         offsets = builder.sitofp(_zero_lanes(builder, zeros, block), _VF)
         _prefetch(builder, builder.add(scales, builder.mul(block, _c(4 * ROWS))), _PREFETCH_SCALES)
         with cgutils.for_range(builder, groups) as group_loop:
-            group = builder.add(builder.mul(block, groups), group_loop.index)
-            base = builder.add(w, builder.mul(group, _c(4 * _CHUNK)))
-            for c in range(4):
-                _prefetch(builder, builder.add(base, _c(c * _CHUNK)), _PREFETCH_WEIGHTS)
+            group, base = _group_chunks(builder, w, block, groups, group_loop.index)
             first = builder.mul(group, _c(_GROUP))
             sums = builder.load(acc)
             for c in range(4):
