@@ -631,3 +631,46 @@ def test_a_gate_times_another_sigmoid_is_not_taken_for_silu():
     )
     feeds = {"gate": _random(2, 16, seed=4), "other": _random(2, 16, seed=6), "up": _random(2, 16, seed=5)}
     _assert_fused(model, feeds, ["Sigmoid", "Mul", "Mul"])
+
+
+def test_silu_mul_compiled_pass_matches_float64_on_extremes_and_its_bound_call_follows_inputs(monkeypatch):
+    """SiluMul's one compiled pass (and the bound call a capture replays) against float64
+    numpy on extremes (exp(-g) overflowing, infinities, NaN, signed zeros), and against
+    the five numpy passes it replaces."""
+    import os
+
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+    pytest.importorskip("numba")
+    from plugrt_cpu import fusions
+    from plugrt_cpu.kernels import _compiled
+
+    assert _compiled.wait_ready(600)
+    if fusions.epilogue_loops() is None:
+        pytest.skip("the compiled loops are off here")
+    rng = np.random.default_rng(8)
+    g = (rng.standard_normal(300) * 8).astype(np.float32)
+    g[:8] = [np.nan, np.inf, -np.inf, -120.0, 120.0, 0.0, -0.0, -88.5]
+    u = rng.standard_normal(300).astype(np.float32)
+
+    def expected() -> np.ndarray:
+        wide = g.astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return (wide / (1 + np.exp(-wide)) * u).astype(np.float32)
+
+    out = np.empty_like(g)
+    replay = fusions._silu_mul_into.bind(out, g, u)
+    assert replay is not None
+    for _ in range(2):
+        replay()
+        np.testing.assert_allclose(out, expected(), rtol=2e-6, atol=1e-30)
+        g[8:] = (rng.standard_normal(292) * 8).astype(np.float32)
+    compiled = np.empty_like(g)
+    fusions._silu_mul_into(compiled, g, u)
+    monkeypatch.setattr(fusions, "epilogue_loops", lambda: None)
+    numpy_path = np.empty_like(g)
+    with np.errstate(invalid="ignore"):  # -inf / inf in its divide
+        fusions._silu_mul_into(numpy_path, g, u)
+    np.testing.assert_allclose(compiled, numpy_path, rtol=2e-6, atol=1e-30)
+    assert np.signbit(compiled[[3, 6]]).tolist() == np.signbit(numpy_path[[3, 6]]).tolist()
+    assert fusions._silu_mul_into.bind(out, g, u[:, None][:, 0].copy().reshape(3, 100)) is None

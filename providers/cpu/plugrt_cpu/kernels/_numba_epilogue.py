@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 __all__ = [
     "bias_relu_rows", "bias_residual_relu_rows", "clip_in_place", "hard_swish_in_place", "scale_shift_relu_rows",
-    "silu_in_place", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP", "squeeze_excite",
+    "silu_in_place", "silu_mul", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP", "squeeze_excite",
     "SE_RELU", "SE_SILU", "SE_HARD_SWISH", "SE_SIGMOID", "SE_HARD_SIGMOID",
 ]
 
@@ -209,6 +209,18 @@ def silu_in_place(y):  # pragma: no cover  (compiled)
     for i in range(y.shape[0]):
         v = y[i]
         y[i] = v / (_ONE + _exp(-v))
+
+
+_FLAT_IN = numba.types.Array(numba.float32, 1, "C", readonly=True)
+
+
+@numba.njit([numba.void(_FLAT_IN, _FLAT_IN, _FLAT)], fastmath=_FAST, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def silu_mul(g, u, out):  # pragma: no cover  (compiled)
+    """``out = g / (1 + exp(-g)) * u`` in one pass (a SwiGLU's gate): as ``silu_in_place``
+    for the SiLU, then times ``u``."""
+    for i in range(out.shape[0]):
+        v = g[i]
+        out[i] = v / (_ONE + _exp(-v)) * u[i]
 
 
 # -- a fused Conv's activation over a block of its output, on the thread that computed it --
