@@ -903,16 +903,18 @@ def test_a_bound_skip_rms_follows_its_inputs_as_into_does():
     assert into.bind(out, strided, skip, gamma, bias, epsilon=1e-6) is None
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["one_thread", "heads_on_the_pool"])
 @pytest.mark.parametrize(
     "packed, attributes",
     [(True, {"do_rotary": 1}), (False, {}), (True, {"do_rotary": 1, "rotary_interleaved": 1, "local_window_size": 4})],
 )
-def test_a_bound_decode_attention_follows_its_cache_as_into_does(packed, attributes):
+def test_a_bound_decode_attention_follows_its_cache_as_into_does(monkeypatch, packed, attributes, pooled):
     """``into.bind`` of GroupQueryAttention (what a captured decode step replays) over a
     cache whose presents are its pasts: step after step, with seqlens_k and
     total_sequence_length read at each call, it writes the output and the cache bitwise as
-    ``into`` does on copies (``into`` is checked against onnxruntime above); a length past
-    the cache's capacity is a ValueError; a feature ``into`` handles alone (a bias) gets None."""
+    ``into`` does on copies (``into`` is checked against onnxruntime above), its heads on
+    one thread or shared over the compiled pool's two; a length past the cache's capacity
+    is a ValueError; a feature ``into`` handles alone (a bias) gets None."""
     import os
 
     if os.environ.get("PLUGRT_NUMBA", "1") == "0":
@@ -920,8 +922,14 @@ def test_a_bound_decode_attention_follows_its_cache_as_into_does(packed, attribu
     pytest.importorskip("numba")
     from plugrt_cpu._registry import KernelContext
     from plugrt_cpu.kernels import _compiled, contrib_attention
+    from plugrt_cpu.kernels._compiled_parallel import compiled_pool
 
     assert _compiled.wait_ready(600)
+    if pooled:
+        if compiled_pool() is None:
+            pytest.skip("no compiled pool here")
+        monkeypatch.setattr(contrib_attention, "_POOL_ATTENTION_MIN", 0)
+        monkeypatch.setattr(contrib_attention, "threads_for", lambda work: 2)
     batch, heads, kv_heads, size, capacity, past = 2, 4, 2, 16, 12, 5
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads, **attributes}
     ctx = KernelContext("GroupQueryAttention", "com.microsoft", 1, attrs, 9, 3, [np.dtype(np.float32)] * 9, [None] * 9)

@@ -79,6 +79,7 @@ MODULES: dict[str, str] = {
 #: then ready at once, as the thread pool's loops under the 4-bit kernels must be).
 IMPORTS: dict[str, tuple[str, ...]] = {
     "_numba_conv": ("_numba_parallel", "_numba_epilogue", "_numba_gemm"),
+    "_numba_decode": ("_numba_parallel",),
     "_numba_dense": ("_numba_parallel", "_numba_gemm", "_numba_loops"),
     "_numba_loops": ("_numba_parallel", "_numba_epilogue"),
     "_numba_depthwise": ("_numba_parallel", "_numba_epilogue"),

@@ -15,10 +15,15 @@ from typing import Any
 import numba
 import numpy as np
 
-__all__ = ["causal_attention", "finish_caches", "rms_rows", "rotate_into_cache", "skip_rms_rows"]
+__all__ = ["attention_job", "causal_attention", "finish_caches", "rms_rows", "rotate_into_cache", "skip_rms_rows"]
 
 _FLAGS: dict[str, Any] = dict(nogil=True, boundscheck=False, error_model="numpy", cache=True)
 _compiled = numba.njit(**_FLAGS)
+
+
+# After numba's first use above: a numba that cannot set up fails there, with its own
+# error, before _numba_parallel's import of llvmlite could.
+from ._numba_parallel import float32_pointer, int64_pointer  # noqa: E402
 
 
 def _entry(*signatures):  # type: ignore[no-untyped-def]
@@ -84,6 +89,41 @@ def _dot(a, b):  # pragma: no cover  (compiled)
     return total
 
 
+@_compiled
+def _attend_head(queries, keys, values, lengths, past_lengths, window, work, out, b, h):  # pragma: no cover  (compiled)
+    """``causal_attention`` for sequence ``b``'s query head ``h``: its scores in ``work``
+    (at least capacity floats), its result in its columns of ``out``."""
+    seq, head_size = queries.shape[2], queries.shape[3]
+    kv = h // (queries.shape[1] // keys.shape[1])
+    valid = lengths[b]
+    for s in range(seq):
+        position = past_lengths[b] + s
+        end = min(position + 1, valid)
+        start = max(0, position - window + 1) if window > 0 else 0
+        peak = -np.inf
+        query = queries[b, h, s]
+        for t in range(start, end):
+            dot = _dot(query, keys[b, kv, t])
+            work[t] = dot
+            peak = max(peak, dot)
+        total = np.float32(0.0)
+        for t in range(start, end):
+            e = np.float32(math.exp(work[t] - peak))
+            work[t] = e
+            total += e
+        # the weighted values summed position by position, every channel at once (a
+        # vector of channels: the sum over t for each channel keeps its order)
+        row = out[b, s, h * head_size : (h + 1) * head_size]
+        row[:] = 0.0
+        for t in range(start, end):
+            weight = work[t]
+            value = values[b, kv, t]
+            for d in range(head_size):
+                row[d] += weight * value[d]
+        for d in range(head_size):
+            row[d] /= total
+
+
 @_entry(numba.void(_IN4, _IN4, _IN4, _INDICES1, _INDICES1, numba.int64, _OUT1, _OUT3))
 def causal_attention(queries, keys, values, lengths, past_lengths, window, work, out):  # pragma: no cover  (compiled)
     """Grouped causal attention of the scaled queries (B, N, S, D) over the first
@@ -91,38 +131,36 @@ def causal_attention(queries, keys, values, lengths, past_lengths, window, work,
     past_lengths[b] + s and sees the keys up to itself (and within ``window`` when
     positive). ``work`` holds at least capacity float32 scores; the result goes to
     ``out`` (B, S, N * D)."""
-    batch, num_heads, seq, head_size = queries.shape
-    groups = num_heads // keys.shape[1]
-    for b in range(batch):
-        valid = lengths[b]
-        for h in range(num_heads):
-            kv = h // groups
-            for s in range(seq):
-                position = past_lengths[b] + s
-                end = min(position + 1, valid)
-                start = max(0, position - window + 1) if window > 0 else 0
-                peak = -np.inf
-                query = queries[b, h, s]
-                for t in range(start, end):
-                    dot = _dot(query, keys[b, kv, t])
-                    work[t] = dot
-                    peak = max(peak, dot)
-                total = np.float32(0.0)
-                for t in range(start, end):
-                    e = np.float32(math.exp(work[t] - peak))
-                    work[t] = e
-                    total += e
-                # the weighted values summed position by position, every channel at once (a
-                # vector of channels: the sum over t for each channel keeps its order)
-                row = out[b, s, h * head_size : (h + 1) * head_size]
-                row[:] = 0.0
-                for t in range(start, end):
-                    weight = work[t]
-                    value = values[b, kv, t]
-                    for d in range(head_size):
-                        row[d] += weight * value[d]
-                for d in range(head_size):
-                    row[d] /= total
+    for b in range(queries.shape[0]):
+        for h in range(queries.shape[1]):
+            _attend_head(queries, keys, values, lengths, past_lengths, window, work, out, b, h)
+
+
+# The context of ``attention_job`` (int64 words): the arrays' addresses, then the sizes.
+(
+    ATT_QUERIES, ATT_KEYS, ATT_VALUES, ATT_LENGTHS, ATT_STARTS, ATT_WORK, ATT_OUT, ATT_WINDOW,
+    ATT_BATCH, ATT_HEADS, ATT_SEQ, ATT_SIZE, ATT_KV_HEADS, ATT_CAPACITY,
+) = range(14)
+ATT_WORDS = 14
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def attention_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of ``causal_attention`` on the compiled pool, one (sequence,
+    query head) a unit, slot ``slot``'s scores at ``slot * capacity`` in the work array:
+    each head's result is the one-thread loop's, bitwise."""
+    context = numba.carray(int64_pointer(c), ATT_WORDS)
+    batch, heads, seq, size = context[ATT_BATCH], context[ATT_HEADS], context[ATT_SEQ], context[ATT_SIZE]
+    kv_heads, capacity = context[ATT_KV_HEADS], context[ATT_CAPACITY]
+    queries = numba.carray(float32_pointer(context[ATT_QUERIES]), (batch, heads, seq, size))
+    keys = numba.carray(float32_pointer(context[ATT_KEYS]), (batch, kv_heads, capacity, size))
+    values = numba.carray(float32_pointer(context[ATT_VALUES]), (batch, kv_heads, capacity, size))
+    lengths = numba.carray(int64_pointer(context[ATT_LENGTHS]), (batch,))
+    starts = numba.carray(int64_pointer(context[ATT_STARTS]), (batch,))
+    work = numba.carray(float32_pointer(context[ATT_WORK] + slot * capacity * 4), (capacity,))
+    out = numba.carray(float32_pointer(context[ATT_OUT]), (batch, seq, heads * size))
+    for unit in range(start, stop):
+        _attend_head(queries, keys, values, lengths, starts, context[ATT_WINDOW], work, out, unit // heads, unit % heads)
 
 
 @_compiled

@@ -7,8 +7,10 @@ import weakref
 from typing import Any
 
 import numpy as np
+from plugrt.threads import PARALLEL_MIN_WORK, threads_for
 
 from .._registry import KernelContext, declare_into, kernel, kernel_builder
+from ._compiled_parallel import compiled_pool
 from .attention import _grouped_matmul, _merge_heads, _split_heads
 from .contrib_normalization import decode_loops
 from .elementwise import scratch
@@ -494,6 +496,10 @@ def _rotary_rows(
     return cos_cache[positions][:, :, None], sin_cache[positions][:, :, None]
 
 
+# Query-key products (heads x queries x keys x head size) from which a bound decode step's
+# attention shares its heads over the compiled pool's threads (a job costs a few us).
+_POOL_ATTENTION_MIN = 1 << 14
+
 _NO_ROTATION = np.zeros((1, 0), np.float32)  # cos/sin of width 0: the compiled loop rotates nothing
 
 
@@ -840,6 +846,20 @@ def group_query_attention(ctx: KernelContext):
         steps = np.arange(seq, dtype=np.int64)
         scores = work.scores.reshape(-1)
         seqlens, totals = seqlens_k.reshape(-1), total_sequence_length.reshape(-1)
+        # the heads over the compiled pool's threads: one (sequence, head) a unit, each
+        # slot its own capacity of scores (the work array holds one per query row)
+        units = batch * num_heads
+        job = np.zeros(loops.ATT_WORDS, np.int64)
+        for index, value in (
+            (loops.ATT_QUERIES, work.queries.ctypes.data), (loops.ATT_KEYS, present_k.ctypes.data),
+            (loops.ATT_VALUES, present_v.ctypes.data), (loops.ATT_LENGTHS, lengths.ctypes.data),
+            (loops.ATT_STARTS, starts.ctypes.data), (loops.ATT_WORK, scores.ctypes.data),
+            (loops.ATT_OUT, output.ctypes.data), (loops.ATT_WINDOW, window), (loops.ATT_BATCH, batch),
+            (loops.ATT_HEADS, num_heads), (loops.ATT_SEQ, seq), (loops.ATT_SIZE, head_size),
+            (loops.ATT_KV_HEADS, kv_num_heads), (loops.ATT_CAPACITY, capacity),
+        ):
+            job[index] = value
+        job_address, job_body = int(job.ctypes.data), loops.attention_job.address
 
         def replay() -> None:
             np.add(seqlens, 1, out=lengths)  # cached after this step
@@ -866,8 +886,15 @@ def group_query_attention(ctx: KernelContext):
                 q_heads, k_heads, v_heads, cos, sin, positions, interleaved, scale, work.queries, present_k, present_v, starts
             )
             loops.finish_caches(present_k, present_v, present_k, present_v, False, starts, seq)
-            loops.causal_attention(work.queries, present_k, present_v, lengths, starts, window, scores, output)
+            spans = units * seq * int(lengths.max()) * head_size  # query-key products, about
+            count = min(units, threads_for(PARALLEL_MIN_WORK)) if spans >= _POOL_ATTENTION_MIN else 1
+            pool = compiled_pool() if count > 1 else None
+            if pool is None:
+                loops.causal_attention(work.queries, present_k, present_v, lengths, starts, window, scores, output)
+            else:
+                pool.run(job_body, job_address, units, count)
 
+        replay.job = job  # type: ignore[attr-defined]  # the context lives as long as the replay
         return replay
 
     into.bind = bind  # type: ignore[attr-defined]
