@@ -40,3 +40,19 @@ def _forget_loaders() -> None:
             for value in list(vars(module).values()):
                 if isinstance(value, functools._lru_cache_wrapper) and value.__module__ == name and not name.endswith("._compiled_parallel"):
                     value.cache_clear()
+
+
+def compiled_or_skip(loops: Callable[[], Any]) -> Any:
+    """What ``loops`` (a loader such as ``decode_loops``) returns once the background build
+    has finished; the test is skipped under PLUGRT_NUMBA=0, without numba, or where the
+    compiled loops are off."""
+    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
+        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
+    pytest.importorskip("numba")
+    from plugrt_cpu.kernels import _compiled
+
+    assert _compiled.wait_ready(600)
+    found = loops()
+    if found is None:
+        pytest.skip("the compiled loops are off here")
+    return found

@@ -637,17 +637,11 @@ def test_silu_mul_compiled_pass_matches_float64_on_extremes_and_its_bound_call_f
     """SiluMul's one compiled pass (and the bound call a capture replays) against float64
     numpy on extremes (exp(-g) overflowing, infinities, NaN, signed zeros), and against
     the five numpy passes it replaces."""
-    import os
-
-    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
-        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
-    pytest.importorskip("numba")
     from plugrt_cpu import fusions
-    from plugrt_cpu.kernels import _compiled
 
-    assert _compiled.wait_ready(600)
-    if fusions.epilogue_loops() is None:
-        pytest.skip("the compiled loops are off here")
+    from cpu.numba_paths import compiled_or_skip
+
+    compiled_or_skip(fusions.epilogue_loops)
     rng = np.random.default_rng(8)
     g = (rng.standard_normal(300) * 8).astype(np.float32)
     g[:8] = [np.nan, np.inf, -np.inf, -120.0, 120.0, 0.0, -0.0, -88.5]

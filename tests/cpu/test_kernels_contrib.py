@@ -861,16 +861,11 @@ def test_a_bound_skip_rms_follows_its_inputs_as_into_does():
     writes all four outputs as ``into`` does, the unused mean's buffer zeroed again even
     when something else wrote it between calls; None where an input is not contiguous.
     Expected values: onnxruntime's kernel on the same inputs."""
-    import os
+    from plugrt_cpu.kernels import contrib_normalization as cn
 
-    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
-        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
-    pytest.importorskip("numba")
-    from plugrt_cpu.kernels import _compiled, contrib_normalization as cn
+    from cpu.numba_paths import compiled_or_skip
 
-    assert _compiled.wait_ready(600)
-    if cn.decode_loops() is None:
-        pytest.skip("the compiled loops are off here")
+    compiled_or_skip(cn.decode_loops)
     into = cn._skip_simplified_layer_normalization_into
     rng = np.random.default_rng(4)
     hidden = 96
@@ -915,16 +910,13 @@ def test_a_bound_decode_attention_follows_its_cache_as_into_does(monkeypatch, pa
     ``into`` does on copies (``into`` is checked against onnxruntime above), its heads on
     one thread or shared over the compiled pool's two; a length past the cache's capacity
     is a ValueError; a feature ``into`` handles alone (a bias) gets None."""
-    import os
-
-    if os.environ.get("PLUGRT_NUMBA", "1") == "0":
-        pytest.skip("PLUGRT_NUMBA=0 turns the compiled loops off")
-    pytest.importorskip("numba")
     from plugrt_cpu._registry import KernelContext
-    from plugrt_cpu.kernels import _compiled, contrib_attention
+    from plugrt_cpu.kernels import contrib_attention
     from plugrt_cpu.kernels._compiled_parallel import compiled_pool
 
-    assert _compiled.wait_ready(600)
+    from cpu.numba_paths import compiled_or_skip
+
+    compiled_or_skip(contrib_attention.decode_loops)
     if pooled:
         if compiled_pool() is None:
             pytest.skip("no compiled pool here")
