@@ -149,3 +149,55 @@ def test_recording_a_repacked_weight_does_not_keep_it_alive():
     collected = weakref.ref(packed)
     del packed
     assert collected() is None
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_a_captured_tied_lookup_replays_onnxruntimes_rows_without_allocating(tmp_path, zero_points):
+    """A capture replays the tied table's lookup as one bound compiled call, reading the
+    ids at each replay: onnxruntime's rows bitwise, zero rows for ids out of range, and
+    no arrays allocated."""
+    if not _compiled.compiled_enabled():
+        pytest.skip("the repacked layout is the compiled kernels' (numba)")
+    from plugrt.capture import Captured
+
+    from cpu.test_into import REPLAY_BYTES, replay_bytes
+
+    assert _compiled.wait_ready(600)
+    k = 256  # 40 rows of 256 floats: 40 KiB a lookup, which an unbound replay would allocate
+    path = _tied_model(tmp_path, k=k, zero_points=zero_points)
+    session = plugrt.load(path, device="cpu")
+    rng = np.random.default_rng(6)
+    rounds = [rng.integers(-N, N, (2, 20)).tolist() for _ in range(2)]
+    captured = session.try_capture(_feeds(rounds[0], k, np.float32))
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for ids in rounds + rounds[:1]:
+        feeds = _feeds(ids, k, np.float32)
+        np.testing.assert_array_equal(session.replay(feeds)["embeddings"], _onnxruntime_embeddings(path, feeds))
+    outside = [[3, N, -N - 1] + rounds[0][0][3:], rounds[0][1]]
+    got = session.replay(_feeds(outside, k, np.float32))["embeddings"]
+    assert not got[0, 1:3].any() and got[0, 0].any()
+    feeds = _feeds(rounds[1], k, np.float32)
+    assert replay_bytes(lambda: session.replay(feeds), small_buffers=True) < REPLAY_BYTES
+
+
+def test_compiled_gather_rows_are_the_numpy_rows_bitwise():
+    """_numba_int4.gather_rows against contrib_quantization._packed_rows (numpy), with and
+    without zero points, for block sizes 32 to 128 and rows of a padded last tile."""
+    if not _compiled.compiled_enabled():
+        pytest.skip("numba is off here")
+    assert _compiled.wait_ready(600)
+    loops = _compiled.compiled_module("_numba_int4")
+    if loops is None:
+        pytest.skip("the compiled loops are off here")
+    rng = np.random.default_rng(5)
+    for n, k, block_size, zeros in [(150, 96, 32, False), (37, 256, 64, True), (20, 256, 128, True)]:
+        blocks = k // block_size
+        b = rng.integers(0, 256, (n, blocks, block_size // 2), dtype=np.uint8)
+        scales = (rng.random((n, blocks)) * 0.05 + 0.01).astype(np.float32)
+        zp = rng.integers(0, 256, (n, -(-blocks // 2)), dtype=np.uint8) if zeros else None
+        packed = contrib_quantization._Packed(b, scales, zp, n, k, block_size)
+        rows = rng.integers(0, n, 40).astype(np.int64)
+        expected = contrib_quantization._packed_rows(packed, rows, block_size)
+        got = np.empty_like(expected)
+        loops.gather_rows(packed.weights, packed.scales, contrib_quantization._zeros_of(packed), rows, got)
+        np.testing.assert_array_equal(got, expected)

@@ -50,6 +50,7 @@ __all__ = [
     "bodies",
     "choose_body",
     "float_units",
+    "gather_rows",
     "int8_units",
     "pack",
     "prepare",
@@ -659,6 +660,33 @@ def prepare(a, out, context, run):  # pragma: no cover  (compiled)
             _float_span(context, 0, context[CTX_TILES], 0)
         else:
             _int8_span(context, 0, context[CTX_TILES])
+
+
+@numba.njit(
+    [types.void(
+        types.Array(types.uint8, 4, "C", readonly=True), types.Array(types.float32, 3, "C", readonly=True),
+        types.Array(types.uint8, 3, "C", readonly=True), types.Array(types.int64, 1, "C", readonly=True),
+        types.float32[:, ::1],
+    )],
+    **_FLAGS,
+)
+def gather_rows(weights, scales, zeros, rows, out):  # pragma: no cover  (compiled)
+    """Rows ``rows`` (in range) of a repacked weight dequantized into ``out`` (len(rows),
+    blocks * block_size): ``(q - z) * s`` in float32, as ``contrib_quantization._packed_rows``
+    computes them (z 8 where ``zeros`` is empty). A tied embedding's lookup of a few rows."""
+    blocks, groups = weights.shape[1], weights.shape[2] // 4
+    block_size = groups * _GROUP
+    for i in range(rows.shape[0]):
+        tile, lane = rows[i] // ROWS, rows[i] % ROWS
+        for b in range(blocks):
+            zero = np.float32(8.0) if zeros.shape[0] == 0 else np.float32(zeros[tile, b, lane])
+            scale = scales[tile, b, lane]
+            for g in range(groups):
+                base = b * block_size + g * _GROUP
+                for q in range(16):
+                    byte = weights[tile, b, g * 4 + q // 4, lane * 4 + q % 4]
+                    out[i, base + q] = (np.float32(byte & 15) - zero) * scale
+                    out[i, base + 16 + q] = (np.float32(byte >> 4) - zero) * scale
 
 
 def body_code(name: str) -> int:

@@ -648,6 +648,14 @@ def gather_block_quantized(ctx: KernelContext):
         index = np.where(index < 0, index + extent, index)
         index = np.where(valid, index, 0)  # out of range: zeros, set below
         packed_weight = tied_weight(data, scales, zero_points)
+        gather = _compiled_gather(packed_weight, scales, length, block_size)
+        if gather is not None:  # one compiled pass over the rows asked, straight into the result
+            assert packed_weight is not None
+            rows = np.empty((index.size, length), np.float32)
+            gather(packed_weight.weights, packed_weight.scales, _zeros_of(packed_weight), index.reshape(-1), rows)
+            if not valid.all():
+                rows *= valid.reshape(-1, 1)
+            return rows.reshape(index.shape + (length,))
         if packed_weight is not None:
             rows = _packed_rows(packed_weight, index, block_size)
             if not valid.all():
@@ -689,7 +697,53 @@ def gather_block_quantized(ctx: KernelContext):
             gathered *= valid.reshape(shape)
         return gathered.astype(scales.dtype, copy=False)
 
+    def into(out, data, indices, scales, zero_points=None):
+        np.copyto(out, run(data, indices, scales, zero_points))
+
+    def bind(out, data, indices, scales, zero_points=None):
+        """For a capture: a tied table's compiled lookup into ``out`` as one call, reading
+        the indices at each call (out-of-range ones go through ``run``, which zeroes their
+        rows); None where ``into`` is needed."""
+        packed_weight = tied_weight(data, scales, zero_points) if isinstance(data, np.ndarray) else None
+        if packed_weight is None or not isinstance(indices, np.ndarray) or indices.dtype.kind not in "iu":
+            return None
+        length = packed_weight.blocks * block_size
+        gather = _compiled_gather(packed_weight, scales, length, block_size)
+        if gather is None or out.dtype != np.float32 or not out.flags.c_contiguous or out.shape != indices.shape + (length,):
+            return None
+        extent, flat_indices = data.shape[0], indices.reshape(-1)
+        rows, flat_out = np.empty(indices.size, np.int64), out.reshape(indices.size, length)
+        weights, table_scales, zeros = packed_weight.weights, packed_weight.scales, _zeros_of(packed_weight)
+
+        def replay() -> None:
+            np.copyto(rows, flat_indices, casting="unsafe")
+            if rows.size and (int(rows.min()) < -extent or int(rows.max()) >= extent):
+                np.copyto(out, run(data, indices, scales, zero_points))
+                return
+            np.add(rows, extent, out=rows, where=rows < 0)
+            gather(weights, table_scales, zeros, rows, flat_out)
+
+        return replay
+
+    into.bind = bind  # type: ignore[attr-defined]
+    declare_into(into, run)
     return run
+
+
+_NO_ZEROS = np.zeros((0, 0, 0), np.uint8)  # gather_rows' "no zero points" (8 for every block)
+
+
+def _zeros_of(packed: _Packed) -> np.ndarray:
+    return _NO_ZEROS if packed.zeros is None else packed.zeros
+
+
+def _compiled_gather(packed: _Packed | None, scales: np.ndarray, length: int, block_size: int) -> Any:
+    """``_numba_int4.gather_rows`` where it gives the rows of a tied table (float32 scales,
+    rows of whole blocks), else None."""
+    if packed is None or scales.dtype != np.float32 or packed.blocks * block_size != length:
+        return None
+    loops = compiled_module("_numba_int4")
+    return None if loops is None else loops.gather_rows
 
 
 # ----------------------------------------------------------------------------- QuantizeLinear / DequantizeLinear
