@@ -262,3 +262,149 @@ def test_planes_shared_out_on_two_threads_match_onnxruntime(case, pool, monkeypa
     if pool == "compiled-pool":
         planes = x_shape[0] * w_shape[0]
         assert jobs and all(threads == 2 and 1 < count <= planes for count, threads in jobs)
+
+
+# -- the channel-blocked loops (short planes), chosen on the first call by timing both -------
+
+BLOCKED_CASES = {
+    **{name: case for name, case in CASES.items() if case[1][0] == case[0][1]},  # one output channel per input channel
+    "3x3-20-channels-two-blocks": ((2, 20, 7, 7), (20, 1, 3, 3), {"pads": [1, 1, 1, 1]}),
+    "3x3-stride-2-48-channels": ((1, 48, 14, 14), (48, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    "7x7-33-channels-19-wide": ((1, 33, 5, 19), (33, 1, 7, 7), {"pads": [3, 3, 3, 3]}),
+    "3x3-stride-2-unread-last-row": ((1, 17, 8, 8), (17, 1, 3, 3), {"strides": [2, 2]}),
+}
+
+
+@pytest.fixture(params=["blocked", "planes"])
+def way(request, monkeypatch) -> tuple[str, list[int]]:
+    """The first call's choice made for it (``conv._faster`` runs the planes, untimed, as its last run), and the
+    channel-blocked jobs run, by unit count."""
+    if convolution.depthwise_loops() is None or convolution.compiled_pool() is None:
+        pytest.skip("needs the compiled loops and their pool")
+    def choose(first, second, rounds=2):  # ``first`` is the blocked run: the other one runs, untimed
+        second()
+        return request.param == "blocked"
+
+    monkeypatch.setattr(convolution, "_faster", choose)
+    units: list[int] = []
+    original = convolution._Convolution._depthwise_blocked
+
+    def counted(*args, **kwargs):
+        units.append(args[4].shape[0])  # the blocked weight's blocks
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(convolution._Convolution, "_depthwise_blocked", staticmethod(counted))
+    return request.param, units
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("case", list(BLOCKED_CASES), ids=list(BLOCKED_CASES))
+def test_blocked_and_planes_both_match_onnxruntime(case, relu, way):
+    chosen, blocked_runs = way
+    x_shape, w_shape, attributes = BLOCKED_CASES[case]
+    x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2), _random(w_shape[0], seed=3)
+    model = _model(x_shape, w, b, attributes, relu)
+    session = plugrt.load(model, device="cpu")
+    expected = _onnxruntime(model, x)
+    for _ in range(2):  # the first call decides, the second follows the decision
+        actual = session.run({"x": x})["y"]
+        assert actual.shape == expected.shape
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    assert blocked_runs == ([-(-x_shape[1] // 16)] * 2 if chosen == "blocked" else [])
+
+
+def test_blocked_propagates_nan_and_infinity_as_onnxruntime(way):
+    chosen, blocked_runs = way
+    x_shape, w_shape, attributes = BLOCKED_CASES["3x3-20-channels-two-blocks"]
+    x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2), _random(w_shape[0], seed=3)
+    x[0, 2, 3, 3], x[1, 17, 0, 6] = np.nan, np.inf
+    model = _model(x_shape, w, b, attributes, True)
+    actual = plugrt.load(model, device="cpu").run({"x": x})["y"]
+    expected = _onnxruntime(model, x)
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    assert np.isnan(actual).sum() >= 9 and bool(blocked_runs) == (chosen == "blocked")
+
+
+@pytest.mark.parametrize("case", ["3x3-20-channels-two-blocks", "7x7-33-channels-19-wide"])
+def test_blocked_is_captured_and_replays_without_allocating(case, way):
+    chosen, blocked_runs = way
+    x_shape, w_shape, attributes = BLOCKED_CASES[case]
+    model = one_node(
+        f"y = Conv<{_attribute_text({'group': x_shape[1], **attributes})}>(x, w, b)",
+        {"x": _random(*x_shape)},
+        {"y": "float"},
+        constants={"w": _random(*w_shape, seed=2), "b": _random(w_shape[0], seed=3)},
+    )
+    check_captured(model, lambda rng: {"x": rng.standard_normal(x_shape).astype(np.float32)})
+    assert bool(blocked_runs) == (chosen == "blocked")
+
+
+def test_the_first_call_times_both_ways_and_keeps_the_faster(monkeypatch):
+    """Without the choice made for it, the first call runs both (each writes all of the
+    output) and the later calls only the one ``_faster`` chose."""
+    if convolution.depthwise_loops() is None or convolution.compiled_pool() is None:
+        pytest.skip("needs the compiled loops and their pool")
+    asked: list[bool] = []
+    original = convolution._faster
+
+    def recorded(first, second, rounds=2):
+        asked.append(original(first, second, rounds))
+        return asked[-1]
+
+    monkeypatch.setattr(convolution, "_faster", recorded)
+    calls = {"blocked": 0, "planes": 0}
+    for name, attribute in (("blocked", "_depthwise_blocked"), ("planes", "_depthwise_planes")):
+        function = getattr(convolution._Convolution, attribute)
+
+        def counted(*args, _name=name, _function=function, **kwargs):
+            calls[_name] += 1
+            return _function(*args, **kwargs)
+
+        monkeypatch.setattr(convolution._Convolution, attribute, staticmethod(counted))
+    x_shape, w_shape, attributes = BLOCKED_CASES["3x3-20-channels-two-blocks"]
+    x = _random(*x_shape, seed=1)
+    model = _model(x_shape, _random(*w_shape, seed=2), _random(w_shape[0], seed=3), attributes, False)
+    session = plugrt.load(model, device="cpu")
+    for _ in range(3):
+        np.testing.assert_allclose(session.run({"x": x})["y"], _onnxruntime(model, x), rtol=1e-4, atol=1e-5)
+    assert len(asked) == 1
+    # the first call: two timed rounds each, the planes last (then the blocked once more when
+    # they won, so that the first output is the chosen way's too); then two calls of the faster
+    assert calls == ({"blocked": 2 + 1 + 2, "planes": 2} if asked[0] else {"blocked": 2, "planes": 2 + 2})
+
+
+@pytest.mark.parametrize("case", ["3x3-20-channels-two-blocks", "7x7-33-channels-19-wide", "3x3-stride-2-48-channels"])
+def test_a_channels_last_input_is_read_as_it_is_by_the_blocked_loops(case, way, monkeypatch):
+    """ConvNeXt's depthwise Conv reads a Transpose of a channels-last tensor: the blocked
+    loops take each position's channels as they lie (no copy to planes first)."""
+    chosen, blocked_runs = way
+    layouts: list[bool] = []
+    original = convolution._Convolution._depthwise_blocked
+
+    def recorded(*args, **kwargs):
+        layouts.append(args[3])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(convolution._Convolution, "_depthwise_blocked", staticmethod(recorded))
+    x_shape, w_shape, attributes = BLOCKED_CASES[case]
+    n, c, h, w_ = x_shape
+    attributes = {"group": c, **attributes}
+    nodes = [
+        onnx.helper.make_node("Transpose", ["x"], ["t"], perm=[0, 3, 1, 2]),
+        onnx.helper.make_node("Conv", ["t", "w", "b"], ["c"], **attributes),
+        onnx.helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "channels-last",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, (n, h, w_, c))],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(_random(*w_shape, seed=2), "w"), numpy_helper.from_array(_random(c, seed=3), "b")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = _random(n, h, w_, c, seed=1)
+    session = plugrt.load(model, device="cpu")
+    for _ in range(2):
+        np.testing.assert_allclose(session.run({"x": x})["y"], _onnxruntime(model, x), rtol=1e-4, atol=1e-5)
+    assert layouts == ([True, True] if chosen == "blocked" else [])

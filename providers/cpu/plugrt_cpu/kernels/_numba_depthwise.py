@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ._numba_epilogue import activation_rows
 from ._numba_parallel import float32_pointer, int64_pointer
 
-__all__ = ["JOB_WORDS", "depthwise_conv2d", "depthwise_job"]
+__all__ = ["BLOCKED_WORDS", "JOB_WORDS", "LANES", "block_weights", "blocked_depthwise", "blocked_job", "blocked_work", "depthwise_conv2d", "depthwise_job"]
 
 _compiled = numba.njit(
     fastmath={"contract", "arcp", "nsz", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True
@@ -315,3 +319,334 @@ def depthwise_job(c, start, stop, slot):  # pragma: no cover  (compiled)
             x, weights, bias, layout, masks, context[JOB_RELU] != 0, context[JOB_ACTIVATION], bounds[0], bounds[2],
             work, y, first, last,
         )
+
+
+# -- channels in blocks of 16: short planes ------------------------------------------------
+
+LANES = 16  # channels a block: one 512-bit vector (two 256-bit ones) of float32
+_GANG = 4  # output positions summed side by side: one weight load a tap for them all, four chains
+
+
+def block_weights(weights: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``weights`` (M, taps) and ``bias`` (M,) as :func:`blocked_depthwise` reads them:
+    (ceil(M / LANES), taps, LANES) and (ceil(M / LANES), LANES), zero past channel M."""
+    m, taps = weights.shape
+    blocks = -(-m // LANES)
+    wb = np.zeros((blocks * LANES, taps), np.float32)
+    wb[:m] = weights
+    bb = np.zeros(blocks * LANES, np.float32)
+    bb[:m] = bias
+    return np.ascontiguousarray(wb.reshape(blocks, LANES, taps).transpose(0, 2, 1)), bb.reshape(blocks, LANES)
+
+
+_BLOCKED = numba.void(
+    numba.types.Array(numba.float32, 4, "C", readonly=True),  # x (n, M, H, W)
+    numba.types.Array(numba.float32, 3, "C", readonly=True),  # blocked weights (blocks, taps, LANES)
+    numba.types.Array(numba.float32, 2, "C", readonly=True),  # blocked bias (blocks, LANES)
+    numba.types.Array(numba.int64, 1, "C", readonly=True),  # geometry: kh, kw, sy, sx, dy, dx, top, left, channels last
+    numba.boolean,  # relu
+    numba.int64,  # a fused activation after it (``_numba_epilogue.ACT_*``; 0: none)
+    numba.float32,  # Clip's low bound
+    numba.float32,  # Clip's high bound
+    numba.float32[::1],  # work
+    numba.float32[:, :, :, ::1],  # y (n, M, out_h, out_w)
+    numba.int64,  # first unit (image, channel block)
+    numba.int64,  # units end
+)
+
+
+@intrinsic
+def _sum_taps(typingctx, dst, src, w, offsets, taps, n, step, bias):  # type: ignore[no-untyped-def]
+    """``n`` output positions of a block: ``dst[j] = bias + sum_t src[j * step + offsets[t]]
+    * w[t]``, each term a LANES-wide vector (one fused multiply-add; the sum in registers
+    over the taps). Addresses in bytes: ``dst`` (n x LANES floats), ``src`` the padded
+    block at the row's first window, ``w`` (taps x LANES floats), ``offsets`` (taps int64,
+    in floats), ``bias`` (LANES floats); ``step`` floats from one position's window to the
+    next."""
+    signature = types.void(*([types.int64] * 8))
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        dst, src, w, offsets, taps, n, step, bias = args
+        vector = ir.VectorType(ir.FloatType(), LANES)
+        pointer = vector.as_pointer()
+        i64 = ir.IntType(64)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+
+        def at(address):  # type: ignore[no-untyped-def]
+            return builder.inttoptr(address, pointer)
+
+        table = builder.inttoptr(offsets, i64.as_pointer())
+        four = ir.Constant(i64, 4)
+        first = builder.load(at(bias), align=4)
+        totals = [cgutils.alloca_once(builder, vector) for _ in range(_GANG)]
+
+        def positions(start, gang):  # type: ignore[no-untyped-def]
+            """``gang`` positions from ``start``, their sums side by side (one weight load a tap)."""
+            windows = [builder.add(src, builder.mul(builder.mul(builder.add(start, ir.Constant(i64, g)), step), four))
+                       for g in range(gang)]
+            for g in range(gang):
+                builder.store(first, totals[g])
+            with cgutils.for_range(builder, taps) as inner:
+                offset = builder.mul(builder.load(builder.gep(table, [inner.index])), four)
+                weight = builder.load(at(builder.add(w, builder.mul(inner.index, ir.Constant(i64, LANES * 4)))), align=4)
+                for g in range(gang):
+                    value = builder.load(at(builder.add(windows[g], offset)), align=4)
+                    builder.store(builder.call(fma, [value, weight, builder.load(totals[g])]), totals[g])
+            for g in range(gang):
+                target = builder.add(dst, builder.mul(builder.add(start, ir.Constant(i64, g)), ir.Constant(i64, LANES * 4)))
+                builder.store(builder.load(totals[g]), at(target), align=4)
+
+        gangs = builder.sdiv(n, ir.Constant(i64, _GANG))
+        with cgutils.for_range(builder, gangs) as outer:
+            positions(builder.mul(outer.index, ir.Constant(i64, _GANG)), _GANG)
+        with cgutils.for_range(builder, builder.sub(n, builder.mul(gangs, ir.Constant(i64, _GANG)))) as rest:
+            positions(builder.add(builder.mul(gangs, ir.Constant(i64, _GANG)), rest.index), 1)
+
+    return signature, codegen
+
+
+def _transpose(builder, rows):  # type: ignore[no-untyped-def]
+    """The LANES x LANES matrix of ``rows`` (LANES vectors) transposed: at each level
+    ``s`` (1, 2, 4, 8) rows ``i`` and ``i + s`` swap their off-diagonal s x s blocks, two
+    two-vector shuffles a pair (64 in all)."""
+    rows = list(rows)
+    s = 1
+    while s < LANES:
+        for i in range(LANES):
+            if i & s:
+                continue
+            a, b = rows[i], rows[i + s]
+            low = [j if not j & s else LANES + j - s for j in range(LANES)]
+            high = [j + s if not j & s else LANES + j for j in range(LANES)]
+            rows[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), LANES), low))
+            rows[i + s] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), LANES), high))
+        s *= 2
+    return rows
+
+
+def _lane_mask(builder, count):  # type: ignore[no-untyped-def]
+    """Lanes below ``count`` (an int64)."""
+    lanes = ir.Constant(ir.VectorType(ir.IntType(64), LANES), list(range(LANES)))
+    splat = builder.insert_element(ir.Constant(ir.VectorType(ir.IntType(64), LANES), ir.Undefined), count, ir.Constant(ir.IntType(32), 0))
+    splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+    return builder.icmp_signed("<", lanes, splat)
+
+
+def _masked(builder):  # type: ignore[no-untyped-def]
+    vector = ir.VectorType(ir.FloatType(), LANES)
+    mask = ir.VectorType(ir.IntType(1), LANES)
+    load = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vector, [vector.as_pointer(), ir.IntType(32), mask, vector]), "llvm.masked.load.v16f32.p0"
+    )
+    store = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [vector, vector.as_pointer(), ir.IntType(32), mask]), "llvm.masked.store.v16f32.p0"
+    )
+    return vector, load, store
+
+
+@intrinsic
+def _interleave(typingctx, dst, src, plane, n, count):  # type: ignore[no-untyped-def]
+    """``n`` (at most LANES) positions of ``count`` channel planes ``plane`` floats apart,
+    from ``src`` (channel 0's first), as ``n`` LANES-wide vectors at ``dst``: position
+    ``p`` holds the channels' values, zero past ``count``. Addresses in bytes."""
+    signature = types.void(*([types.int64] * 5))
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        dst, src, plane, n, count = args
+        vector, load, store = _masked(builder)
+        i64 = ir.IntType(64)
+        zero = ir.Constant(vector, [0.0] * LANES)
+        within = _lane_mask(builder, n)
+        four = ir.Constant(ir.IntType(32), 4)
+        rows = []
+        for c in range(LANES):
+            keep = builder.and_(within, _splat_bool(builder, builder.icmp_signed("<", ir.Constant(i64, c), count)))
+            address = builder.add(src, builder.mul(builder.mul(plane, ir.Constant(i64, c)), ir.Constant(i64, 4)))
+            rows.append(builder.call(load, [builder.inttoptr(address, vector.as_pointer()), four, keep, zero]))
+        columns = _transpose(builder, rows)
+        for p in range(LANES):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, p), n)):
+                target = builder.inttoptr(builder.add(dst, ir.Constant(i64, p * LANES * 4)), vector.as_pointer())
+                builder.store(columns[p], target, align=4)
+
+    return signature, codegen
+
+
+@intrinsic
+def _deinterleave(typingctx, dst, src, plane, n, count, relu):  # type: ignore[no-untyped-def]
+    """:func:`_interleave` turned around: ``n`` (at most LANES) position vectors at ``src``
+    back to ``count`` channel planes ``plane`` floats apart from ``dst``, clamped at zero
+    when ``relu`` is non-zero (NaN stays NaN)."""
+    signature = types.void(*([types.int64] * 6))
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        dst, src, plane, n, count, relu = args
+        vector, load, store = _masked(builder)
+        i64 = ir.IntType(64)
+        zero = ir.Constant(vector, [0.0] * LANES)
+        within = _lane_mask(builder, n)
+        four = ir.Constant(ir.IntType(32), 4)
+        positions = []
+        for p in range(LANES):
+            keep = _splat_bool(builder, builder.icmp_signed("<", ir.Constant(i64, p), n))
+            address = builder.add(src, ir.Constant(i64, p * LANES * 4))
+            positions.append(builder.call(load, [builder.inttoptr(address, vector.as_pointer()), four, keep, zero]))
+        rows = _transpose(builder, positions)
+        clamp = _splat_bool(builder, builder.icmp_signed("!=", relu, ir.Constant(i64, 0)))
+        for c in range(LANES):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, c), count)):
+                value = rows[c]
+                negative = builder.and_(builder.fcmp_ordered("<", value, zero), clamp)
+                address = builder.add(dst, builder.mul(builder.mul(plane, ir.Constant(i64, c)), ir.Constant(i64, 4)))
+                builder.call(store, [builder.select(negative, zero, value), builder.inttoptr(address, vector.as_pointer()), four, within])
+
+    return signature, codegen
+
+
+@intrinsic
+def _channels_at(typingctx, dst, src, step, n, count):  # type: ignore[no-untyped-def]
+    """:func:`_interleave` for a channels-last input: ``n`` positions ``step`` floats apart
+    from ``src``, each ``count`` (at most LANES) consecutive channels, one masked vector
+    load and store a position (zero past ``count``). Addresses in bytes."""
+    signature = types.void(*([types.int64] * 5))
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        dst, src, step, n, count = args
+        vector, load, store = _masked(builder)
+        i64 = ir.IntType(64)
+        keep = _lane_mask(builder, count)
+        zero = ir.Constant(vector, [0.0] * LANES)
+        with cgutils.for_range(builder, n) as loop:
+            address = builder.add(src, builder.mul(builder.mul(loop.index, step), ir.Constant(i64, 4)))
+            value = builder.call(load, [builder.inttoptr(address, vector.as_pointer()), ir.Constant(ir.IntType(32), 4), keep, zero])
+            target = builder.add(dst, builder.mul(loop.index, ir.Constant(i64, LANES * 4)))
+            builder.store(value, builder.inttoptr(target, vector.as_pointer()), align=4)
+
+    return signature, codegen
+
+
+def _splat_bool(builder, flag):  # type: ignore[no-untyped-def]
+    mask = ir.VectorType(ir.IntType(1), LANES)
+    one = builder.insert_element(ir.Constant(mask, ir.Undefined), flag, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+
+@numba.njit(
+    [_BLOCKED],
+    fastmath={"contract", "arcp", "nsz", "reassoc"},
+    nogil=True,
+    boundscheck=False,
+    error_model="numpy",
+    cache=True,
+)
+def blocked_depthwise(x, wb, bb, geometry, relu, activation, low, high, work, y, start, stop):  # pragma: no cover  (compiled)
+    """Units [start, stop) of a depthwise Conv (one input channel per output channel) of
+    ``x`` (n, M, H, W), or (n, H, W, M) when ``geometry[8]`` is non-zero (channels last),
+    counted over (image, block of LANES channels): the block's planes interleaved into a
+    zero-padded (rows, columns, LANES) array in ``work``, every tap one multiply-add of a
+    LANES-wide run per output position (no plane-long loop with a scalar remainder: a 7x7
+    plane is 49 positions), the sums written back plane by plane with ``bias``, Relu
+    (NaN stays NaN) and ``activation``.
+
+    ``geometry``: kernel height and width, strides, dilations, the top and left pads, and
+    whether ``x`` is channels last (each position's channels then one vector load).
+    ``work`` holds the padded block (its rows span the taps the outputs read) and then the
+    block's outputs, (out_h * out_w, LANES) floats."""
+    last = geometry[8] != 0
+    channels, height, width = (x.shape[3], x.shape[1], x.shape[2]) if last else (x.shape[1], x.shape[2], x.shape[3])
+    out_h, out_w = y.shape[2], y.shape[3]
+    kh, kw, sy, sx, dy, dx, top, left = (
+        geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], geometry[5], geometry[6], geometry[7]
+    )
+    rows = (out_h - 1) * sy + (kh - 1) * dy + 1
+    cols = (out_w - 1) * sx + (kw - 1) * dx + 1
+    positions = out_h * out_w
+    padded = work[: rows * cols * LANES]
+    sums = work[rows * cols * LANES : (rows * cols + positions) * LANES]
+    taps = kh * kw
+    offsets = np.empty(taps, np.int64)  # each tap's window from the position's, in floats
+    for ky in range(kh):
+        for kx in range(kw):
+            offsets[ky * kw + kx] = (ky * dy * cols + kx * dx) * LANES
+    blocks = wb.shape[0]
+    y_first = max(0, -top)
+    y_last = min(height, rows - top)
+    x_first = max(0, -left)
+    x_last = min(width, cols - left)
+    y_flat = y.reshape(-1)
+    plane = height * width
+    for unit in range(start, stop):
+        image = unit // blocks
+        block = unit - image * blocks
+        c0 = block * LANES
+        count = min(LANES, channels - c0)
+        padded[:] = _ZERO
+        if last:
+            source = x.ctypes.data + (image * plane * channels + c0) * 4
+            for r in range(y_first, y_last):
+                _channels_at(
+                    padded.ctypes.data + ((r + top) * cols + left + x_first) * LANES * 4,
+                    source + (r * width + x_first) * channels * 4, channels, x_last - x_first, count,
+                )
+        else:
+            source = x.ctypes.data + (image * channels + c0) * plane * 4
+            for r in range(y_first, y_last):
+                for j0 in range(x_first, x_last, LANES):
+                    _interleave(
+                        padded.ctypes.data + ((r + top) * cols + left + j0) * LANES * 4, source + (r * width + j0) * 4,
+                        plane, min(LANES, x_last - j0), count,
+                    )
+        weights = wb[block].ctypes.data
+        shift = bb[block].ctypes.data
+        for oy in range(out_h):
+            _sum_taps(
+                sums.ctypes.data + oy * out_w * LANES * 4, padded.ctypes.data + oy * sy * cols * LANES * 4, weights,
+                offsets.ctypes.data, taps, out_w, sx * LANES, shift,
+            )
+        target = y.ctypes.data + (image * channels + c0) * positions * 4
+        for p0 in range(0, positions, LANES):
+            _deinterleave(target + p0 * 4, sums.ctypes.data + p0 * LANES * 4, positions, min(LANES, positions - p0), count, relu)
+        if activation != 0:
+            done = y_flat[image * channels * positions : (image + 1) * channels * positions].reshape((channels, positions))
+            activation_rows(done, c0, c0 + count, 0, positions, activation, low, high)
+
+
+# The context of ``blocked_job`` (int64 words; see ``conv._Convolution._depthwise_compiled``).
+(
+    BLOCKED_X, BLOCKED_IMAGES, BLOCKED_CHANNELS, BLOCKED_HEIGHT, BLOCKED_WIDTH, BLOCKED_WEIGHTS, BLOCKED_BLOCKS,
+    BLOCKED_TAPS, BLOCKED_BIAS, BLOCKED_GEOMETRY, BLOCKED_RELU, BLOCKED_ACTIVATION, BLOCKED_LOW, BLOCKED_HIGH,
+    BLOCKED_WORK, BLOCKED_WORK_FLOATS, BLOCKED_Y, BLOCKED_OUT_HEIGHT, BLOCKED_OUT_WIDTH,
+) = range(19)
+BLOCKED_WORDS = 19  # BLOCKED_LOW and BLOCKED_HIGH: float32 bits in the low half of the word
+
+
+def blocked_work(geometry: np.ndarray, out_h: int, out_w: int) -> int:
+    """Floats of work a thread needs for :func:`blocked_depthwise` of this geometry."""
+    kh, kw, sy, sx, dy, dx = (int(v) for v in geometry[:6])
+    rows = (out_h - 1) * sy + (kh - 1) * dy + 1
+    cols = (out_w - 1) * sx + (kw - 1) * dx + 1
+    return (rows * cols + out_h * out_w) * LANES
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def blocked_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of a depthwise Conv on the compiled pool, each one (image, block
+    of LANES channels) by :func:`blocked_depthwise`, in this slot's work array."""
+    context = numba.carray(int64_pointer(c), BLOCKED_WORDS)
+    n, channels, blocks = context[BLOCKED_IMAGES], context[BLOCKED_CHANNELS], context[BLOCKED_BLOCKS]
+    geometry = numba.carray(int64_pointer(context[BLOCKED_GEOMETRY]), 9)
+    height, width = context[BLOCKED_HEIGHT], context[BLOCKED_WIDTH]
+    shape = (n, height, width, channels) if geometry[8] != 0 else (n, channels, height, width)
+    x = numba.carray(float32_pointer(context[BLOCKED_X]), shape)
+    wb = numba.carray(float32_pointer(context[BLOCKED_WEIGHTS]), (blocks, context[BLOCKED_TAPS], LANES))
+    bb = numba.carray(float32_pointer(context[BLOCKED_BIAS]), (blocks, LANES))
+    bounds = numba.carray(float32_pointer(c + BLOCKED_LOW * 8), 3)  # low, (its high half), high
+    floats = context[BLOCKED_WORK_FLOATS]
+    work = numba.carray(float32_pointer(context[BLOCKED_WORK] + slot * floats * 4), floats)
+    y = numba.carray(
+        float32_pointer(context[BLOCKED_Y]), (n, channels, context[BLOCKED_OUT_HEIGHT], context[BLOCKED_OUT_WIDTH])
+    )
+    blocked_depthwise(
+        x, wb, bb, geometry, context[BLOCKED_RELU] != 0, context[BLOCKED_ACTIVATION], bounds[0], bounds[2], work, y,
+        start, stop,
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -63,6 +64,7 @@ _DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 pl
 # counts the latter.
 _DEPTHWISE_COMPILED_COST = 3
 _DEPTHWISE_COMPILED_GRAIN = 8  # planes per parallel_for chunk at least: each costs a call (~5 us)
+_LANES = 16  # channels a block of the channel-blocked depthwise loops (``_numba_depthwise.LANES``)
 _DEPTHWISE_UNITS_PER_THREAD = 4  # units of planes per thread of a compiled-pool job
 
 
@@ -79,6 +81,19 @@ def depthwise_loops() -> ModuleType | None:
     missing, unusable, ``PLUGRT_NUMBA=0`` or still being built (``compiled_module``): the
     numpy paths run instead."""
     return compiled_module("_numba_depthwise")
+
+
+def _faster(first: Callable[[], None], second: Callable[[], None], rounds: int = 2) -> bool:
+    """Whether ``first`` runs faster than ``second``: each run ``rounds`` times, alternating,
+    the best time of each compared (a choice between two ways of one step made on this
+    machine, on the step's own shape, where no rule fits every CPU)."""
+    best = [math.inf, math.inf]
+    for _ in range(rounds):
+        for index, run in enumerate((first, second)):
+            started = time.perf_counter()
+            run()
+            best[index] = min(best[index], time.perf_counter() - started)
+    return best[0] < best[1]
 
 
 class _DepthwiseLayout:
@@ -121,7 +136,15 @@ class _DepthwiseLayout:
         self.work_size = sx * block + (length if apart != out_w else 0)
         self.work = images * channels * out_h * out_w * kh * kw * _DEPTHWISE_COMPILED_COST
         self.no_bias = np.zeros(channels, dtype=np.float32)
-        for array in (self.masks, self.layout, self.no_bias):
+        # the channel-blocked loops (``_numba_depthwise.blocked_depthwise``): the geometry,
+        # a thread's work floats, and whether they beat the planes' (timed on the first call)
+        self.geometry = np.array([kh, kw, sy, sx, dy, dx, pb[0], pb[1], 0], dtype=np.int64)
+        self.geometry_last = self.geometry.copy()  # the same for a channels-last input
+        self.geometry_last[8] = 1
+        spanned = ((out_h - 1) * sy + (kh - 1) * dy + 1) * ((out_w - 1) * sx + (kw - 1) * dx + 1)
+        self.blocked_floats = (spanned + out_h * out_w) * _LANES
+        self.blocked_wins: bool | None = None
+        for array in (self.masks, self.layout, self.no_bias, self.geometry, self.geometry_last):
             array.flags.writeable = False
 
 
@@ -372,6 +395,7 @@ class _ConvWeight:
         self._reordered: dict[tuple[int, ...], np.ndarray] = {}
         self.constant = False  # set by ConvConstants for a weight prepared once
         self._packed: tuple[np.ndarray | None, int] | None = None  # and the compiled generation it saw
+        self._blocked: np.ndarray | None = None
 
     def packed(self) -> np.ndarray | None:
         """A constant float32 weight packed for the compiled units' GEMM
@@ -384,6 +408,16 @@ class _ConvWeight:
         if packed is None or (packed[0] is None and packed[1] != compiled_generation()):
             packed = self._packed = (packed_weight(self.gemm), compiled_generation())
         return packed[0]
+
+    def blocked(self, loops: ModuleType) -> np.ndarray | None:
+        """A constant depthwise weight as the channel-blocked loops read it (``loops.block_weights``:
+        (ceil(M / 16), taps, 16)), made once; None for a weight fed at run time."""
+        if not self.constant:
+            return None
+        if self._blocked is None:
+            m = self.shape[0]
+            self._blocked = loops.block_weights(self.gemm.reshape(m, -1), np.zeros(m, np.float32))[0]
+        return self._blocked
 
     def taps_in(self, order: tuple[int, ...]) -> np.ndarray:
         """``gemm`` with its taps (last axis) in ``order``, made once per order."""
@@ -496,8 +530,7 @@ class _Convolution:
         assert loops is not None and layout is not None  # checked by the dispatch
         n = x.shape[0]
         m = plan.m
-        if not x.flags.c_contiguous:
-            x = np.ascontiguousarray(x) if y is None else _copy_to_workspace("depthwise-input", x)
+        given_y = y
         y = np.empty((n, m, *plan.out), dtype=x.dtype) if y is None else y.reshape(n, m, *plan.out)
         if n * m == 0 or plan.out_size == 0:
             return y
@@ -506,25 +539,29 @@ class _Convolution:
         relu = self.relu
         code, low, high = activation
         pool = compiled_pool()
-        if pool is not None and weights.flags.c_contiguous and b.flags.c_contiguous and y.flags.c_contiguous:
-            planes = n * m
-            threads = parallel_threads(layout.work)
-            # units of several planes, a few a thread, so that a thread that finishes first takes over
-            per_unit = max(1, planes // (threads * _DEPTHWISE_UNITS_PER_THREAD)) if threads > 1 else planes
-            units = -(-planes // per_unit)
-            slots = pool.slots(units, threads)
-            work, _ = _workspace("depthwise-job", (slots * layout.work_size,), np.dtype(np.float32))
-            context = np.array(
-                [
-                    x.ctypes.data, n, x.shape[1], x.shape[2], x.shape[3], weights.ctypes.data, m, weights.shape[1],
-                    b.ctypes.data, layout.layout.ctypes.data, layout.layout.shape[0], layout.masks.ctypes.data,
-                    layout.masks.shape[0], layout.masks.shape[1], int(relu), code,
-                    int(np.float32(low).view(np.uint32)), int(np.float32(high).view(np.uint32)),
-                    work.ctypes.data, layout.work_size, y.ctypes.data, plan.out[0], plan.out[1], per_unit, planes,
-                ],
-                np.int64,
-            )
-            pool.run(loops.depthwise_job.address, context, units, threads)
+        ready = pool is not None and weights.flags.c_contiguous and b.flags.c_contiguous and y.flags.c_contiguous
+        blocked = weight.blocked(loops) if ready and x.shape[1] == m and layout.blocked_wins is not False else None
+        last = x.transpose(0, 2, 3, 1)  # a channels-last input (ConvNeXt's) the blocked loops read as it is
+        channels_last = blocked is not None and not x.flags.c_contiguous and last.flags.c_contiguous
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x) if given_y is None else _copy_to_workspace("depthwise-input", x)
+        if blocked is not None:
+            def planes_run() -> None:
+                self._depthwise_planes(loops, pool, x, weights, b, layout, plan, relu, activation, y)
+
+            def blocked_run() -> None:
+                self._depthwise_blocked(loops, pool, last if channels_last else x, channels_last, blocked, b, layout, relu,
+                                        activation, y)
+
+            if layout.blocked_wins is None:  # the first call times both; each writes all of y, the planes last
+                layout.blocked_wins = _faster(blocked_run, planes_run)
+                if layout.blocked_wins:  # every call's output is the chosen way's, bitwise
+                    blocked_run()
+            else:
+                (blocked_run if layout.blocked_wins else planes_run)()
+            return y
+        if ready:
+            self._depthwise_planes(loops, pool, x, weights, b, layout, plan, relu, activation, y)
             return y
 
         def chunk(start: int, stop: int) -> None:
@@ -533,6 +570,65 @@ class _Convolution:
 
         parallel_for(n * m, chunk, layout.work, grain=_DEPTHWISE_COMPILED_GRAIN)
         return y
+
+    @staticmethod
+    def _depthwise_blocked(
+        loops: ModuleType, pool: Any, x: np.ndarray, channels_last: bool, blocked: np.ndarray, b: np.ndarray,
+        layout: "_DepthwiseLayout", relu: bool, activation: tuple[int, float, float], y: np.ndarray,
+    ) -> None:
+        """The channel-blocked loops as one job on the compiled pool: a unit per (image,
+        block of 16 channels). ``x`` is C-contiguous, (n, M, H, W), or (n, H, W, M) when
+        ``channels_last``."""
+        n = x.shape[0]
+        m, height, width = (x.shape[3], x.shape[1], x.shape[2]) if channels_last else x.shape[1:]
+        blocks = blocked.shape[0]
+        code, low, high = activation
+        if m % _LANES:  # the bias padded to whole blocks (zeros past M)
+            padded, _ = _workspace("depthwise-blocked-bias", (blocks * _LANES,), np.dtype(np.float32))
+            padded[m:] = 0.0
+            padded[:m] = b
+            b = padded
+        units = n * blocks
+        threads = min(units, parallel_threads(layout.work))
+        slots = pool.slots(units, threads)
+        work, _ = _workspace("depthwise-blocked", (slots * layout.blocked_floats,), np.dtype(np.float32))
+        context = np.array(
+            [
+                x.ctypes.data, n, m, height, width, blocked.ctypes.data, blocks, blocked.shape[1], b.ctypes.data,
+                (layout.geometry_last if channels_last else layout.geometry).ctypes.data, int(relu), code, int(np.float32(low).view(np.uint32)),
+                int(np.float32(high).view(np.uint32)), work.ctypes.data, layout.blocked_floats, y.ctypes.data,
+                y.shape[2], y.shape[3],
+            ],
+            np.int64,
+        )
+        pool.run(loops.blocked_job.address, context, units, threads)
+
+    @staticmethod
+    def _depthwise_planes(
+        loops: ModuleType, pool: Any, x: np.ndarray, weights: np.ndarray, b: np.ndarray, layout: "_DepthwiseLayout",
+        plan: "_ConvPlan", relu: bool, activation: tuple[int, float, float], y: np.ndarray,
+    ) -> None:
+        """The plane-by-plane loops as one job on the compiled pool."""
+        n, m = x.shape[0], plan.m
+        code, low, high = activation
+        planes = n * m
+        threads = parallel_threads(layout.work)
+        # units of several planes, a few a thread, so that a thread that finishes first takes over
+        per_unit = max(1, planes // (threads * _DEPTHWISE_UNITS_PER_THREAD)) if threads > 1 else planes
+        units = -(-planes // per_unit)
+        slots = pool.slots(units, threads)
+        work, _ = _workspace("depthwise-job", (slots * layout.work_size,), np.dtype(np.float32))
+        context = np.array(
+            [
+                x.ctypes.data, n, x.shape[1], x.shape[2], x.shape[3], weights.ctypes.data, m, weights.shape[1],
+                b.ctypes.data, layout.layout.ctypes.data, layout.layout.shape[0], layout.masks.ctypes.data,
+                layout.masks.shape[0], layout.masks.shape[1], int(relu), code,
+                int(np.float32(low).view(np.uint32)), int(np.float32(high).view(np.uint32)),
+                work.ctypes.data, layout.work_size, y.ctypes.data, plan.out[0], plan.out[1], per_unit, planes,
+            ],
+            np.int64,
+        )
+        pool.run(loops.depthwise_job.address, context, units, threads)
 
     def _depthwise_product(
         self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None
