@@ -543,11 +543,12 @@ class _Convolution:
         blocked = weight.blocked(loops) if ready and x.shape[1] == m and layout.blocked_wins is not False else None
         last = x.transpose(0, 2, 3, 1)  # a channels-last input (ConvNeXt's) the blocked loops read as it is
         channels_last = blocked is not None and not x.flags.c_contiguous and last.flags.c_contiguous
-        if not x.flags.c_contiguous:
+        if not x.flags.c_contiguous and not channels_last:
             x = np.ascontiguousarray(x) if given_y is None else _copy_to_workspace("depthwise-input", x)
         if blocked is not None:
-            def planes_run() -> None:
-                self._depthwise_planes(loops, pool, x, weights, b, layout, plan, relu, activation, y)
+            def planes_run() -> None:  # their planes from a C-contiguous copy of a channels-last input
+                planes = x if x.flags.c_contiguous else _copy_to_workspace("depthwise-input", x)
+                self._depthwise_planes(loops, pool, planes, weights, b, layout, plan, relu, activation, y)
 
             def blocked_run() -> None:
                 self._depthwise_blocked(loops, pool, last if channels_last else x, channels_last, blocked, b, layout, relu,
