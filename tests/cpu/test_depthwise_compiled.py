@@ -427,3 +427,19 @@ def test_a_channels_last_input_is_read_as_it_is_by_the_blocked_loops(case, way, 
     assert layouts == ([True, True] if chosen == "blocked" else [])
     if chosen == "blocked":  # after the first call (which ran the planes too), nothing copied to planes
         assert copies == []
+
+
+def test_a_way_is_chosen_only_when_clearly_faster(monkeypatch):
+    """``_faster`` keeps the way it would replace unless the new one wins by the margin."""
+    clock = {"now": 0.0}
+
+    def taking(seconds):
+        def run():
+            clock["now"] += seconds
+
+        return run
+
+    monkeypatch.setattr(convolution.time, "perf_counter", lambda: clock["now"])
+    assert convolution._faster(taking(0.5), taking(1.0))
+    assert not convolution._faster(taking(0.95), taking(1.0))  # within the margin: keep the planes
+    assert not convolution._faster(taking(1.2), taking(1.0))
