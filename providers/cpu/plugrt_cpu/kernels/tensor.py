@@ -532,12 +532,26 @@ def center_crop_pad(input_data, shape, *, axes=None):
 # ---------------------------------------------------------------------------
 
 
+def _one_index(data, indices, axis):
+    """``data``'s slab at the single index ``indices`` (a 0-d array) along ``axis``, as a
+    view (numpy's basic indexing: an index out of range raises IndexError, a negative one
+    counts from the end). np.take gathers element by element: ViT's query/key/value split,
+    a scalar Gather of a transposed (3, 197, 1, 768), took 175 us where copying the view
+    takes 16."""
+    return data[(slice(None),) * _axis(axis, data.ndim) + (int(indices),)]
+
+
 @kernel("Gather", 1)
 def gather(data, indices, *, axis=0):
+    if indices.ndim == 0 and indices.dtype.kind in "iu":
+        return _one_index(data, indices, axis).copy()
     return np.take(data, indices, axis=axis)
 
 
 def _gather_into(out, data, indices, *, axis=0):
+    if indices.ndim == 0 and indices.dtype.kind in "iu":
+        np.copyto(out, _one_index(data, indices, axis))
+        return
     # np.take(out=) in its default mode="raise" copies `out` first; "wrap" writes in place and
     # reads in-range indices (negative ones included) alike, so the range is checked here.
     if indices.size:
