@@ -173,3 +173,32 @@ def test_a_large_softmax_shared_over_the_compiled_pool_matches_float64(shape, in
     masked = y[..., 3].copy()
     masked[0, 0, 5] = 0  # the NaN row
     assert (masked == 0).all() and np.isnan(y[0, 0, 5]).all()
+
+
+_CHANNELS_LAST_NORM = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    block (float[2, 20, 5, 7] x) => (float[2, 5, 7, 20] y, float[2, 5, 7, 1] mean, float[2, 5, 7, 1] inv_std) {
+        t = Transpose <perm = [0, 2, 3, 1]> (x)
+        y, mean, inv_std = LayerNormalization <axis = -1, epsilon = 1e-6> (t, scale, bias)
+    }
+"""
+
+
+def test_layer_norm_of_a_transposed_conv_output_takes_the_compiled_rows(path, monkeypatch):
+    """ConvNeXt's LayerNorm reads its Conv's (n, C, H, W) output through a Transpose to
+    (n, H, W, C): the compiled rows take it (copied into the output, normalised in place)."""
+    model = _model(_CHANNELS_LAST_NORM, scale=_random(20, seed=1), bias=_random(20, seed=2))
+    calls: list[bool] = []
+    loops = softmax.compiled_loops()
+    if loops is not None:
+        original = loops.layer_norm_rows
+        monkeypatch.setattr(loops, "layer_norm_rows", lambda x, *rest: (calls.append(True), original(x, *rest))[1])
+    _check(model, {"x": _random(2, 20, 5, 7, seed=3) * 2 + 1}, rtol=1e-4, atol=1e-5)
+    assert bool(calls) == (path == "numba")
+    session = plugrt.load(model, device="cpu")
+    first, second = {"x": _random(2, 20, 5, 7, seed=4)}, {"x": _random(2, 20, 5, 7, seed=5)}
+    captured = session.try_capture(first)
+    assert isinstance(captured, Captured) and captured.report.seams == []
+    for feeds in (first, second, first):
+        for a, b in zip(session.replay(feeds).values(), session.run(feeds).values()):
+            np.testing.assert_array_equal(a, b)

@@ -452,7 +452,13 @@ def layer_normalization(ctx: KernelContext):
     def compiled(x, scale, b, y, mean, inv_std) -> bool:
         """The one-pass compiled LayerNorm into ``y``, ``mean`` and ``inv_std`` (float32,
         C-contiguous, over the last axis with 1-D parameters); False where it does not apply."""
-        if x.dtype != np.float32 or x.ndim == 0 or axis not in (-1, x.ndim - 1) or not x.flags.c_contiguous:
+        if x.dtype != np.float32 or x.ndim == 0 or axis not in (-1, x.ndim - 1):
+            return False
+        # channel-major values read as channels-last (a Transpose of a Conv's output, as ConvNeXt's):
+        # a transposing copy into y and the compiled rows in place took 0.26 ms on (1, 56, 56, 96)
+        # where the numpy path took 0.45
+        channels = x.ndim >= 3 and not x.flags.c_contiguous and np.moveaxis(x, -1, 1).flags.c_contiguous
+        if not x.flags.c_contiguous and not channels:
             return False
         width = x.shape[-1]
         for p in (scale, b):
@@ -464,6 +470,9 @@ def layer_normalization(ctx: KernelContext):
         if loops is None or x.size == 0:
             return False
         shift = b if b is not None else zero_vector(width)
+        if channels:  # its rows gathered into y by numpy's transposing copy, then normalised in place
+            np.copyto(y, x)
+            x = y
         loops.layer_norm_rows(
             x.reshape(-1, width), scale, shift, epsilon, y.reshape(-1, width), mean.reshape(-1), inv_std.reshape(-1)
         )
@@ -472,7 +481,7 @@ def layer_normalization(ctx: KernelContext):
     def run(x, scale, b=None):
         if x.dtype == np.float32 and x.ndim:
             stats = x.shape[:-1] + (1,)
-            y, mean, inv_std = np.empty_like(x), np.empty(stats, np.float32), np.empty(stats, np.float32)
+            y, mean, inv_std = np.empty(x.shape, np.float32), np.empty(stats, np.float32), np.empty(stats, np.float32)
             if compiled(x, scale, b, y, mean, inv_std):
                 return y, mean, inv_std
         rows, stats_shape = _rows_view(x, axis)
