@@ -184,10 +184,25 @@ _CHANNELS_LAST_NORM = """
 """
 
 
-def test_layer_norm_of_a_transposed_conv_output_takes_the_compiled_rows(path, monkeypatch):
+_SLICED_NORM = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    block (float[2, 20, 5, 7] x) => (float[2, 10, 5, 7] y, float[2, 10, 5, 1] mean, float[2, 10, 5, 1] inv_std) {
+        starts = Constant <value = int64[1] {1}> ()
+        ends = Constant <value = int64[1] {20}> ()
+        axes = Constant <value = int64[1] {1}> ()
+        steps = Constant <value = int64[1] {2}> ()
+        t = Slice (x, starts, ends, axes, steps)
+        y, mean, inv_std = LayerNormalization <axis = -1, epsilon = 1e-6> (t, scale, bias)
+    }
+"""
+
+
+@pytest.mark.parametrize("graph,width", [(_CHANNELS_LAST_NORM, 20), (_SLICED_NORM, 7)], ids=["transposed", "sliced"])
+def test_layer_norm_of_a_strided_input_takes_the_compiled_rows(graph, width, path, monkeypatch):
     """ConvNeXt's LayerNorm reads its Conv's (n, C, H, W) output through a Transpose to
-    (n, H, W, C): the compiled rows take it (copied into the output, normalised in place)."""
-    model = _model(_CHANNELS_LAST_NORM, scale=_random(20, seed=1), bias=_random(20, seed=2))
+    (n, H, W, C); a Slice with steps gives another strided input: the compiled rows take
+    both (the input copied into the output, normalised there in place)."""
+    model = _model(graph, scale=_random(width, seed=1), bias=_random(width, seed=2))
     calls: list[bool] = []
     loops = softmax.compiled_loops()
     if loops is not None:
