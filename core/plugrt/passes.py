@@ -210,10 +210,9 @@ def _known_shape(node: ir.Node) -> np.ndarray | None:
     if node.op_type not in ("Shape", "Size") or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
         return None
     source = node.inputs[0] if node.inputs else None
-    shape = None if source is None else source.shape
-    if shape is None or not shape.is_static() or not isinstance(source.type, ir.TensorType):
+    if source is None or source.shape is None or not source.shape.is_static() or not isinstance(source.type, ir.TensorType):
         return None
-    dims = [int(d) for d in shape]
+    dims = [d for d in source.shape if isinstance(d, int)]  # every one, the shape being static
     if node.op_type == "Size":
         return np.array(math.prod(dims), np.int64)
     rank = len(dims)
