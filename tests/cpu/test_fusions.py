@@ -615,7 +615,51 @@ def test_a_sigmoid_gate_read_elsewhere_is_left_as_it_is():
         }
         """
     )
-    _assert_fused(model, {"gate": _random(2, 16, seed=4), "up": _random(2, 16, seed=5)}, ["Sigmoid", "Mul", "Mul"])
+    # no SwiGLU: the SiLU the gate's product reads is one step of its own (FuseSiluPass)
+    _assert_fused(model, {"gate": _random(2, 16, seed=4), "up": _random(2, 16, seed=5)}, ["Silu", "Mul"])
+
+
+@pytest.mark.parametrize("product", ["Mul (x, s)", "Mul (s, x)"])
+@pytest.mark.parametrize("dtype", ["float", "double"])
+def test_x_times_its_sigmoid_runs_as_one_silu(product, dtype):
+    model = _model(
+        f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g ({dtype}[2, 3, 40] x) => ({dtype}[2, 3, 40] y) {{
+            s = Sigmoid (x)
+            y = {product}
+        }}
+        """
+    )
+    x = _random(2, 3, 40, seed=4) * 6
+    x[0, 0, :4] = (-120.0, 120.0, 0.0, -0.0)  # exp(-x) overflows, and underflows
+    _assert_fused(model, {"x": x.astype(np.float64 if dtype == "double" else np.float32)}, ["Silu"])
+
+
+def test_silu_replays_without_allocating():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 3, 40] x) => (float[2, 3, 40] y) {
+            s = Sigmoid (x)
+            y = Mul (x, s)
+        }
+        """
+    )
+    _assert_replays_without_allocating(model, {"x": _random(2, 3, 40, seed=4)}, ["Silu"])
+
+
+def test_a_sigmoid_read_elsewhere_is_not_taken_for_silu():
+    model = _model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2, 16] x) => (float[2, 16] y, float[2, 16] s) {
+            s = Sigmoid (x)
+            y = Mul (x, s)
+        }
+        """
+    )
+    _assert_fused(model, {"x": _random(2, 16, seed=4)}, ["Sigmoid", "Mul"])
 
 
 def test_a_gate_times_another_sigmoid_is_not_taken_for_silu():

@@ -53,6 +53,7 @@ __all__ = [
     "FuseConvReluPass",
     "FuseConvActivationPass",
     "FuseSiluMulPass",
+    "FuseSiluPass",
     "FuseSqueezeExcitePass",
     "FuseMatMulBiasPass",
     "FuseLayerNormPass",
@@ -74,6 +75,7 @@ def fusion_passes() -> list[InPlacePass]:
     return [
         FuseSqueezeExcitePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(),
         FuseConvActivationPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(), FuseSiluMulPass(),
+        FuseSiluPass(),
     ]
 
 
@@ -476,6 +478,25 @@ class FuseSiluMulPass(_NodePass):
         return True
 
 
+class FuseSiluPass(_NodePass):
+    """``plugrt.cpu::Silu(g)`` for ``Mul(g, Sigmoid(g))`` that no SwiGLU took (after
+    :class:`FuseSiluMulPass`): a transformer MLP's SiLU after its first Linear (MobileViT's),
+    two steps as one compiled pass. The Sigmoid read by nothing else."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "Sigmoid") or node.inputs[0] is None:
+            return False
+        gate = node.inputs[0]
+        product = _sole_reader(node.outputs[0])
+        if not _is(product, "Mul") or {id(v) for v in product.inputs} != {id(gate), id(node.outputs[0])}:
+            return False
+        if gate.dtype not in _SILU_TYPES:
+            return False
+        fused = _private_node(model, "Silu", [gate], product.name or "silu", [])
+        _replace(model.graph, [node, product], fused)
+        return True
+
+
 _SILU_TYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
 
 
@@ -611,6 +632,31 @@ def _silu_mul_bind(out: np.ndarray, g: np.ndarray, u: np.ndarray) -> Callable[[]
 
 
 _silu_mul_into.bind = _silu_mul_bind  # type: ignore[attr-defined]
+
+
+def _silu_into(out: np.ndarray, g: np.ndarray) -> None:
+    """out = g * sigmoid(g), as :func:`_silu_mul_into` computes it without the ``u``: the
+    compiled in-place pass over a copy of ``g`` where numba is, else four numpy passes."""
+    loops = epilogue_loops()
+    if out is not g:
+        np.copyto(out, g)
+    if loops is not None and out.dtype == np.float32 and out.flags.c_contiguous:
+        loops.silu_in_place(out.reshape(-1))
+        return
+    denominator = scratch(out, "silu", out.shape, out.dtype)
+    np.negative(out, out=denominator)
+    with np.errstate(over="ignore"):
+        np.exp(denominator, out=denominator)
+    denominator += 1
+    np.divide(out, denominator, out=out)
+
+
+@kernel("Silu", DOMAIN_VERSION, domain=DOMAIN, into=_silu_into, compiled=("_numba_epilogue",))
+def silu(g: np.ndarray) -> np.ndarray:
+    """SiLU(g) (FuseSiluPass)."""
+    out = np.empty_like(g, order="C")
+    _silu_into(out, g)
+    return out
 
 
 @kernel("SiluMul", DOMAIN_VERSION, domain=DOMAIN, into=_silu_mul_into, compiled=("_numba_epilogue",))
