@@ -454,6 +454,17 @@ class FuseGeluPass(_NodePass):
         return True
 
 
+def _silu_of(node: ir.Node) -> tuple[ir.Value, ir.Node] | None:
+    """(g, the Mul) when ``node`` is ``Sigmoid(g)`` read only by ``Mul(g, Sigmoid(g))``."""
+    if not _is(node, "Sigmoid") or node.inputs[0] is None:
+        return None
+    gate = node.inputs[0]
+    product = _sole_reader(node.outputs[0])
+    if not _is(product, "Mul") or {id(v) for v in product.inputs} != {id(gate), id(node.outputs[0])}:
+        return None
+    return gate, product
+
+
 class FuseSiluMulPass(_NodePass):
     """``plugrt.cpu::SiluMul(g, u)`` for ``Mul(Mul(g, Sigmoid(g)), u)``: a decoder MLP's
     gate (SwiGLU, as onnxruntime-genai's model builder and exporters write Llama, Qwen and
@@ -461,12 +472,10 @@ class FuseSiluMulPass(_NodePass):
     results read by nothing else."""
 
     def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
-        if not _is(node, "Sigmoid") or node.inputs[0] is None:
+        found = _silu_of(node)
+        if found is None:
             return False
-        gate = node.inputs[0]
-        product = _sole_reader(node.outputs[0])
-        if not _is(product, "Mul") or {id(v) for v in product.inputs} != {id(gate), id(node.outputs[0])}:
-            return False
+        gate, product = found
         outer = _sole_reader(product.outputs[0])
         if not _is(outer, "Mul"):
             return False
@@ -484,14 +493,10 @@ class FuseSiluPass(_NodePass):
     two steps as one compiled pass. The Sigmoid read by nothing else."""
 
     def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
-        if not _is(node, "Sigmoid") or node.inputs[0] is None:
+        found = _silu_of(node)
+        if found is None or found[0].dtype not in _SILU_TYPES:
             return False
-        gate = node.inputs[0]
-        product = _sole_reader(node.outputs[0])
-        if not _is(product, "Mul") or {id(v) for v in product.inputs} != {id(gate), id(node.outputs[0])}:
-            return False
-        if gate.dtype not in _SILU_TYPES:
-            return False
+        gate, product = found
         fused = _private_node(model, "Silu", [gate], product.name or "silu", [])
         _replace(model.graph, [node, product], fused)
         return True
@@ -634,21 +639,16 @@ def _silu_mul_bind(out: np.ndarray, g: np.ndarray, u: np.ndarray) -> Callable[[]
 _silu_mul_into.bind = _silu_mul_bind  # type: ignore[attr-defined]
 
 
+_SILU_IN_PLACE = conv_activation.activation_in_place("SiLU", [])
+
+
 def _silu_into(out: np.ndarray, g: np.ndarray) -> None:
-    """out = g * sigmoid(g), as :func:`_silu_mul_into` computes it without the ``u``: the
-    compiled in-place pass over a copy of ``g`` where numba is, else four numpy passes."""
-    loops = epilogue_loops()
+    """out = g * sigmoid(g): a copy of ``g``, then the fused Conv's in-place SiLU (one
+    compiled pass where numba is, numpy passes through a work array kept with ``out``)."""
+    assert _SILU_IN_PLACE is not None  # None only for the Relu
     if out is not g:
         np.copyto(out, g)
-    if loops is not None and out.dtype == np.float32 and out.flags.c_contiguous:
-        loops.silu_in_place(out.reshape(-1))
-        return
-    denominator = scratch(out, "silu", out.shape, out.dtype)
-    np.negative(out, out=denominator)
-    with np.errstate(over="ignore"):
-        np.exp(denominator, out=denominator)
-    denominator += 1
-    np.divide(out, denominator, out=out)
+    _SILU_IN_PLACE(out, out)
 
 
 @kernel("Silu", DOMAIN_VERSION, domain=DOMAIN, into=_silu_into, compiled=("_numba_epilogue",))
