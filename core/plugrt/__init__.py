@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _deferred_sympy
 from .errors import (
     BatchColumnError,
     BatchRowError,
@@ -59,6 +60,10 @@ from .errors import (
     WarmupShapeError,
     WeightStoreError,
 )
+
+# Before anything imports onnx_ir: its module-level sympy import is left until sympy is
+# used (plugrt never does), 0.25-0.3 s and ~33 MiB a process (see _deferred_sympy).
+_deferred_sympy.install()
 
 if TYPE_CHECKING:
     from .ort import (

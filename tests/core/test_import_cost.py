@@ -1,4 +1,5 @@
-"""``import plugrt`` and the light CLI commands load no onnx, onnx_ir or plugin machinery."""
+"""``import plugrt`` and the light CLI commands load no onnx, onnx_ir or plugin machinery;
+a session never imports sympy (onnx_ir's module-level import of it is deferred)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,18 @@ HEAVY = ("onnx", "onnx_ir", "ml_dtypes", "sympy", "pluggy", "importlib_metadata"
 
 
 def _loaded_after(code: str) -> list[str]:
-    """The HEAVY modules a fresh interpreter holds after running ``code``."""
-    probe = f"{code}\nimport sys\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    """The HEAVY modules a fresh interpreter has imported after running ``code`` (a deferred
+    stand-in, imported on its first use, does not count)."""
+    probe = (
+        f"{code}\nimport sys\n"
+        f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules and type(sys.modules[m]).__name__ != '_Deferred'))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     return out.split()
+
+
+def _printed(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
 
 
 def test_import_plugrt_imports_neither_onnx_nor_onnx_ir():
@@ -63,3 +72,46 @@ def test_listing_only_the_cpu_provider_imports_no_onnx():
     )
     loaded = _loaded_after(code)
     assert "onnx" not in loaded and "onnx_ir" not in loaded and "pluggy" in loaded
+
+
+_RUN_A_MODEL = (
+    "import numpy as np, onnx, plugrt\n"
+    "model = onnx.parser.parse_model('<ir_version: 8, opset_import: [\"\" : 17]> "
+    "g (float[N, 3] x) => (float[N, 3] y) { y = Relu(x) }')\n"
+    "session = plugrt.load(model.SerializeToString())\n"
+    "out = session.run({'x': np.array([[-1.0, 0.0, 2.0]], np.float32)})\n"
+    "assert out['y'].tolist() == [[0.0, 0.0, 2.0]], out\n"
+)
+
+
+def test_loading_and_running_a_model_with_a_symbolic_dimension_never_imports_sympy():
+    loaded = _loaded_after(_RUN_A_MODEL)
+    assert "onnx_ir" in loaded and "sympy" not in loaded
+
+
+def test_symbolic_dimension_arithmetic_is_unchanged_after_import_plugrt():
+    code = (
+        "import onnx_ir as ir\n"
+        "n, m = ir.SymbolicDim('N'), ir.SymbolicDim('M')\n"
+        "print((n * 2).value, (n + m).value, (n // 2).value, ir.SymbolicDim('max(N, 4)') + 1)\n"
+    )
+    plain = _printed(code)
+    assert plain.strip()  # the reference process printed the expressions
+    assert _printed("import plugrt\n" + code) == plain
+
+
+def test_sympy_imported_by_the_application_after_plugrt_is_the_real_sympy():
+    code = _RUN_A_MODEL + (
+        "import importlib.util, sys\n"
+        "assert importlib.util.find_spec('sympy').origin.endswith('__init__.py')\n"  # answers before the import
+        "import sympy\n"
+        "from sympy import Rational\n"
+        "import sympy.polys\n"
+        "print(sympy.Symbol('x') + Rational(1, 2), type(sys.modules['sympy']).__name__, sympy.polys.Poly)\n"
+    )
+    assert _printed(code).split() == ["x", "+", "1/2", "module", "<class", "'sympy.polys.polytools.Poly'>"]
+
+
+def test_sympy_imported_before_plugrt_is_left_as_it_is():
+    code = "import sympy, sys\nreal = sys.modules['sympy']\n" + _RUN_A_MODEL + "print(sys.modules['sympy'] is real)\n"
+    assert _printed(code).strip() == "True"
