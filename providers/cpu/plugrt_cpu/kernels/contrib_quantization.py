@@ -310,24 +310,52 @@ def _compiled_kinds(bits: int, block_size: int, scales: np.ndarray | None, zero_
     )
 
 
+def _job_buffers(rows: int, width: int, blocks: int, int8: bool, padded: bool) -> tuple[np.ndarray, ...]:
+    """A product's buffers for ``rows`` rows of A: A quantized to int8 with its block
+    scales and sums, A padded to whole blocks, the float tiles' dequantized tables."""
+    return (
+        np.zeros((rows, width) if int8 else 0, np.int8),
+        np.zeros((rows, blocks) if int8 else 0, np.float32),
+        np.zeros((rows, blocks) if int8 else 0, np.int32),
+        np.zeros((rows, width) if padded else 0, np.float32),
+        # the float tiles of several rows dequantize a tile here first: K x 16 floats a thread,
+        # on a 64-byte boundary
+        np.zeros(_SLOTS * width * 16 + 16 if not int8 and rows > 1 else 0, np.float32),
+    )
+
+
+# Each thread's product buffers by shape, shared by every MatMulNBits it runs eagerly: a
+# product fills them and is done with them before the next starts on that thread. One set a
+# node held 9 MiB for a 64-token prompt through SmolLM2-135M's 151 products, and grows
+# with the prompt (rows x K bytes a node and thread).
+_SHARED_BUFFERS = threading.local()
+
+
 class _Job:
-    """One thread's buffers and context for compiled products of ``rows`` rows of A:
-    made once, reused by every call of that many rows (a decode step's 1, a prompt's)."""
+    """The buffers and context for compiled products of ``rows`` rows of A: made once,
+    reused by every call of that many rows (a decode step's 1, a prompt's). ``shared``:
+    the buffers are the calling thread's, shared with its other products (an eager
+    product); else its own (a bound replay, which may run on any thread)."""
 
     __slots__ = ("buffers", "context", "address")
 
-    def __init__(self, loops: Any, packed: _Packed, rows: int, n: int, block_size: int, body: int, padded: bool) -> None:
+    def __init__(
+        self, loops: Any, packed: _Packed, rows: int, n: int, block_size: int, body: int, padded: bool,
+        shared: bool = False,
+    ) -> None:
         width = packed.blocks * block_size
         int8 = body != loops.FLOAT_BODY
-        self.buffers = (
-            np.zeros((rows, width) if int8 else 0, np.int8),
-            np.zeros((rows, packed.blocks) if int8 else 0, np.float32),
-            np.zeros((rows, packed.blocks) if int8 else 0, np.int32),
-            np.zeros((rows, width) if padded else 0, np.float32),
-            # the float tiles of several rows dequantize a tile here first: K x 16 floats a thread,
-            # on a 64-byte boundary
-            np.zeros(_SLOTS * width * 16 + 16 if not int8 and rows > 1 else 0, np.float32),
-        )
+        key = (rows, width, packed.blocks, int8, padded)
+        if shared:
+            by_shape = getattr(_SHARED_BUFFERS, "by_shape", None)
+            if by_shape is None:
+                by_shape = _SHARED_BUFFERS.by_shape = {}
+            buffers = by_shape.get(key)
+            if buffers is None:
+                buffers = by_shape[key] = _job_buffers(*key)
+            self.buffers = buffers
+        else:
+            self.buffers = _job_buffers(*key)
         quantized, scales, sums, padding, tables = self.buffers
         table = tables.ctypes.data + (-tables.ctypes.data % 64) if tables.size else 0
         zeros = packed.zeros
@@ -475,7 +503,7 @@ def matmul_nbits(ctx: KernelContext):
         if job is None:
             # the body is read once per job: PLUGRT_INT4_BODY forces one (tests), else the fastest here
             body = loops.body_code(loops.choose_body()) if int8_activations else loops.FLOAT_BODY
-            job = jobs.by_rows[(rows, padded)] = _Job(loops, packed, rows, n, block_size, body, padded)
+            job = jobs.by_rows[(rows, padded)] = _Job(loops, packed, rows, n, block_size, body, padded, shared=True)
         y = out.reshape(rows, n)
         count = threads_for(PARALLEL_MIN_WORK) if rows * n * k >= _COMPILED_MIN_WORK else 1
         pool = compiled_pool() if count > 1 else None
