@@ -114,7 +114,11 @@ class DecoderLayout:
 class Model:
     """A decoder session and its layout. ``source``: a folder holding ``genai_config.json``
     and the model it names, or a model path with ``genai_config.json`` beside it (or a
-    ``layout`` given explicitly). Other keyword arguments go to :func:`plugrt.load`."""
+    ``layout`` given explicitly). Other keyword arguments go to :func:`plugrt.load`.
+
+    A generator reads the logits of the last position only, so the session computes them
+    there alone (the ``outputs.last_position`` option, set to the layout's logits unless
+    given): a prompt step's logits are (1, 1, vocab), and its LM head multiplies one row."""
 
     def __init__(
         self,
@@ -138,6 +142,7 @@ class Model:
         if layout is None:
             layout = DecoderLayout.from_genai_config(folder / "genai_config.json")
         self.layout = layout
+        options.setdefault("outputs.last_position", (layout.logits,))
         self.session = load(model_path, device=device, **options)
         names = {info.name for info in self.session.inputs}
         missing = [n for n in (layout.input_ids, *(past for past, _ in layout.cache_names())) if n not in names]

@@ -64,6 +64,14 @@ def _names(key: str, value: Any) -> tuple[str, ...]:
     return tuple(v.strip() for v in value)
 
 
+def _output_names(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise InvalidOptionValueError(key, value, "a list of output names or a comma-separated string")
+    return tuple(v.strip() for v in value)
+
+
 def _embed_mode(key: str, value: Any) -> int:
     if value in (0, 1, "0", "1") and not isinstance(value, bool):
         return int(value)
@@ -168,6 +176,12 @@ OPTIONS: dict[str, _Option] = {
     ),
     "max_graphs": _Option(
         _positive_int, 8, "most plain-run graphs a session keeps (one per input signature); the least recently used is dropped"
+    ),
+    "outputs.last_position": _Option(
+        _output_names, (),
+        "outputs read only at their last position along axis 1 (a decoder's logits): the product that makes "
+        "each runs on that position alone, and the output's shape becomes (batch, 1, features); an output "
+        "made other than by a MatMul or MatMulNBits through per-position ops is left as it is",
     ),
     "disabled_providers": _Option(_names, (), "provider names to ignore, as if not installed"),
     "profiling": _Option(_boolean, False, "record a span per node (Chrome trace JSON via session.profile())"),

@@ -13,6 +13,7 @@ from . import passes
 from .epcontext import required_providers, restore_context_nodes
 from .errors import InvalidOptionValueError
 from .intent import Selection
+from .last_position import keep_last_position
 from .loader import LoadLimits
 from .options import SessionOptions
 from .provider import CompiledPartition, DeviceKind
@@ -78,6 +79,9 @@ def prepare_model(
         for provider in needed:
             selection.devices.setdefault(provider.name, registry.devices(provider.name)[0])
 
+    last_position = options["outputs.last_position"]
+    # before any fusion takes the product into another op
+    rewritten = traced("pass:keep_last_position", keep_last_position, ir_model, last_position) if last_position else []
     chosen = selection.providers
     for provider in chosen:
         # a provider's whole-model rewrite for options of its own (the CUDA provider's float16 decoding)
@@ -106,4 +110,4 @@ def prepare_model(
         args.update(nodes_after=len(ir_model.graph), **stats)
     # Unique node names: placement reports, errors and EPContext export refer to them.
     traced("pass:name_nodes", passes.name_nodes, ir_model)
-    return PreparedModel(_opsets(ir_model), restored, stats)
+    return PreparedModel(_opsets(ir_model), restored, {**stats, **({"last_position_outputs": len(rewritten)} if last_position else {})})

@@ -153,3 +153,26 @@ def test_token_outside_the_vocabulary_is_rejected(fp32_model):
 def test_invalid_search_options_are_rejected(fp32_model, options):
     with pytest.raises(InvalidOptionValueError):
         genai.Generator(fp32_model, **options)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_a_prompts_logits_are_computed_at_its_last_position_alone(precision):
+    """The generator reads the last position's logits: the model's session computes only
+    those, as onnxruntime computes that position of the whole prompt's logits."""
+    ort = pytest.importorskip("onnxruntime")
+    folder = ASSETS / precision
+    model = genai.Model(folder)
+    layout = model.layout
+    reference = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    empty = np.zeros((1, layout.kv_heads, 0, layout.head_size), np.float32)
+    feeds = {
+        "input_ids": np.array([PROMPT], np.int64),
+        "attention_mask": np.ones((1, len(PROMPT)), np.int64),
+        **{past: empty for past, _ in layout.cache_names()},
+    }
+    expected = reference.run(["logits"], feeds)[0]
+    got = model.session.run(feeds, ["logits"])["logits"]
+    assert expected.shape[1] == len(PROMPT) and got.shape == (1, 1, expected.shape[2])
+    np.testing.assert_allclose(got[0, 0], expected[0, -1], rtol=1e-4, atol=1e-4)
+    everything = genai.Model(folder, **{"outputs.last_position": ()})  # asked for every position
+    assert everything.session.run(feeds, ["logits"])["logits"].shape == expected.shape
