@@ -285,6 +285,43 @@ def test_external_4bit_weights_leave_no_pages_of_their_file_mapped_once_repacked
     assert _resident_kib_of(str(tmp_path / "stack.data")) <= 16  # of 640 KiB
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_a_large_external_weight_is_let_go_of_slab_by_slab_as_it_is_repacked(tmp_path, monkeypatch):
+    # a 4 MiB weight (16384 x 512, 4 bits) repacked a 1 MiB slab at a time: after each slab
+    # is read, less than a slab of the file stays resident (the whole weight did, beside its
+    # copy, until the end of its repacking)
+    import onnx
+
+    if not _compiled.compiled_enabled():
+        pytest.skip("the repacked layout is the compiled kernels' (numba)")
+    n, k, block = 16384, 512, 32
+    rng = np.random.default_rng(4)
+    b = rng.integers(0, 256, (n, k // block, block // 2), dtype=np.uint8)
+    scales = rng.random((n * (k // block),), dtype=np.float32)
+    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block)
+    graph = helper.make_graph(
+        [node], "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+        [onnx.numpy_helper.from_array(b, "b"), onnx.numpy_helper.from_array(scales, "s")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    path = tmp_path / "head.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="head.data", size_threshold=0)
+    resident: list[int] = []
+    release = contrib_quantization._release_range
+
+    def recorded(array):
+        release(array)
+        resident.append(_resident_kib_of(str(tmp_path / "head.data")))
+
+    monkeypatch.setattr(contrib_quantization, "_release_range", recorded)
+    session = plugrt.load(str(path), device="cpu")
+    assert len(resident) >= 4 and max(resident) < 1024, resident
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    expected = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(session.run({"x": x})["y"], expected, rtol=1e-4, atol=1e-4)
+
+
 def _kernel(model: bytes):
     """The MatMulNBits kernel ``_model`` describes, built as the provider builds it."""
     import onnx

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 __all__ = ["ROWS", "pack"]
@@ -13,12 +15,14 @@ _CHUNK = 64
 
 
 def pack(
-    b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, block_size: int
+    b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, block_size: int,
+    read: Callable[[np.ndarray], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """MatMulNBits' 4-bit ``B`` (N, blocks, block_size / 2), ``scales`` (N x blocks) and
     packed uint8 ``zero_points`` (N, ceil(blocks / 2)) or None, as the kernels read them:
     weights uint8 (tiles, blocks, block_size / 8, 64), scales float32 (tiles, blocks, 16),
-    zero points uint8 (tiles, blocks, 16) or None. Rows past N are zero (scale 0)."""
+    zero points uint8 (tiles, blocks, 16) or None. Rows past N are zero (scale 0).
+    ``read(view)`` is called with each part of ``B`` once it is read for the last time."""
     blocks = -(-k // block_size)
     tiles = -(-n // ROWS)
     padded = tiles * ROWS
@@ -36,6 +40,8 @@ def pack(
         r0, r1 = t0 * ROWS, min(n, t1 * ROWS)
         source = np.zeros(((t1 - t0) * ROWS, blocks * groups, 16), np.uint8)
         source[: r1 - r0] = packed[r0:r1]
+        if read is not None:
+            read(packed[r0:r1])
         low, high = np.ascontiguousarray(source[..., :8]), np.ascontiguousarray(source[..., 8:])
         # ``* 16`` rather than ``<< 4``: numpy's uint8 left shift is not vectorized (60x slower)
         even = (low & 15) | (high * np.uint8(16))

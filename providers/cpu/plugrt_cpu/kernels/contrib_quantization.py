@@ -186,7 +186,9 @@ class _Packed:
     def __init__(self, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, block_size: int):
         from ._int4_layout import pack
 
-        self.weights, self.scales, self.zeros = pack(b, scales, zero_points, n, k, block_size)
+        # each slab of the source is let go of as soon as it is repacked: a source held resident
+        # until the end was SmolLM2's peak, its 14 MiB LM head beside its copy at the end of the build
+        self.weights, self.scales, self.zeros = pack(b, scales, zero_points, n, k, block_size, read=_release_range)
         self.tiles, self.blocks = self.weights.shape[:2]
         self.groups = block_size // 32
         for source in (b, scales, zero_points):  # read once to repack: not held resident beside the copy
@@ -280,6 +282,20 @@ def _packed_rows(packed: _Packed, rows: np.ndarray, block_size: int) -> np.ndarr
     return weight.reshape(count, blocks * block_size)
 
 
+def _read_only_map(array: np.ndarray) -> mmap.mmap | None:
+    """The read-only memory map of a file that ``array`` views, or None (anonymous memory,
+    a closed map, or a copy-on-write map, which could hold changes of its own)."""
+    owner: Any = array
+    while owner is not None and not isinstance(owner, mmap.mmap):
+        owner = owner.obj if isinstance(owner, memoryview) else getattr(owner, "base", None)
+    if not isinstance(owner, mmap.mmap) or owner.closed or not hasattr(owner, "madvise"):
+        return None
+    with contextlib.suppress(ValueError):
+        if memoryview(owner).readonly:
+            return owner
+    return None
+
+
 def _release_pages(array: np.ndarray) -> None:
     """Let the kernel drop from this process's resident memory the pages of the read-only
     memory map of a file (external data) that ``array`` views: they are read back from
@@ -287,14 +303,23 @@ def _release_pages(array: np.ndarray) -> None:
     maps the file once per tensor, and the kernel's fault-around keeps up to 64 KiB of
     neighbouring pages resident in each map (24 MiB over a 135M decoder's 365 tensors).
     Arrays in anonymous memory are left alone."""
-    owner: Any = array
-    while owner is not None and not isinstance(owner, mmap.mmap):
-        owner = owner.obj if isinstance(owner, memoryview) else getattr(owner, "base", None)
-    if not isinstance(owner, mmap.mmap) or owner.closed or not hasattr(owner, "madvise"):
+    owner = _read_only_map(array)
+    if owner is not None:
+        with contextlib.suppress(OSError, ValueError):
+            owner.madvise(mmap.MADV_DONTNEED)
+
+
+def _release_range(array: np.ndarray) -> None:
+    """``_release_pages`` for the pages ``array`` (a contiguous view) spans alone, rounded
+    out to whole pages: for a source read a slab at a time."""
+    owner = _read_only_map(array)
+    if owner is None or not array.flags.c_contiguous or array.nbytes == 0:
         return
     with contextlib.suppress(OSError, ValueError):
-        if memoryview(owner).readonly:  # a copy-on-write map could hold changes of its own: left alone
-            owner.madvise(mmap.MADV_DONTNEED)
+        base = int(np.frombuffer(owner, np.uint8).ctypes.data)
+        start = int(array.ctypes.data) - base
+        first = start - start % mmap.PAGESIZE
+        owner.madvise(mmap.MADV_DONTNEED, first, min(len(owner), start + array.nbytes) - first)
 
 
 def _compiled_kinds(bits: int, block_size: int, scales: np.ndarray | None, zero_points: np.ndarray | None, g_idx: np.ndarray | None) -> bool:
