@@ -16,12 +16,12 @@ from plugrt.loader import LoadLimits, load_model, read_regular_file
 from helpers import LOCAL_DOUBLE
 
 
-def _identity_with_initializer(location: str | None = None) -> onnx.ModelProto:
-    weight = numpy_helper.from_array(np.arange(64, dtype=np.float32), "w")
+def _identity_with_initializer(location: str | None = None, size: int = 64) -> onnx.ModelProto:
+    weight = numpy_helper.from_array(np.arange(size, dtype=np.float32), "w")
     if location is not None:
         weight.ClearField("raw_data")
         weight.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", location), ("offset", "0"), ("length", "256")):
+        for key, value in (("location", location), ("offset", "0"), ("length", str(4 * size))):
             entry = weight.external_data.add()
             entry.key, entry.value = key, value
     graph = helper.make_graph(
@@ -171,20 +171,40 @@ def test_huge_declared_tensor_is_refused_before_allocation():
 
 
 class TestExternalData:
-    def _write(self, folder, location):
-        model = _identity_with_initializer(location)
+    def _write(self, folder, location, size=64):
+        model = _identity_with_initializer(location, size)
         path = folder / "model.onnx"
         onnx.save(model, path)
         return path
 
     def test_external_data_inside_the_folder_is_read_lazily(self, tmp_path):
-        np.arange(64, dtype=np.float32).tofile(tmp_path / "weights.bin")
-        path = self._write(tmp_path, "weights.bin")
+        size = plugrt.loader.SMALL_EXTERNAL_BYTES // 4  # 64 KiB: at the threshold, left mapped
+        np.arange(size, dtype=np.float32).tofile(tmp_path / "weights.bin")
+        path = self._write(tmp_path, "weights.bin", size)
         loaded = load_model(path)
         tensor = loaded.model.graph.initializers["w"].const_value
         assert isinstance(tensor, plugrt.loader.ir.ExternalTensor)
         out = plugrt.load(path, optimization="none").run()
-        np.testing.assert_array_equal(out["y"], np.arange(64, dtype=np.float32))
+        np.testing.assert_array_equal(out["y"], np.arange(size, dtype=np.float32))
+
+    @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+    def test_small_external_tensors_are_read_into_memory_of_their_own(self, tmp_path):
+        # through a map, a 256-byte tensor would keep up to 64 KiB of its file resident
+        values = np.arange(64, dtype=np.float32)
+        np.concatenate([values, np.zeros(1 << 16, np.float32)]).tofile(tmp_path / "weights.bin")
+        path = self._write(tmp_path, "weights.bin")
+        loaded = load_model(path)
+        tensor = loaded.model.graph.initializers["w"].const_value
+        assert not isinstance(tensor, plugrt.loader.ir.ExternalTensor)
+        session = plugrt.load(path, optimization="none")
+        np.testing.assert_array_equal(session.run()["y"], values)
+        with open("/proc/self/maps") as maps:
+            assert str(tmp_path / "weights.bin") not in maps.read()
+
+    def test_small_external_data_shorter_than_declared_is_still_refused(self, tmp_path):
+        np.arange(10, dtype=np.float32).tofile(tmp_path / "weights.bin")  # 40 of the 256 bytes declared
+        with pytest.raises(ModelLoadError):
+            plugrt.load(self._write(tmp_path, "weights.bin"), optimization="none").run()
 
     def test_absolute_location_is_refused(self, tmp_path):
         outside = tmp_path / "outside.bin"
