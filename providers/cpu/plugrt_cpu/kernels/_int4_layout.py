@@ -22,7 +22,8 @@ def pack(
     packed uint8 ``zero_points`` (N, ceil(blocks / 2)) or None, as the kernels read them:
     weights uint8 (tiles, blocks, block_size / 8, 64), scales float32 (tiles, blocks, 16),
     zero points uint8 (tiles, blocks, 16) or None. Rows past N are zero (scale 0).
-    ``read(view)`` is called with each part of ``B`` once it is read for the last time."""
+    ``read(view)`` is called with each part of ``B``, the scales and the zero points once
+    it is read for the last time."""
     blocks = -(-k // block_size)
     tiles = -(-n // ROWS)
     padded = tiles * ROWS
@@ -52,6 +53,8 @@ def pack(
         words[t0:t1] = rows.transpose(0, 2, 3, 1)
     scale = np.zeros((padded, blocks), np.float32)
     scale[:n] = scales.reshape(n, blocks)
+    if read is not None:
+        read(scales)
     scale = np.ascontiguousarray(scale.reshape(tiles, ROWS, blocks).transpose(0, 2, 1))
     zeros = None
     if zero_points is not None:
@@ -60,5 +63,7 @@ def pack(
         z = np.zeros((padded, 2 * per_row), np.uint8)
         z[:n, 0::2] = zp & 0x0F
         z[:n, 1::2] = zp >> 4
+        if read is not None:
+            read(zero_points)
         zeros = np.ascontiguousarray(z[:, :blocks].reshape(tiles, ROWS, blocks).transpose(0, 2, 1))
     return weights, scale, zeros
