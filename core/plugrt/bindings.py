@@ -215,15 +215,16 @@ def deliver_outputs(
     *,
     persistent: bool = False,
 ) -> dict[str, Any]:
-    """Bound outputs go into their buffers (returned as None); the rest to the caller on
-    the host. ``persistent``: the values are buffers a later run overwrites (a capture),
-    so host outputs are copied."""
+    """Bound outputs go into their buffers (returned as None; a value already None was
+    stored during the run); the rest to the caller on the host. ``persistent``: the values
+    are buffers a later run overwrites (a capture), so host outputs are copied."""
     bound = {b.output: b for b in bindings if b.output is not None}
     result: dict[str, Any] = {}
     for name, value in zip(names, values):
         binding = bound.get(name)
         if binding is not None:
-            binding.store(value)
+            if value is not None:
+                binding.store(value)
             result[name] = None
         elif persistent and isinstance(value, np.ndarray):
             result[name] = value.copy()

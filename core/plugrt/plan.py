@@ -143,6 +143,8 @@ class Plan:
         # session that starts on the CPU while its device plan compiles has two)
         self.label = ""
         self._fn, self._line_to_step, self.source = self._generate(profile)
+        # generated again for each set of outputs stored as soon as they are final (run_storing)
+        self._storing: dict[tuple[tuple[int, int | None], ...], tuple[Callable[..., list], dict[int, int]]] = {}
 
     def profiled(self) -> "Plan":
         """The same steps generated again with the recording lines of a profiled plan (an
@@ -158,7 +160,13 @@ class Plan:
 
     # -- code generation -------------------------------------------------------------------
 
-    def _generate(self, profile: bool) -> tuple[Callable[..., list], dict[int, int], str]:
+    def _generate(
+        self, profile: bool, stores: Sequence[tuple[int, int | None]] = ()
+    ) -> tuple[Callable[..., list], dict[int, int], str]:
+        """The plan's function. ``stores``: (output index, input index or None) pairs: the
+        function then takes a tuple of store functions first, one per pair, and hands each
+        such output to its store as soon as it is final (made, read by no later step, and
+        the paired input read by no later step either), returning None in its place."""
         names: dict[ir.Value, str] = {}
         env: dict[str, Any] = {}
         counter = itertools.count()
@@ -193,6 +201,21 @@ class Plan:
             for output in step.outputs:
                 if output is not None and output not in last_use and output not in keep:
                     releases.setdefault(index, []).append(local(output))
+
+        # where each stored output goes to its store: after the step from which nothing reads it
+        # (nor the input whose memory the store may overwrite)
+        produced = {v: i for i, step in enumerate(self.steps) for v in step.outputs if v is not None}
+        store_after: dict[int, list[tuple[int, ir.Value]]] = {}
+        for slot, (position, paired) in enumerate(stores):
+            value = self.outputs[position]
+            if value not in produced or sum(v is value for v in self.outputs) != 1:
+                continue  # an input or constant passed through, or an output listed twice: stored after the run
+            point = max(produced[value], last_use.get(value, -1))
+            if paired is not None:
+                point = max(point, last_use.get(self.inputs[paired], -1))
+            store_after.setdefault(point, []).append((slot, value))
+        if stores:
+            params = ["_stores", *params]
 
         lines = [f"def _plan({', '.join(params)}):"]
         line_to_step: dict[int, int] = {}
@@ -246,6 +269,8 @@ class Plan:
             dead = releases.get(index)
             if dead:
                 lines.append(f"    del {', '.join(dead)}")
+            for slot, value in store_after.get(index, ()):
+                lines.append(f"    _stores[{slot}]({local(value)}); {local(value)} = None")
         outputs = []
         for value in self.outputs:
             if value not in names:
@@ -304,17 +329,40 @@ class Plan:
         except PlugrtError:
             raise  # already typed and naming its node (e.g. raised inside a subgraph)
         except Exception as exc:
-            index = self._failed_step(exc)
+            index = self._failed_step(exc, self._fn, self._line_to_step)
             if index is None:
                 raise
             raise self._wrap(index, exc) from exc
 
-    def _failed_step(self, exc: BaseException) -> int | None:
+    def run_storing(self, stores: Sequence[tuple[int, int | None, Callable[[Any], None]]], *args: Any) -> list:
+        """``run``, handing each output named in ``stores`` (output index, the index of an
+        input whose memory its store may overwrite or None, the store) to its store as soon
+        as it is final, so that it need not stay alive to the end of the run (a KV cache's
+        presents, stored into their bindings). Those outputs come back as None, except one
+        the plan does not make (an input passed through, an output listed twice): that one
+        comes back for the caller to store. A run that fails may have stored some."""
+        key = tuple((output, paired) for output, paired, _ in stores)
+        generated = self._storing.get(key)
+        if generated is None:
+            fn, line_to_step, _ = self._generate(self.profile_records is not None, key)
+            generated = self._storing[key] = (fn, line_to_step)
+        fn, line_to_step = generated
+        try:
+            return fn(tuple(store for _, _, store in stores), *args)
+        except PlugrtError:
+            raise
+        except Exception as exc:
+            index = self._failed_step(exc, fn, line_to_step)
+            if index is None:
+                raise
+            raise self._wrap(index, exc) from exc
+
+    def _failed_step(self, exc: BaseException, fn: Callable[..., list], line_to_step: dict[int, int]) -> int | None:
         tb = exc.__traceback__
-        code = self._fn.__code__
+        code = fn.__code__
         while tb is not None:
             if tb.tb_frame.f_code is code:
-                return self._line_to_step.get(tb.tb_lineno)
+                return line_to_step.get(tb.tb_lineno)
             tb = tb.tb_next
         return None
 

@@ -321,6 +321,26 @@ class Session(SessionIntrospection, ProfiledSession):
 
     # -- running ---------------------------------------------------------------------------
 
+    def _early_stores(self, bindings: Sequence[DeviceBinding]) -> list[tuple[int, int | None, Any]]:
+        """The bound outputs of a run, each stored into its binding as soon as it is final
+        rather than all at the end (a KV cache's presents need not all stay alive to the
+        end): (output index, the index of the binding's own input, read before the store
+        overwrites it, or None; the store). A bound output's buffer is taken to be its
+        binding's alone, as onnxruntime's IO binding takes it."""
+        stores = []
+        positions = None
+        for binding in bindings:
+            output = self._output_index.get(binding.output) if binding.output is not None else None
+            if output is None:
+                continue
+            paired = None
+            if binding.input is not None:
+                if positions is None:
+                    positions = {value.name: i for i, value in enumerate(self._plan.inputs)}
+                paired = positions.get(binding.input)
+            stores.append((output, paired, binding.store))
+        return stores
+
     @typed_run_errors
     def run(
         self,
@@ -338,7 +358,9 @@ class Session(SessionIntrospection, ProfiledSession):
             begin_run(self._intra_op_threads)
             self._runs += 1
             args = self._signature.arguments(bound_feeds(feeds, bindings))
-            return deliver_outputs(self._output_names, self._plan.run(*args), bindings, args, self._spaces)
+            stores = self._early_stores(bindings)
+            values = self._plan.run_storing(stores, *args) if stores else self._plan.run(*args)
+            return deliver_outputs(self._output_names, values, bindings, args, self._spaces)
         graphs = self._graphs
         if graphs is not None and self._graphs_serve():
             names = self._output_names if output_names is None else list(output_names)
