@@ -77,7 +77,12 @@ def _reference(a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, gelu: bool
     return y
 
 
-@pytest.mark.parametrize("shape", [(16, 3, 5), (37, 150, 50), (64, 64, 16), (200, 96, 130)])
+# (rows, K, N): the packed body's tiles of 8 rows by up to three 16-column panels, with a
+# short last tile of rows and a ragged last panel; groups of three, two and one panel
+# (N 130, 20, 50); K deeper than a slice (450, 3 slices of the L1-sized depth) adds slices
+@pytest.mark.parametrize(
+    "shape", [(16, 3, 5), (37, 150, 50), (64, 64, 16), (200, 96, 130), (45, 450, 20), (23, 700, 130), (17, 400, 48)]
+)
 @pytest.mark.parametrize("gelu", [False, True])
 def test_dense_product_matches_float64(body, shape, gelu):
     m, k, n = shape
