@@ -56,20 +56,21 @@ def _graphs(key: str, value: Any) -> bool | str:
     raise InvalidOptionValueError(key, value, "True (any provider that can capture), False (never) or 'auto'")
 
 
-def _names(key: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [v for v in value.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise InvalidOptionValueError(key, value, "a list of provider names or a comma-separated string")
-    return tuple(v.strip() for v in value)
+def _name_list(what: str) -> Callable[[str, Any], tuple[str, ...]]:
+    """A parser of a list of ``what`` names, or of one comma-separated string of them."""
+
+    def parse(key: str, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise InvalidOptionValueError(key, value, f"a list of {what} names or a comma-separated string")
+        return tuple(v.strip() for v in value)
+
+    return parse
 
 
-def _output_names(key: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [v for v in value.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise InvalidOptionValueError(key, value, "a list of output names or a comma-separated string")
-    return tuple(v.strip() for v in value)
+_names = _name_list("provider")
+_output_names = _name_list("output")
 
 
 def _embed_mode(key: str, value: Any) -> int:
