@@ -10,12 +10,21 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from plugrt_cpu.kernels._compiled import compiled_module  # noqa: E402
+from plugrt_cpu.kernels import _compiled  # noqa: E402
 
-gemm = compiled_module("_numba_gemm")
+# loaded here, on this thread: ``compiled_module`` answers None while the background load
+# is still under way, which skipped this whole file in a run that had not loaded it yet
+gemm = _compiled._LOADER.load("_numba_gemm") if _compiled.compiled_enabled() else None
 pytestmark = pytest.mark.skipif(gemm is None or not gemm.available(), reason="needs numba and AVX-512")
 
-SHAPES = [(1, 1, 1), (16, 16, 16), (17, 3, 33), (30, 37, 20), (64, 256, 49), (5, 2100, 7), (48, 1030, 100), (33, 70, 13), (20, 2050, 49)]
+SHAPES = [
+    (1, 1, 1), (16, 16, 16), (17, 3, 33), (30, 37, 20), (64, 256, 49), (5, 2100, 7), (48, 1030, 100), (33, 70, 13),
+    (20, 2050, 49),
+    # wide products (tiles of 8 rows by 48 columns, two to a row tile): a short second half
+    # (13, 29 rows), a tile of fewer than 8 rows (36), groups of three column tiles cut by
+    # the last column (200, 150) and by the L2 chunks of a deep product (700)
+    (13, 40, 200), (29, 700, 150), (36, 128, 800),
+]
 
 
 def _run(weight, x, *, bias=None, residual=None, relu=False, ldc=None, ldx=None):
