@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_gemm import _V, _VI64, _VMASK, _VW, MR, _c, _floats, _k_loop, _splat, _vector_at
+from ._numba_gemm import _V, _VI64, _VMASK, _VW, MR, _ahead, _c, _floats, _k_loop, _splat, _vector_at
 from ._numba_loops import _gelu
 from ._numba_parallel import float32_pointer, int64_pointer
 
@@ -180,10 +180,23 @@ def panel_product(packed, panels, c, bias, gelu, t0, t1, depth):  # pragma: no c
         width = min(count * VECTOR, n - j0)
         columns = width - (count - 1) * VECTOR  # of the group's last panel
         group = x + t * stride * _FLOAT
+        tiles = (rows + ROWS - 1) // ROWS
         for s in range(slices):
             k0 = s * k // slices
             steps = (s + 1) * k // slices - k0
+            # the next slice of the group's panels (after the last, the next group's first),
+            # a share before each row tile: it comes from memory while this slice computes
+            if s + 1 < slices:
+                ahead = group + (s + 1) * k // slices * VECTOR * _FLOAT
+                ahead_bytes = ((s + 2) * k // slices - (s + 1) * k // slices) * VECTOR * _FLOAT
+                ahead_panels = count
+            else:
+                ahead = x + (t + PANELS) * stride * _FLOAT
+                ahead_bytes = (k // slices) * VECTOR * _FLOAT
+                ahead_panels = min(PANELS, t1 - t - PANELS)
             for r0 in range(0, rows, ROWS):
+                for p in range(ahead_panels):
+                    _ahead(ahead + p * stride * _FLOAT, ahead_bytes, r0 // ROWS, tiles)
                 left = w + ((r0 // MR) * k * MR + k0 * MR + r0 % MR) * _FLOAT
                 right = group + k0 * VECTOR * _FLOAT
                 offset = out + (r0 * ldc + j0) * _FLOAT
