@@ -129,6 +129,7 @@ class Plan:
         profile: bool = False,
     ) -> None:
         self.inputs = list(inputs)
+        self.input_positions = {value.name: i for i, value in enumerate(self.inputs)}
         self.outputs = list(outputs)
         self.steps = list(steps)
         self.infos = list(step_infos)
@@ -324,15 +325,7 @@ class Plan:
     # -- running -----------------------------------------------------------------------
 
     def run(self, *args: Any) -> list:
-        try:
-            return self._fn(*args)
-        except PlugrtError:
-            raise  # already typed and naming its node (e.g. raised inside a subgraph)
-        except Exception as exc:
-            index = self._failed_step(exc, self._fn, self._line_to_step)
-            if index is None:
-                raise
-            raise self._wrap(index, exc) from exc
+        return self._call(self._fn, self._line_to_step, args)
 
     def run_storing(self, stores: Sequence[tuple[int, int | None, Callable[[Any], None]]], *args: Any) -> list:
         """``run``, handing each output named in ``stores`` (output index, the index of an
@@ -347,10 +340,15 @@ class Plan:
             fn, line_to_step, _ = self._generate(self.profile_records is not None, key)
             generated = self._storing[key] = (fn, line_to_step)
         fn, line_to_step = generated
+        return self._call(fn, line_to_step, (tuple(store for _, _, store in stores), *args))
+
+    def _call(self, fn: Callable[..., list], line_to_step: dict[int, int], args: tuple) -> list:
+        """``fn(*args)``, one of this plan's functions, its errors mapped to the step that
+        raised them."""
         try:
-            return fn(tuple(store for _, _, store in stores), *args)
+            return fn(*args)
         except PlugrtError:
-            raise
+            raise  # already typed and naming its node (e.g. raised inside a subgraph)
         except Exception as exc:
             index = self._failed_step(exc, fn, line_to_step)
             if index is None:

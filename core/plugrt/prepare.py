@@ -110,4 +110,6 @@ def prepare_model(
         args.update(nodes_after=len(ir_model.graph), **stats)
     # Unique node names: placement reports, errors and EPContext export refer to them.
     traced("pass:name_nodes", passes.name_nodes, ir_model)
-    return PreparedModel(_opsets(ir_model), restored, {**stats, **({"last_position_outputs": len(rewritten)} if last_position else {})})
+    if last_position:
+        stats = {**stats, "last_position_outputs": len(rewritten)}
+    return PreparedModel(_opsets(ir_model), restored, stats)

@@ -327,18 +327,13 @@ class Session(SessionIntrospection, ProfiledSession):
         end): (output index, the index of the binding's own input, read before the store
         overwrites it, or None; the store). A bound output's buffer is taken to be its
         binding's alone, as onnxruntime's IO binding takes it."""
+        positions = self._plan.input_positions
         stores = []
-        positions = None
         for binding in bindings:
             output = self._output_index.get(binding.output) if binding.output is not None else None
-            if output is None:
-                continue
-            paired = None
-            if binding.input is not None:
-                if positions is None:
-                    positions = {value.name: i for i, value in enumerate(self._plan.inputs)}
-                paired = positions.get(binding.input)
-            stores.append((output, paired, binding.store))
+            if output is not None:
+                paired = positions.get(binding.input) if binding.input is not None else None
+                stores.append((output, paired, binding.store))
         return stores
 
     @typed_run_errors

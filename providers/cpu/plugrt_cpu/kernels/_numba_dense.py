@@ -19,10 +19,9 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_gemm import _V, _VI64, _VMASK, _VW, MR, _ahead, _c, _floats, _k_loop, _splat, _vector_at
+from ._numba_gemm import _V, _VI64, _VMASK, _VW, MR, _ahead, _c, _floats, _k_loop, _splat, _vector_at, _vector_functions
 from ._numba_loops import _gelu
 from ._numba_parallel import float32_pointer, int64_pointer
 
@@ -72,15 +71,7 @@ def _panel_codegen(panels: int):  # type: ignore[no-untyped-def]
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         a, x, stride, k, c, ldc, columns, rows, accumulate = args
-        module = builder.module
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
-        masked_load = cgutils.get_or_insert_function(
-            module, ir.FunctionType(_V, [_V.as_pointer(), ir.IntType(32), _VMASK, _V]), "llvm.masked.load.v16f32.p0"
-        )
-        masked_store = cgutils.get_or_insert_function(
-            module, ir.FunctionType(ir.VoidType(), [_V, _V.as_pointer(), ir.IntType(32), _VMASK]),
-            "llvm.masked.store.v16f32.p0",
-        )
+        fma, masked_load, masked_store = _vector_functions(builder.module)
         four = ir.Constant(ir.IntType(32), 4)
         zero = ir.Constant(_V, [0.0] * _VW)
         lanes = ir.Constant(_VI64, list(range(_VW)))

@@ -107,6 +107,19 @@ def _vector_at(builder, base, index):  # type: ignore[no-untyped-def]
     return builder.bitcast(builder.gep(base, [index]), _V.as_pointer())
 
 
+def _vector_functions(module):  # type: ignore[no-untyped-def]
+    """LLVM's fused multiply-add, masked load and masked store of a 16-float vector, declared
+    in ``module``: what the tiles' code calls."""
+    fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
+    masked_load = cgutils.get_or_insert_function(
+        module, ir.FunctionType(_V, [_V.as_pointer(), _I32, _VMASK, _V]), "llvm.masked.load.v16f32.p0"
+    )
+    masked_store = cgutils.get_or_insert_function(
+        module, ir.FunctionType(ir.VoidType(), [_V, _V.as_pointer(), _I32, _VMASK]), "llvm.masked.store.v16f32.p0"
+    )
+    return fma, masked_load, masked_store
+
+
 def _k_loop(builder, k, count, step):  # type: ignore[no-untyped-def]
     """Emit ``count`` vector accumulators summed over ``k`` steps (``step(index,
     accumulators)`` returns the next ones): a loop of ``_UNROLL`` steps an iteration, then
@@ -205,14 +218,7 @@ def _tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu = args
-        module = builder.module
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
-        masked_load = cgutils.get_or_insert_function(
-            module, ir.FunctionType(_V, [_V.as_pointer(), _I32, _VMASK, _V]), "llvm.masked.load.v16f32.p0"
-        )
-        masked_store = cgutils.get_or_insert_function(
-            module, ir.FunctionType(ir.VoidType(), [_V, _V.as_pointer(), _I32, _VMASK]), "llvm.masked.store.v16f32.p0"
-        )
+        fma, masked_load, masked_store = _vector_functions(builder.module)
         four = ir.Constant(_I32, 4)
         zero = ir.Constant(_V, [0.0] * _VW)
         lanes = ir.Constant(_VI64, list(range(_VW)))
@@ -270,8 +276,7 @@ def _column_codegen(indirect, tiles=1):  # type: ignore[no-untyped-def]
             offsets = builder.inttoptr(table, _I64.as_pointer())
         else:
             w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu = args
-        module = builder.module
-        fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
+        fma = _vector_functions(builder.module)[0]
         weights, xs = _floats(builder, w), _floats(builder, x)
         bases = [weights] + ([builder.gep(weights, [wstride])] if tiles == 2 else [])
         last = builder.sub(columns, _c(1))
