@@ -193,3 +193,27 @@ def test_the_provider_declares_its_capabilities():
     assert isinstance(provider, CaptureCapability)
     assert isinstance(provider, ContextCapability) and provider.context_source_keys == ("cuda",)
     assert isinstance(provider, ContextCompatibilityCapability)
+
+
+def test_without_a_driver_the_real_probe_never_imports_cupy():
+    """A CPU-only machine with cupy installed: loading a model finds no driver from libcuda
+    alone; importing cupy (0.2 s, its CUDA libraries mapped into the process) is skipped."""
+    import importlib.util
+
+    from plugrt_cuda._probe import driver_version_without_cupy
+
+    if importlib.util.find_spec("cupy") is None or driver_version_without_cupy() != 0:
+        pytest.skip("needs cupy installed and no NVIDIA driver")
+    code = (
+        "import sys, plugrt, numpy as np\n"
+        "from plugrt.cli import EXAMPLE_MODEL\n"
+        "session = plugrt.load(EXAMPLE_MODEL)\n"
+        "from plugrt_cuda._probe import probe\n"
+        "print(probe().reason)\n"
+        "print('cupy' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    reason, imported = done.stdout.strip().splitlines()[-2:]
+    assert reason.startswith("no CUDA driver") and "device='cpu'" in reason
+    assert imported == "False"
