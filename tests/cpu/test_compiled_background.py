@@ -262,8 +262,8 @@ def test_a_module_that_fails_to_load_is_said_and_its_steps_stay_on_numpy():
         raise ValueError("a broken compiled module")
 
     loader = _compiled._Loader(importer=importer, compile_ahead=lambda: None)
-    assert "_numba_epilogue" not in _compiled.IMPORTS  # a module importing no other
-    with pytest.warns(RuntimeWarning, match="_numba_epilogue failed to load"):
-        loader.want(["_numba_epilogue"])
+    assert "_numba_gemm" not in _compiled.IMPORTS  # a module importing no other
+    with pytest.warns(RuntimeWarning, match="_numba_gemm failed to load"):
+        loader.want(["_numba_gemm"])
         assert loader.finished.wait(120)
-    assert loader.failed == {"_numba_epilogue"} and loader.ready == {}
+    assert loader.failed == {"_numba_gemm"} and loader.ready == {}

@@ -633,7 +633,17 @@ def _silu_mul_bind(out: np.ndarray, g: np.ndarray, u: np.ndarray) -> Callable[[]
     if flat is None:
         return None
     silu_mul, g_flat, u_flat, out_flat = flat
-    return lambda: silu_mul(g_flat, u_flat, out_flat)
+
+    def replay() -> None:
+        silu_mul(g_flat, u_flat, out_flat)
+
+    loops = epilogue_loops()
+    words = np.array([0] * loops.SILU_MUL_WORDS, np.int64)
+    words[loops.SILU_MUL_G], words[loops.SILU_MUL_U] = g_flat.ctypes.data, u_flat.ctypes.data
+    words[loops.SILU_MUL_OUT], words[loops.SILU_MUL_LENGTH] = out_flat.ctypes.data, out_flat.shape[0]
+    replay.program = (loops.silu_mul_step.address, 0, int(words.ctypes.data))  # type: ignore[attr-defined]  # a compiled program's step
+    replay.words = words  # type: ignore[attr-defined]
+    return replay
 
 
 _silu_mul_into.bind = _silu_mul_bind  # type: ignore[attr-defined]

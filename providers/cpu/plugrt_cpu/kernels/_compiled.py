@@ -78,6 +78,7 @@ MODULES: dict[str, str] = {
 #: The compiled modules each one imports (loaded before it: a module asked for later is
 #: then ready at once, as the thread pool's loops under the 4-bit kernels must be).
 IMPORTS: dict[str, tuple[str, ...]] = {
+    "_numba_epilogue": ("_numba_parallel",),
     "_numba_conv": ("_numba_parallel", "_numba_epilogue", "_numba_gemm"),
     "_numba_decode": ("_numba_parallel",),
     "_numba_dense": ("_numba_parallel", "_numba_gemm", "_numba_loops"),

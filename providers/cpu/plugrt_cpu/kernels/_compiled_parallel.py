@@ -17,7 +17,7 @@ import ctypes
 import platform
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from plugrt import threads
@@ -102,6 +102,49 @@ class CompiledPool:
             loops.participate(self.address, sequence, body, address, count, self.patience, self.sched_yield)
         finally:
             self.lock.release()
+
+
+    def run_program(self, program: np.ndarray, answer: np.ndarray, refused: Callable[[int], None]) -> None:
+        """The steps of ``program`` (rows of ``PROGRAM_WORDS``: see
+        ``_numba_parallel.run_program``) in one compiled call, on the threads a job gets
+        now (``plugrt.threads.threads_for``); ``refused(i)`` for a step whose serial
+        function refused, which the caller runs its own way (or raises from) before the
+        program goes on with the next step. ``answer``: two int64 words of the caller's
+        (a replay allocates nothing)."""
+        loops = self.loops
+        count = min(threads.threads_for(threads.PARALLEL_MIN_WORK), _MAX_WORKERS + 1)
+        locked = count > 1 and self.lock.acquire(blocking=False)  # else a job at a time: this one alone
+        try:
+            if locked:
+                workers = threads.start_workers(count - 1)
+                spin = self.spin if threads.free_cores() >= count - 0.7 else 0
+            else:
+                count, workers, spin = 1, 0, 0
+            steps, start = len(program), 0
+            while start < steps:
+                at = loops.run_program(
+                    program, start, self.address, count, spin, workers, self.patience, self.sched_yield, answer
+                )
+                if at == steps:
+                    return
+                if at < 0:
+                    refused(-at - 1)
+                    start = -at
+                    continue
+                asleep, worker = int(answer[0]), 0  # step ``at`` was published to sleeping workers
+                while asleep:
+                    if asleep & 1:
+                        threads.wake_worker(worker)
+                    asleep >>= 1
+                    worker += 1
+                body, context = int(program[at, 1]), int(program[at, 2])
+                loops.participate(
+                    self.address, int(self.state[0]), body, context, int(answer[1]), self.patience, self.sched_yield
+                )
+                start = at + 1
+        finally:
+            if locked:
+                self.lock.release()
 
 
 def _sched_yield_address() -> int:

@@ -15,7 +15,10 @@ from typing import Any
 import numba
 import numpy as np
 
-__all__ = ["attention_job", "causal_attention", "finish_caches", "rms_rows", "rotate_into_cache", "skip_rms_rows"]
+__all__ = [
+    "attention_job", "attention_step", "causal_attention", "finish_caches", "rms_rows", "rms_step", "rotate_into_cache",
+    "skip_rms_rows", "skip_rms_step",
+]
 
 _FLAGS: dict[str, Any] = dict(nogil=True, boundscheck=False, error_model="numpy", cache=True)
 _compiled = numba.njit(**_FLAGS)
@@ -23,7 +26,7 @@ _compiled = numba.njit(**_FLAGS)
 
 # After numba's first use above: a numba that cannot set up fails there, with its own
 # error, before _numba_parallel's import of llvmlite could.
-from ._numba_parallel import float32_pointer, int64_pointer  # noqa: E402
+from ._numba_parallel import ALONE, float32_pointer, float64_pointer, int32_pointer, int64_pointer  # noqa: E402
 
 
 def _entry(*signatures):  # type: ignore[no-untyped-def]
@@ -230,3 +233,135 @@ def finish_caches(present_k, present_v, past_k, past_v, copy_past, past_lengths,
                 for d in range(head_size):
                     present_k[b, h, t, d] = 0.0
                     present_v[b, h, t, d] = 0.0
+
+
+# -- the same loops as steps of a compiled program (``_numba_parallel.run_program``) --------
+# Each reads its arrays from a context of int64 words (addresses and sizes; a float as the
+# float64 a word holds) and calls the entry point above that a replay calls: the same code.
+
+# rms_step: x, gamma, y, inv_std (addresses), rows, width, epsilon
+RMS_X, RMS_GAMMA, RMS_Y, RMS_INV, RMS_ROWS, RMS_WIDTH, RMS_EPSILON = range(7)
+RMS_WORDS = 7
+
+
+@numba.cfunc(numba.int64(numba.int64), nogil=True, cache=True)
+def rms_step(c):  # pragma: no cover  (compiled)
+    """``rms_rows`` as a program's step."""
+    context = numba.carray(int64_pointer(c), RMS_WORDS)
+    rows, width = context[RMS_ROWS], context[RMS_WIDTH]
+    epsilon = numba.carray(float64_pointer(c + 8 * RMS_EPSILON), (1,))[0]
+    rms_rows(
+        numba.carray(float32_pointer(context[RMS_X]), (rows, width)),
+        numba.carray(float32_pointer(context[RMS_GAMMA]), (width,)),
+        epsilon,
+        numba.carray(float32_pointer(context[RMS_Y]), (rows, width)),
+        numba.carray(float32_pointer(context[RMS_INV]), (rows,)),
+    )
+    return 0
+
+
+# skip_rms_step: a, b, bias (0: none), gamma, y, inv_std, total, mean (zeroed), rows, width, epsilon
+SKIP_A, SKIP_B, SKIP_BIAS, SKIP_GAMMA, SKIP_Y, SKIP_INV, SKIP_TOTAL, SKIP_MEAN, SKIP_ROWS, SKIP_WIDTH, SKIP_EPSILON = range(11)
+SKIP_WORDS = 11
+
+
+@numba.cfunc(numba.int64(numba.int64), nogil=True, cache=True)
+def skip_rms_step(c):  # pragma: no cover  (compiled)
+    """``skip_rms_rows`` as a program's step, its mean output zeroed (as the replay does)."""
+    context = numba.carray(int64_pointer(c), SKIP_WORDS)
+    rows, width = context[SKIP_ROWS], context[SKIP_WIDTH]
+    epsilon = numba.carray(float64_pointer(c + 8 * SKIP_EPSILON), (1,))[0]
+    gamma = numba.carray(float32_pointer(context[SKIP_GAMMA]), (width,))
+    # no bias: a 1-element array (a length other than the width), as the replay passes
+    bias = gamma[:1] if context[SKIP_BIAS] == 0 else numba.carray(float32_pointer(context[SKIP_BIAS]), (width,))
+    skip_rms_rows(
+        numba.carray(float32_pointer(context[SKIP_A]), (rows, width)),
+        numba.carray(float32_pointer(context[SKIP_B]), (rows, width)),
+        bias,
+        epsilon,
+        gamma,
+        numba.carray(float32_pointer(context[SKIP_Y]), (rows, width)),
+        numba.carray(float32_pointer(context[SKIP_INV]), (rows,)),
+        numba.carray(float32_pointer(context[SKIP_TOTAL]), (rows, width)),
+    )
+    mean = numba.carray(float32_pointer(context[SKIP_MEAN]), (rows,))
+    for r in range(rows):
+        mean[r] = 0.0
+    return 0
+
+
+# attention_step: the words of attention_job's context, then these
+(
+    ATT_SEQLENS, ATT_TOTALS, ATT_POSITIONS, ATT_COS, ATT_SIN, ATT_ROWS, ATT_HALF, ATT_ROTARY, ATT_INTERLEAVED,
+    ATT_SCALE, ATT_POOL_MIN,
+) = range(ATT_WORDS, ATT_WORDS + 11)
+ATT_VIEW_WORDS = 5  # ATT_Q, ATT_K, ATT_V: each an address, then the view's four strides in bytes
+ATT_Q = ATT_WORDS + 11
+ATT_K = ATT_Q + ATT_VIEW_WORDS
+ATT_V = ATT_K + ATT_VIEW_WORDS
+ATT_STEP_WORDS = ATT_V + ATT_VIEW_WORDS
+
+
+@_compiled
+def _heads_view(context, at, batch, seq, heads, size):  # pragma: no cover  (compiled)
+    """The (batch, seq, heads, size) float32 view whose address and byte strides are at ``at``."""
+    first = numba.carray(float32_pointer(context[at]), (1,))
+    strides = (context[at + 1], context[at + 2], context[at + 3], context[at + 4])
+    return np.lib.stride_tricks.as_strided(first, shape=(batch, seq, heads, size), strides=strides)
+
+
+@numba.cfunc(numba.int64(numba.int64), nogil=True, cache=True)
+def attention_step(c):  # pragma: no cover  (compiled)
+    """A decode step's attention over its cache as a program's step, as the capture's
+    replay does it: the lengths and starts from seqlens_k and total_sequence_length (int32),
+    the rotary positions, ``rotate_into_cache``, ``finish_caches``; answers the units of
+    ``attention_job`` (alone below the context's pool threshold), or -1 where the replay
+    raises (lengths outside the cache, positions past the cos/sin rows)."""
+    context = numba.carray(int64_pointer(c), ATT_STEP_WORDS)
+    batch, heads, seq, size = context[ATT_BATCH], context[ATT_HEADS], context[ATT_SEQ], context[ATT_SIZE]
+    kv_heads, capacity = context[ATT_KV_HEADS], context[ATT_CAPACITY]
+    lengths = numba.carray(int64_pointer(context[ATT_LENGTHS]), (batch,))
+    starts = numba.carray(int64_pointer(context[ATT_STARTS]), (batch,))
+    seqlens = numba.carray(int32_pointer(context[ATT_SEQLENS]), (batch,))
+    first_prompt = seq == numba.carray(int32_pointer(context[ATT_TOTALS]), (1,))[0]
+    lowest, longest, latest = 0, 0, 0
+    for b in range(batch):
+        lengths[b] = seqlens[b] + 1
+        starts[b] = 0 if first_prompt else lengths[b] - seq
+        if b == 0 or starts[b] < lowest:
+            lowest = starts[b]
+        if b == 0 or starts[b] > latest:
+            latest = starts[b]
+        if b == 0 or lengths[b] > longest:
+            longest = lengths[b]
+    if lowest < 0 or longest > capacity:
+        return -1
+    rows, rotary = context[ATT_ROWS], context[ATT_ROTARY] != 0
+    positions = numba.carray(int64_pointer(context[ATT_POSITIONS]), (batch, seq))
+    if rotary:
+        if latest + seq > rows:
+            return -1
+        for b in range(batch):
+            for s in range(seq):
+                positions[b, s] = starts[b] + s
+    cos = numba.carray(float32_pointer(context[ATT_COS]), (rows, context[ATT_HALF]))
+    sin = numba.carray(float32_pointer(context[ATT_SIN]), (rows, context[ATT_HALF]))
+    keys = numba.carray(float32_pointer(context[ATT_KEYS]), (batch, kv_heads, capacity, size))
+    values = numba.carray(float32_pointer(context[ATT_VALUES]), (batch, kv_heads, capacity, size))
+    rotate_into_cache(
+        _heads_view(context, ATT_Q, batch, seq, heads, size),
+        _heads_view(context, ATT_K, batch, seq, kv_heads, size),
+        _heads_view(context, ATT_V, batch, seq, kv_heads, size),
+        cos,
+        sin,
+        positions,
+        context[ATT_INTERLEAVED] != 0,
+        np.float32(numba.carray(float64_pointer(c + 8 * ATT_SCALE), (1,))[0]),
+        numba.carray(float32_pointer(context[ATT_QUERIES]), (batch, heads, seq, size)),
+        keys,
+        values,
+        starts,
+    )
+    finish_caches(keys, values, keys, values, False, starts, seq)
+    units = batch * heads
+    return units if units * seq * longest * size >= context[ATT_POOL_MIN] else units | ALONE

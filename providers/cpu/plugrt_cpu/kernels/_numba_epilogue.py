@@ -23,9 +23,11 @@ import numpy as np
 from llvmlite import ir
 from numba.extending import intrinsic
 
+from ._numba_parallel import float32_pointer, int64_pointer
+
 __all__ = [
     "bias_relu_rows", "bias_residual_relu_rows", "clip_in_place", "hard_swish_in_place", "scale_shift_relu_rows",
-    "silu_in_place", "silu_mul", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP", "squeeze_excite",
+    "silu_in_place", "silu_mul", "silu_mul_step", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP", "squeeze_excite",
     "SE_RELU", "SE_SILU", "SE_HARD_SWISH", "SE_SIGMOID", "SE_HARD_SIGMOID",
 ]
 
@@ -221,6 +223,24 @@ def silu_mul(g, u, out):  # pragma: no cover  (compiled)
     for i in range(out.shape[0]):
         v = g[i]
         out[i] = v / (_ONE + _exp(-v)) * u[i]
+
+
+# silu_mul_step's context: g, u, out (addresses), length
+SILU_MUL_G, SILU_MUL_U, SILU_MUL_OUT, SILU_MUL_LENGTH = range(4)
+SILU_MUL_WORDS = 4
+
+
+@numba.cfunc(numba.int64(numba.int64), nogil=True, cache=True)
+def silu_mul_step(c):  # pragma: no cover  (compiled)
+    """``silu_mul`` as a step of a compiled program (``_numba_parallel.run_program``)."""
+    context = numba.carray(int64_pointer(c), SILU_MUL_WORDS)
+    length = context[SILU_MUL_LENGTH]
+    silu_mul(
+        numba.carray(float32_pointer(context[SILU_MUL_G]), (length,)),
+        numba.carray(float32_pointer(context[SILU_MUL_U]), (length,)),
+        numba.carray(float32_pointer(context[SILU_MUL_OUT]), (length,)),
+    )
+    return 0
 
 
 # -- a fused Conv's activation over a block of its output, on the thread that computed it --

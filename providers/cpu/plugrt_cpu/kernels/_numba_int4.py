@@ -42,7 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._int4_layout import ROWS, pack
-from ._numba_parallel import float32_pointer, int64_pointer
+from ._numba_parallel import ALONE, float32_pointer, int64_pointer
 
 __all__ = [
     "BODIES",
@@ -54,6 +54,7 @@ __all__ = [
     "int8_units",
     "pack",
     "prepare",
+    "prepare_step",
     "CONTEXT_WORDS",
     "FLOAT_BODY",
 ]
@@ -123,8 +124,10 @@ def choose_body(requested: str | None = None) -> str:
 (
     CTX_WEIGHTS, CTX_SCALES, CTX_ZEROS, CTX_ACTIVATIONS, CTX_ASCALES, CTX_ASUMS, CTX_OUT, CTX_ROWS_M, CTX_N,
     CTX_TILES, CTX_BLOCKS, CTX_GROUPS, CTX_UNITS, CTX_BODY, CTX_PADDED, CTX_SCRATCH,
-) = range(16)
-CONTEXT_WORDS = 16
+    # a program's step (``prepare_step``): A's address and width, and whether to split
+    CTX_SOURCE, CTX_K, CTX_SPLIT,
+) = range(19)
+CONTEXT_WORDS = 19
 #: Rows of A the float tiles take together once a tile's weights are dequantized (accumulators)
 MULTI_ROWS = 8
 # CTX_BODY: an int8 body's code (``body_code``), or FLOAT_BODY for the float tiles.
@@ -627,14 +630,9 @@ def float_units(c, start, stop, slot):  # pragma: no cover  (compiled)
         _float_span(context, unit * tiles // units, (unit + 1) * tiles // units, slot)
 
 
-@numba.njit([types.void(_IN2, types.float32[:, ::1], types.int64[::1], types.boolean)], **_FLAGS)
-def prepare(a, out, context, run):  # pragma: no cover  (compiled)
-    """Make ``context`` ready for the product of ``a`` (M, K) into ``out`` (M, N), and
-    with ``run`` compute it on this thread. The context names the buffers (M rows each):
-    int8 bodies quantize ``a`` per block into its activation, scale and sum buffers; the
-    float tiles read ``a`` itself, or a copy in the padded buffer (zeros past K) when that
-    is named. One call: a decode step's products are small enough that each Python-level
-    dispatch counts."""
+@numba.njit(**_FLAGS)
+def _prepare(a, out, context):  # pragma: no cover  (compiled)
+    """``prepare`` without the product; ``out`` is the output's address."""
     rows, k = a.shape
     blocks, block_size = context[CTX_BLOCKS], context[CTX_GROUPS] * _GROUP
     width = blocks * block_size
@@ -653,13 +651,37 @@ def prepare(a, out, context, run):  # pragma: no cover  (compiled)
         context[CTX_ACTIVATIONS] = context[CTX_PADDED]
     else:
         context[CTX_ACTIVATIONS] = a.ctypes.data
-    context[CTX_OUT] = out.ctypes.data
+    context[CTX_OUT] = out
     context[CTX_ROWS_M] = rows
+
+
+@numba.njit([types.void(_IN2, types.float32[:, ::1], types.int64[::1], types.boolean)], **_FLAGS)
+def prepare(a, out, context, run):  # pragma: no cover  (compiled)
+    """Make ``context`` ready for the product of ``a`` (M, K) into ``out`` (M, N), and
+    with ``run`` compute it on this thread. The context names the buffers (M rows each):
+    int8 bodies quantize ``a`` per block into its activation, scale and sum buffers; the
+    float tiles read ``a`` itself, or a copy in the padded buffer (zeros past K) when that
+    is named. One call: a decode step's products are small enough that each Python-level
+    dispatch counts."""
+    _prepare(a, out.ctypes.data, context)
     if run:
         if context[CTX_BODY] == FLOAT_BODY:
             _float_span(context, 0, context[CTX_TILES], 0)
         else:
             _int8_span(context, 0, context[CTX_TILES])
+
+
+@numba.cfunc(types.int64(types.int64), nogil=True, cache=True)
+def prepare_step(c):  # pragma: no cover  (compiled)
+    """A program's step (``_numba_parallel.run_program``): ``prepare`` of the context's
+    source rows (``CTX_SOURCE``, ``CTX_ROWS_M`` x ``CTX_K``) into its output; answers the
+    units of the job (``int8_units`` or ``float_units``), on this thread alone unless
+    ``CTX_SPLIT``."""
+    context = numba.carray(int64_pointer(c), CONTEXT_WORDS)
+    a = numba.carray(float32_pointer(context[CTX_SOURCE]), (context[CTX_ROWS_M], context[CTX_K]))
+    _prepare(a, context[CTX_OUT], context)
+    units = context[CTX_UNITS]
+    return units if context[CTX_SPLIT] != 0 else units | ALONE
 
 
 @numba.njit(

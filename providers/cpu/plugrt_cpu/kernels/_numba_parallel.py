@@ -33,11 +33,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = [
+    "ALONE",
+    "PROGRAM_WORDS",
     "STATE_WORDS",
     "WORKER_WORDS",
     "participate",
     "publish",
     "run_alone",
+    "run_program",
     "wait",
 ]
 
@@ -52,6 +55,13 @@ STATE_WORDS = 48  # then, per worker, a line: [sleeping, last sequence seen]
 WORKER_WORDS = 8
 _SEQUENCE_MASK = 0x7FFFFFFF
 _INDEX_MASK = 0xFFFFFFFF
+#: A program's step: (serial, body, context): ``serial(context)``, a C function ``int64
+#: serial(int64 context)`` (0: none), answers how many units of ``body`` to run next (a
+#: job as above; 0: none), with ``ALONE`` set for "on the calling thread only"; a negative
+#: answer means the step cannot run here (the caller runs it its own way).
+PROGRAM_WORDS = 3
+ALONE = 1 << 40
+_UNITS_MASK = ALONE - 1
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -147,6 +157,17 @@ def call_body(typingctx, body, context, start, stop, slot):  # type: ignore[no-u
 
 
 @intrinsic
+def call_serial(typingctx, function, context):  # type: ignore[no-untyped-def]
+    """Call a program step's C function ``int64 f(int64 context)`` at address ``function``."""
+
+    def codegen(context_, builder, signature, args):  # type: ignore[no-untyped-def]
+        target = builder.inttoptr(args[0], ir.FunctionType(_I64, [_I64]).as_pointer())
+        return builder.call(target, [args[1]])
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
 def call_void(typingctx, function):  # type: ignore[no-untyped-def]
     """Call the C function ``int f(void)`` at address ``function`` (``sched_yield``)."""
 
@@ -222,6 +243,26 @@ def int64_pointer(typingctx, address):  # type: ignore[no-untyped-def]
         return builder.inttoptr(args[0], _I64.as_pointer())
 
     return types.CPointer(types.int64)(types.int64), codegen
+
+
+@intrinsic
+def int32_pointer(typingctx, address):  # type: ignore[no-untyped-def]
+    """``address`` as an int32 pointer, for ``numba.carray``."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], _I32.as_pointer())
+
+    return types.CPointer(types.int32)(types.int64), codegen
+
+
+@intrinsic
+def float64_pointer(typingctx, address):  # type: ignore[no-untyped-def]
+    """``address`` as a float64 pointer, for ``numba.carray`` (a float in a context's words)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], ir.DoubleType().as_pointer())
+
+    return types.CPointer(types.float64)(types.int64), codegen
 
 
 _W = 8  # bytes per state word
@@ -348,3 +389,44 @@ def spin(state, pauses):  # pragma: no cover  (compiled)
 def signal(state):  # pragma: no cover  (compiled)
     """Tell spinning workers that Python jobs are queued."""
     fetch_add(state + _SIGNAL * _W, 1)
+
+
+@numba.njit(
+    types.int64(
+        types.Array(types.int64, 2, "C", readonly=True), types.int64, types.int64, types.int64, types.int64,
+        types.int64, types.int64, types.int64, types.int64[::1],
+    ),
+    nogil=True,
+    cache=True,
+    boundscheck=False,
+    error_model="numpy",
+)
+def run_program(program, start, state, threads, spin, workers, patience, yield_address, answer):  # pragma: no cover  (compiled)
+    """Steps ``start``.. of ``program`` (rows of ``PROGRAM_WORDS``) one after the other
+    without returning to Python: each step's serial function, then its job's units on
+    this thread and up to ``threads - 1`` of the ``workers`` (as ``publish`` and
+    ``participate``). Returns the number of steps when all ran; ``-(i + 1)`` when step
+    ``i``'s serial function refused (nothing of the step ran after it); or ``i`` when step
+    ``i``'s job was published to workers that were asleep: ``answer`` then holds their
+    mask and the job's units, and the caller wakes them, takes its share of the job
+    (``participate``) and resumes at ``i + 1``."""
+    for i in range(start, program.shape[0]):
+        serial, body, context = program[i, 0], program[i, 1], program[i, 2]
+        units = call_serial(serial, context) if serial != 0 else 0
+        if units < 0:
+            return -(i + 1)
+        alone = (units & ALONE) != 0
+        units &= _UNITS_MASK
+        if body == 0 or units == 0:
+            continue
+        helpers = min(threads, units, 64) - 1
+        if alone or helpers <= 0:
+            run_alone(body, context, units)
+            continue
+        asleep = publish(state, body, context, units, spin, workers, helpers)
+        if asleep != 0:
+            answer[0] = asleep
+            answer[1] = units
+            return i
+        participate(state, load(state + _SEQUENCE * _W), body, context, units, patience, yield_address)
+    return program.shape[0]

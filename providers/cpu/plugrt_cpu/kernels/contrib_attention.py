@@ -849,7 +849,7 @@ def group_query_attention(ctx: KernelContext):
         # the heads over the compiled pool's threads: one (sequence, head) a unit, each
         # slot its own capacity of scores (the work array holds one per query row)
         units = batch * num_heads
-        job = np.zeros(loops.ATT_WORDS, np.int64)
+        job = np.zeros(loops.ATT_STEP_WORDS, np.int64)  # attention_job's words, then attention_step's
         for index, value in (
             (loops.ATT_QUERIES, work.queries.ctypes.data), (loops.ATT_KEYS, present_k.ctypes.data),
             (loops.ATT_VALUES, present_v.ctypes.data), (loops.ATT_LENGTHS, lengths.ctypes.data),
@@ -894,6 +894,24 @@ def group_query_attention(ctx: KernelContext):
             else:
                 pool.run(job_body, job_address, units, count)
 
+        # as a step of a compiled program (``_capture``): the same steps in one compiled call,
+        # where the lengths come as onnxruntime-genai gives them (int32) and the positions follow
+        if position_ids is None and all(
+            a.dtype == np.int32 and a.flags.c_contiguous for a in (seqlens_k, total_sequence_length)
+        ):
+            for index, value in (
+                (loops.ATT_SEQLENS, seqlens_k.ctypes.data), (loops.ATT_TOTALS, total_sequence_length.ctypes.data),
+                (loops.ATT_POSITIONS, positions.ctypes.data), (loops.ATT_COS, cos.ctypes.data),
+                (loops.ATT_SIN, sin.ctypes.data), (loops.ATT_ROWS, cos.shape[0]), (loops.ATT_HALF, cos.shape[1]),
+                (loops.ATT_ROTARY, int(do_rotary)), (loops.ATT_INTERLEAVED, int(interleaved)),
+                (loops.ATT_POOL_MIN, _POOL_ATTENTION_MIN),
+            ):
+                job[index] = value
+            job.view(np.float64)[loops.ATT_SCALE] = float(scale)
+            for at, view in ((loops.ATT_Q, q_heads), (loops.ATT_K, k_heads), (loops.ATT_V, v_heads)):
+                job[at] = view.ctypes.data
+                job[at + 1 : at + loops.ATT_VIEW_WORDS] = view.strides
+            replay.program = (loops.attention_step.address, job_body, job_address)  # type: ignore[attr-defined]
         replay.job = job  # type: ignore[attr-defined]  # the context lives as long as the replay
         return replay
 

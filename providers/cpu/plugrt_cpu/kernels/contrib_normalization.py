@@ -199,6 +199,37 @@ def _simplified_layer_normalization_into(out, x, scale, *, axis=-1, epsilon=1e-5
 declare_into(_simplified_layer_normalization_into, simplified_layer_normalization)
 
 
+def _simplified_layer_normalization_bind(out, x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """For a capture: the compiled RMS loop over these buffers as one call (a step of a
+    compiled program too), or None where ``into`` is needed."""
+    if axis not in (-1, x.ndim - 1) or x.ndim < 1:
+        return None
+    y, inv_std = _filled(out, [(x.shape, x.dtype), (_statistics_shape(x, -1), np.dtype(np.float32))])
+    loops = _compiled_rms(x, scale)
+    arrays = (x, y, inv_std)
+    if loops is None or not all(isinstance(v, np.ndarray) and v.flags.c_contiguous for v in arrays):
+        return None
+    if y.shape != x.shape or inv_std.shape != _statistics_shape(x, -1) or y.dtype != _F32 or inv_std.dtype != _F32:
+        return None
+    arguments = (_rows(x), scale, float(epsilon), _rows(y), inv_std.reshape(-1))
+    rms_rows = loops.rms_rows
+
+    def replay() -> None:
+        rms_rows(*arguments)
+
+    words = np.zeros(loops.RMS_WORDS, np.int64)
+    for word, array in ((loops.RMS_X, x), (loops.RMS_GAMMA, scale), (loops.RMS_Y, y), (loops.RMS_INV, inv_std)):
+        words[word] = array.ctypes.data
+    words[loops.RMS_ROWS], words[loops.RMS_WIDTH] = arguments[0].shape
+    words.view(np.float64)[loops.RMS_EPSILON] = float(epsilon)
+    replay.program = (loops.rms_step.address, 0, int(words.ctypes.data))  # type: ignore[attr-defined]
+    replay.words = words  # type: ignore[attr-defined]
+    return replay
+
+
+_simplified_layer_normalization_into.bind = _simplified_layer_normalization_bind  # type: ignore[attr-defined]
+
+
 def _skip_simplified_layer_normalization_into(out, x, skip, gamma, bias=None, *, epsilon=1e-12):
     statistics = _statistics_shape(x, -1)
     y, mean, inv_std, total = _filled(
@@ -243,6 +274,18 @@ def _skip_simplified_layer_normalization_bind(out, x, skip, gamma, bias=None, *,
         skip_rms_rows(*rows, *outputs)
         mean.fill(0)  # its buffer may serve another value between replays
 
+    if mean.flags.c_contiguous:  # the same loop as a step of a compiled program (``_capture``)
+        words = np.zeros(loops.SKIP_WORDS, np.int64)
+        for word, array in (
+            (loops.SKIP_A, x), (loops.SKIP_B, skip), (loops.SKIP_GAMMA, gamma), (loops.SKIP_Y, y),
+            (loops.SKIP_INV, inv_std), (loops.SKIP_TOTAL, total), (loops.SKIP_MEAN, mean),
+        ):
+            words[word] = array.ctypes.data
+        words[loops.SKIP_BIAS] = 0 if bias is None else bias.ctypes.data
+        words[loops.SKIP_ROWS], words[loops.SKIP_WIDTH] = outputs[0].shape
+        words.view(np.float64)[loops.SKIP_EPSILON] = float(epsilon)
+        replay.program = (loops.skip_rms_step.address, 0, int(words.ctypes.data))  # type: ignore[attr-defined]
+        replay.words = words  # type: ignore[attr-defined]  # alive as long as the replay
     return replay
 
 

@@ -608,6 +608,15 @@ def matmul_nbits(ctx: KernelContext):
             context[units_word] = units
             pool.run(units_body, address, units, count)
 
+        # as a step of a compiled program (``_capture``): the same prepare and units, the
+        # units as many as every usable core would get
+        for word, value in (
+            (loops.CTX_SOURCE, a2.ctypes.data), (loops.CTX_K, k), (loops.CTX_OUT, y.ctypes.data),
+            (loops.CTX_ROWS_M, rows), (loops.CTX_SPLIT, int(split)),
+            (units_word, min(packed.tiles, _SLOTS * _UNITS_PER_THREAD)),
+        ):
+            context[word] = value
+        replay.program = (loops.prepare_step.address, units_body, address)  # type: ignore[attr-defined]
         replay.job = job  # type: ignore[attr-defined]  # its buffers live as long as the replay
         return replay
 
