@@ -36,7 +36,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_epilogue import activation_rows
+from ._numba_epilogue import ACT_CLIP, activation_rows
 from ._numba_parallel import float32_pointer, int64_pointer
 
 __all__ = ["BLOCKED_WORDS", "JOB_WORDS", "LANES", "block_weights", "blocked_depthwise", "blocked_job", "blocked_work", "depthwise_conv2d", "depthwise_job"]
@@ -242,6 +242,9 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, activation, low, hig
     else:
         a3 = a4 = a5 = a6 = a7 = a8 = a0
     m0, m2 = masks[0], masks[masks.shape[0] - 1]
+    # a Clip after the 3x3 taps (MobileNet v2's ReLU6) in their loop: as activation_rows
+    # clips, compare and select, the same values without a second pass over the plane
+    clip = three_by_three and activation == ACT_CLIP
     last = -1
     for plane in range(start, stop):
         image = plane // outputs
@@ -263,6 +266,9 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, activation, low, hig
                 v += right if m2[i] > _ZERO else _ZERO
                 if relu:
                     v = _ZERO if v < _ZERO else v  # NaN is not below zero: it stays
+                if clip:
+                    v = low if v < low else v
+                    v = high if v > high else v
                 out[i] = v
         else:
             if masks.shape[0] == 5:
@@ -280,7 +286,7 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, activation, low, hig
                 dst = target[r * out_w :]
                 for j in range(out_w):
                     dst[j] = row[j]
-        if activation != 0:
+        if activation != 0 and not clip:
             done = y_flat[plane * out_size : (plane + 1) * out_size].reshape((1, out_size))
             activation_rows(done, 0, 1, 0, out_size, activation, low, high)
 
