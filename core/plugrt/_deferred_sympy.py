@@ -21,7 +21,7 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["install"]
+__all__ = ["defer", "install", "undefer"]
 
 _SYMPY = "sympy"
 _TABLE = "onnx_ir._symbolic_shapes"  # the onnx_ir module that reads sympy as it is imported
@@ -62,3 +62,42 @@ def install() -> bool:
     sys.modules[_SYMPY] = _Deferred(sympy)
     sys.modules[_TABLE] = _Deferred(table)
     return True
+
+
+def defer(name: str) -> types.ModuleType | None:
+    """Put a stand-in for module ``name`` (dotted: ``"scipy.linalg.cython_blas"``) in
+    ``sys.modules`` when neither it nor its parent package is imported and it is
+    installed, found without importing anything (``PathFinder`` from the top-level
+    package's locations down). ``import name`` then gets the stand-in, and its first
+    attribute read imports the real module, parents included. For providers whose
+    dependencies import a module at load that the process may never use (numba imports
+    ``scipy.linalg.cython_blas`` to learn that a BLAS exists). Returns the stand-in, or None
+    where it put none.
+
+    Until it is read from, the stand-in is not an attribute of its parent package: code
+    that reaches it as ``a.b.c`` after ``import a.b.c`` (rather than through the import's
+    own binding or ``from a.b import c``) fails. Callers keep it in place only while the
+    import they defer runs (``undefer``)."""
+    parts = name.split(".")
+    if name in sys.modules or (len(parts) > 1 and ".".join(parts[:-1]) in sys.modules):
+        return None
+    try:
+        spec = importlib.util.find_spec(parts[0])  # a top-level spec: nothing is imported
+        for depth in range(2, len(parts) + 1):
+            if spec is None or spec.submodule_search_locations is None:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    stand_in = _Deferred(spec)
+    sys.modules[name] = stand_in
+    return stand_in
+
+
+def undefer(stand_in: types.ModuleType | None) -> None:
+    """Take ``defer``'s stand-in out of ``sys.modules`` if it is still there, unread: a
+    later import then imports the real module as usual."""
+    if stand_in is not None and sys.modules.get(stand_in.__name__) is stand_in:
+        del sys.modules[stand_in.__name__]

@@ -115,3 +115,27 @@ def test_sympy_imported_by_the_application_after_plugrt_is_the_real_sympy():
 def test_sympy_imported_before_plugrt_is_left_as_it_is():
     code = "import sympy, sys\nreal = sys.modules['sympy']\n" + _RUN_A_MODEL + "print(sys.modules['sympy'] is real)\n"
     assert _printed(code).strip() == "True"
+
+
+def test_a_deferred_submodule_is_imported_with_its_parents_on_first_use():
+    """``defer`` (what the CPU provider uses for numba's BLAS check): ``import a.b.c`` and
+    ``importlib.import_module`` get the stand-in without importing its parent package;
+    its first attribute read imports the real module, parents included, and answers from
+    it. ``undefer`` takes an unread stand-in away."""
+    code = (
+        "import sys\n"
+        "from plugrt._deferred_sympy import defer, undefer\n"
+        "assert 'xml.dom' not in sys.modules\n"
+        "stand_in = defer('xml.dom.minidom')\n"
+        "print(type(stand_in).__name__, defer('xml.dom.minidom'), defer('no_such_package.module'))\n"
+        "import importlib, xml.dom.minidom\n"
+        "minidom = importlib.import_module('xml.dom.minidom')\n"
+        "print(minidom is stand_in, 'xml.dom' in sys.modules)\n"
+        "print(minidom.parseString('<a>b</a>').documentElement.tagName, 'xml.dom' in sys.modules)\n"
+        "print(type(sys.modules['xml.dom.minidom']).__name__)\n"
+        "stand_in = defer('json.tool')\n"
+        "undefer(stand_in)\n"
+        "import json.tool\n"
+        "print(type(sys.modules['json.tool']).__name__, hasattr(json.tool, 'main'))\n"
+    )
+    assert _printed(code).split() == ["_Deferred", "None", "None", "True", "False", "a", "True", "module", "module", "True"]

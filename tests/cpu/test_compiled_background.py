@@ -267,3 +267,28 @@ def test_a_module_that_fails_to_load_is_said_and_its_steps_stay_on_numpy():
         loader.want(["_numba_gemm"])
         assert loader.finished.wait(120)
     assert loader.failed == {"_numba_gemm"} and loader.ready == {}
+
+
+def test_loading_the_compiled_loops_leaves_scipy_linalg_unimported_until_used():
+    """numba checks at import that a BLAS exists by importing scipy.linalg.cython_blas
+    (all of scipy.linalg: 0.2 s, 28 MiB); the loops never call BLAS through numba, so the
+    module is deferred: the check passes, and numba's np.dot imports it when compiled."""
+    pytest.importorskip("numba")
+    import importlib.util
+
+    if importlib.util.find_spec("scipy") is None:
+        pytest.skip("scipy is not installed: numba imports nothing of it")
+    code = (
+        "import sys\n"
+        "from plugrt_cpu.kernels import _compiled\n"
+        "assert _compiled._LOADER.load('_numba_parallel') is not None\n"
+        "import numba.np.arraymath\n"
+        "print('scipy.linalg' in sys.modules, numba.np.arraymath._HAVE_BLAS)\n"
+        "import numba, numpy as np\n"
+        "dot = numba.njit(lambda a, b: np.dot(a, b))\n"
+        "a = np.arange(16.0).reshape(4, 4)\n"
+        "print(bool(np.allclose(dot(a, a), a @ a)), 'scipy.linalg' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "True"]
