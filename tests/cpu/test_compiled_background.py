@@ -292,3 +292,27 @@ def test_loading_the_compiled_loops_leaves_scipy_linalg_unimported_until_used():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True", "True", "True"]
+
+
+def test_numba_still_reads_its_config_file_and_pyyaml_is_otherwise_left_unimported(tmp_path):
+    """PyYAML is deferred like scipy.linalg while numba is imported: numba reads it only
+    when a ``.numba_config.yaml`` is in the working directory, and then it still does."""
+    pytest.importorskip("numba")
+    import importlib.util
+
+    if importlib.util.find_spec("yaml") is None:
+        pytest.skip("PyYAML is not installed")
+    code = (
+        "import sys\n"
+        "from plugrt_cpu.kernels import _compiled\n"
+        "assert _compiled._LOADER.load('_numba_parallel') is not None\n"
+        "import numba\n"
+        "print(type(sys.modules.get('yaml')).__name__, numba.config.BOUNDSCHECK)\n"
+    )
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    (tmp_path / ".numba_config.yaml").write_text("boundscheck: 1\n")
+    configured = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert configured.returncode == 0, configured.stderr
+    assert plain.stdout.split() == ["NoneType", "None"]
+    assert configured.stdout.split() == ["module", "1"]

@@ -220,18 +220,21 @@ def _defer_numba_blas_check() -> None:
     The compiled loops never call BLAS through numba (they call the GEMM by its address),
     so that import is answered by a stand-in (``plugrt._deferred_sympy.defer``) for the
     length of this one import, then taken away: numba's check passes, and numba's own
-    linear algebra, or anything else, imports the real module when it asks for it."""
+    linear algebra, or anything else, imports the real module when it asks for it. PyYAML,
+    which numba imports in case a ``.numba_config.yaml`` is in the working directory (19 ms,
+    1 MiB), is deferred the same way: numba reads it only when that file exists."""
     if "numba.np.arraymath" in sys.modules:
         return
     from plugrt._deferred_sympy import defer, undefer  # the core's deferred modules (private to the project)
 
-    stand_in = defer("scipy.linalg.cython_blas")
+    stand_ins = [defer(name) for name in ("scipy.linalg.cython_blas", "yaml")]
     try:
         import numba.np.arraymath  # noqa: F401
     except Exception:  # noqa: BLE001  (numba missing or unusable: the load below says so)
         pass
     finally:
-        undefer(stand_in)
+        for stand_in in stand_ins:
+            undefer(stand_in)
 
 
 @functools.cache
