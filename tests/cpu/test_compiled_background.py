@@ -269,50 +269,44 @@ def test_a_module_that_fails_to_load_is_said_and_its_steps_stay_on_numpy():
     assert loader.failed == {"_numba_gemm"} and loader.ready == {}
 
 
-def test_loading_the_compiled_loops_leaves_scipy_linalg_unimported_until_used():
-    """numba checks at import that a BLAS exists by importing scipy.linalg.cython_blas
-    (all of scipy.linalg: 0.2 s, 28 MiB); the loops never call BLAS through numba, so the
-    module is deferred: the check passes, and numba's np.dot imports it when compiled."""
+def _printed_after_loading(needs: str, lines: str, cwd=None) -> list[str]:
+    """What a fresh interpreter prints after loading the compiled pool's module and running
+    ``lines``; skipped without numba or without the module ``needs``."""
     pytest.importorskip("numba")
     import importlib.util
 
-    if importlib.util.find_spec("scipy") is None:
-        pytest.skip("scipy is not installed: numba imports nothing of it")
+    if importlib.util.find_spec(needs) is None:
+        pytest.skip(f"{needs} is not installed: numba imports nothing of it")
     code = (
         "import sys\n"
         "from plugrt_cpu.kernels import _compiled\n"
         "assert _compiled._LOADER.load('_numba_parallel') is not None\n"
+    ) + lines
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_loading_the_compiled_loops_leaves_scipy_linalg_unimported_until_used():
+    """numba checks at import that a BLAS exists by importing scipy.linalg.cython_blas
+    (all of scipy.linalg: 0.2 s, 28 MiB); the loops never call BLAS through numba, so the
+    module is deferred: the check passes, and numba's np.dot imports it when compiled."""
+    printed = _printed_after_loading(
+        "scipy",
         "import numba.np.arraymath\n"
         "print('scipy.linalg' in sys.modules, numba.np.arraymath._HAVE_BLAS)\n"
         "import numba, numpy as np\n"
         "dot = numba.njit(lambda a, b: np.dot(a, b))\n"
         "a = np.arange(16.0).reshape(4, 4)\n"
-        "print(bool(np.allclose(dot(a, a), a @ a)), 'scipy.linalg' in sys.modules)\n"
+        "print(bool(np.allclose(dot(a, a), a @ a)), 'scipy.linalg' in sys.modules)\n",
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "True", "True", "True"]
+    assert printed == ["False", "True", "True", "True"]
 
 
 def test_numba_still_reads_its_config_file_and_pyyaml_is_otherwise_left_unimported(tmp_path):
     """PyYAML is deferred like scipy.linalg while numba is imported: numba reads it only
     when a ``.numba_config.yaml`` is in the working directory, and then it still does."""
-    pytest.importorskip("numba")
-    import importlib.util
-
-    if importlib.util.find_spec("yaml") is None:
-        pytest.skip("PyYAML is not installed")
-    code = (
-        "import sys\n"
-        "from plugrt_cpu.kernels import _compiled\n"
-        "assert _compiled._LOADER.load('_numba_parallel') is not None\n"
-        "import numba\n"
-        "print(type(sys.modules.get('yaml')).__name__, numba.config.BOUNDSCHECK)\n"
-    )
-    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert plain.returncode == 0, plain.stderr
+    lines = "import numba\nprint(type(sys.modules.get('yaml')).__name__, numba.config.BOUNDSCHECK)\n"
+    assert _printed_after_loading("yaml", lines, cwd=tmp_path) == ["NoneType", "None"]
     (tmp_path / ".numba_config.yaml").write_text("boundscheck: 1\n")
-    configured = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert configured.returncode == 0, configured.stderr
-    assert plain.stdout.split() == ["NoneType", "None"]
-    assert configured.stdout.split() == ["module", "1"]
+    assert _printed_after_loading("yaml", lines, cwd=tmp_path) == ["module", "1"]

@@ -244,18 +244,26 @@ RMS_X, RMS_GAMMA, RMS_Y, RMS_INV, RMS_ROWS, RMS_WIDTH, RMS_EPSILON = range(7)
 RMS_WORDS = 7
 
 
+@_compiled
+def _floats(context, word, shape):  # pragma: no cover  (compiled)
+    """The float32 array of ``shape`` at the address in ``context[word]``."""
+    return numba.carray(float32_pointer(context[word]), shape)
+
+
+@_compiled
+def _word_float(c, word):  # pragma: no cover  (compiled)
+    """The float64 that word ``word`` of the context at address ``c`` holds."""
+    return numba.carray(float64_pointer(c + 8 * word), (1,))[0]
+
+
 @numba.cfunc(numba.int64(numba.int64), nogil=True, cache=True)
 def rms_step(c):  # pragma: no cover  (compiled)
     """``rms_rows`` as a program's step."""
     context = numba.carray(int64_pointer(c), RMS_WORDS)
     rows, width = context[RMS_ROWS], context[RMS_WIDTH]
-    epsilon = numba.carray(float64_pointer(c + 8 * RMS_EPSILON), (1,))[0]
     rms_rows(
-        numba.carray(float32_pointer(context[RMS_X]), (rows, width)),
-        numba.carray(float32_pointer(context[RMS_GAMMA]), (width,)),
-        epsilon,
-        numba.carray(float32_pointer(context[RMS_Y]), (rows, width)),
-        numba.carray(float32_pointer(context[RMS_INV]), (rows,)),
+        _floats(context, RMS_X, (rows, width)), _floats(context, RMS_GAMMA, (width,)), _word_float(c, RMS_EPSILON),
+        _floats(context, RMS_Y, (rows, width)), _floats(context, RMS_INV, (rows,)),
     )
     return 0
 
@@ -270,21 +278,15 @@ def skip_rms_step(c):  # pragma: no cover  (compiled)
     """``skip_rms_rows`` as a program's step, its mean output zeroed (as the replay does)."""
     context = numba.carray(int64_pointer(c), SKIP_WORDS)
     rows, width = context[SKIP_ROWS], context[SKIP_WIDTH]
-    epsilon = numba.carray(float64_pointer(c + 8 * SKIP_EPSILON), (1,))[0]
-    gamma = numba.carray(float32_pointer(context[SKIP_GAMMA]), (width,))
+    gamma = _floats(context, SKIP_GAMMA, (width,))
     # no bias: a 1-element array (a length other than the width), as the replay passes
-    bias = gamma[:1] if context[SKIP_BIAS] == 0 else numba.carray(float32_pointer(context[SKIP_BIAS]), (width,))
+    bias = gamma[:1] if context[SKIP_BIAS] == 0 else _floats(context, SKIP_BIAS, (width,))
     skip_rms_rows(
-        numba.carray(float32_pointer(context[SKIP_A]), (rows, width)),
-        numba.carray(float32_pointer(context[SKIP_B]), (rows, width)),
-        bias,
-        epsilon,
-        gamma,
-        numba.carray(float32_pointer(context[SKIP_Y]), (rows, width)),
-        numba.carray(float32_pointer(context[SKIP_INV]), (rows,)),
-        numba.carray(float32_pointer(context[SKIP_TOTAL]), (rows, width)),
+        _floats(context, SKIP_A, (rows, width)), _floats(context, SKIP_B, (rows, width)), bias,
+        _word_float(c, SKIP_EPSILON), gamma, _floats(context, SKIP_Y, (rows, width)),
+        _floats(context, SKIP_INV, (rows,)), _floats(context, SKIP_TOTAL, (rows, width)),
     )
-    mean = numba.carray(float32_pointer(context[SKIP_MEAN]), (rows,))
+    mean = _floats(context, SKIP_MEAN, (rows,))
     for r in range(rows):
         mean[r] = 0.0
     return 0
