@@ -156,7 +156,8 @@ def test_workers_asleep_when_a_job_is_published_are_woken_and_take_part(pool, st
 def test_a_step_refused_with_an_error_is_a_kernel_error_naming_its_node(steps):
     """``_capture._Program``: a step whose compiled function refuses runs its replay; what
     that raises comes out as a KernelError naming the step's node."""
-    if _compiled_parallel.compiled_pool() is None:
+    pool = _compiled_parallel.compiled_pool()
+    if pool is None:
         pytest.skip("no compiled pool")
     log, length = np.zeros(4, np.int64), np.zeros(1, np.int64)
     contexts = [np.array([log.ctypes.data, length.ctypes.data, i, 0, 0, int(i == 1), 0, 0], np.int64) for i in range(3)]
@@ -172,7 +173,7 @@ def test_a_step_refused_with_an_error_is_a_kernel_error_naming_its_node(steps):
         return run
 
     group = [(types.SimpleNamespace(name=n, op_type="GroupQueryAttention"), replay(n, c)) for n, c in zip("abc", contexts)]
-    program = _capture._Program(group, "cpu")
+    program = _capture._Program(group, "cpu", pool)
     with pytest.raises(KernelError) as raised:
         program()
     assert raised.value.node == "b" and raised.value.op_type == "GroupQueryAttention"

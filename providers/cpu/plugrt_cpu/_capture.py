@@ -80,14 +80,15 @@ def _programs(captured: list[tuple[Step, Callable[[], None]]], provider: str) ->
     step fewer. Each such replay is named by its first step."""
     from .kernels._compiled_parallel import compiled_pool
 
-    if compiled_pool() is None:
+    pool = compiled_pool()
+    if pool is None:
         return captured
     merged: list[tuple[Step, Callable[[], None]]] = []
     group: list[tuple[Step, Callable[[], None]]] = []
 
     def close() -> None:
         if len(group) >= _PROGRAM_MIN_STEPS:
-            merged.append((group[0][0], _Program(group, provider)))
+            merged.append((group[0][0], _Program(group, provider, pool)))
         else:
             merged.extend(group)
         group.clear()
@@ -107,23 +108,17 @@ class _Program:
     function refuses (lengths outside a KV cache, ...) runs its own replay, which raises
     what it raises, as a KernelError naming that step."""
 
-    def __init__(self, group: list[tuple[Step, Callable[[], None]]], provider: str) -> None:
+    def __init__(self, group: list[tuple[Step, Callable[[], None]]], provider: str, pool: Any) -> None:
         self.steps = [step for step, _ in group]
         self.replays = [run for _, run in group]  # they keep the programs' contexts alive
         self.table = np.array([run.program for run in self.replays], np.int64)  # type: ignore[attr-defined]
         self.table.flags.writeable = False
         self.answer = np.zeros(2, np.int64)
         self.provider = provider
+        self.pool = pool  # the process's compiled pool, kept once made
 
     def __call__(self) -> None:
-        from .kernels._compiled_parallel import compiled_pool
-
-        pool = compiled_pool()
-        if pool is None:  # never after the capture made it; kept for safety
-            for index in range(len(self.replays)):
-                self._refused(index)
-            return
-        pool.run_program(self.table, self.answer, self._refused)
+        self.pool.run_program(self.table, self.answer, self._refused)
 
     def _refused(self, index: int) -> None:
         from plugrt.errors import KernelError, PlugrtError
