@@ -14,15 +14,6 @@ import pytest
 numba = pytest.importorskip("numba")
 
 from plugrt import threads  # noqa: E402
-from plugrt_cpu.kernels import _compiled_parallel  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def pool():
-    made = _compiled_parallel.compiled_pool()
-    if made is None:
-        pytest.skip("no compiled pool here (PLUGRT_NUMBA=0, not x86-64, or no BLAS to call)")
-    return made
 
 
 @pytest.fixture(scope="module")

@@ -28,14 +28,6 @@ from plugrt_cpu.kernels import _compiled, _compiled_parallel  # noqa: E402
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "genai" / "assets" / "tiny_llama"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    made = _compiled_parallel.compiled_pool()
-    if made is None:
-        pytest.skip("no compiled pool here (PLUGRT_NUMBA=0, not x86-64, or no BLAS to call)")
-    return made
-
-
 # A test step's context (int64 words): [log address, log length address, step id, units,
 # alone, refuse, counts address, slots address]. Its serial function appends the step's id
 # to the log; its body counts each unit it runs and the slot (thread) that ran it.

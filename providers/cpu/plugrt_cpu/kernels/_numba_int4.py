@@ -42,7 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._int4_layout import ROWS, pack
-from ._numba_parallel import ALONE, float32_pointer, int64_pointer
+from ._numba_parallel import ALONE, float32_pointer, int8_pointer, int32_pointer, int64_pointer
 
 __all__ = [
     "BODIES",
@@ -163,25 +163,6 @@ def _quantize(a, block_size, quantized, scales, sums):  # pragma: no cover  (com
                 quantized[m, i] = 0
             scales[m, b] = scale
             sums[m, b] = total
-
-
-def _pointer_intrinsic(kind):  # type: ignore[no-untyped-def]
-    llvm_kind = ir.IntType(kind.bitwidth)
-
-    @intrinsic
-    def pointer(typingctx, address):  # type: ignore[no-untyped-def]
-        """``address`` as a pointer, for ``numba.carray``."""
-
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            return builder.inttoptr(args[0], llvm_kind.as_pointer())
-
-        return types.CPointer(kind)(types.int64), codegen
-
-    return pointer
-
-
-_int8_pointer = _pointer_intrinsic(types.int8)
-_int32_pointer = _pointer_intrinsic(types.int32)
 
 
 # ----------------------------------------------------------------------------- tile bodies (LLVM IR)
@@ -637,9 +618,9 @@ def _prepare(a, out, context):  # pragma: no cover  (compiled)
     blocks, block_size = context[CTX_BLOCKS], context[CTX_GROUPS] * _GROUP
     width = blocks * block_size
     if context[CTX_BODY] != FLOAT_BODY:
-        quantized = numba.carray(_int8_pointer(context[CTX_ACTIVATIONS]), (rows, width))
+        quantized = numba.carray(int8_pointer(context[CTX_ACTIVATIONS]), (rows, width))
         scales = numba.carray(float32_pointer(context[CTX_ASCALES]), (rows, blocks))
-        sums = numba.carray(_int32_pointer(context[CTX_ASUMS]), (rows, blocks))
+        sums = numba.carray(int32_pointer(context[CTX_ASUMS]), (rows, blocks))
         _quantize(a, block_size, quantized, scales, sums)
     elif context[CTX_PADDED] != 0:
         padded = numba.carray(float32_pointer(context[CTX_PADDED]), (rows, width))

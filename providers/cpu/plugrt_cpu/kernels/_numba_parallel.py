@@ -225,44 +225,26 @@ sgemm64 = _sgemm_intrinsic(_I64)
 sgemm32 = _sgemm_intrinsic(_I32)
 
 
-@intrinsic
-def float32_pointer(typingctx, address):  # type: ignore[no-untyped-def]
-    """``address`` as a float32 pointer, for ``numba.carray``."""
+def _pointer_to(kind, llvm_type, name: str):  # type: ignore[no-untyped-def]
+    """An intrinsic ``name(address)``: the int64 ``address`` as a pointer to ``kind``
+    (``llvm_type`` in LLVM IR), for ``numba.carray``."""
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], _F32.as_pointer())
+    def pointer(typingctx, address):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.inttoptr(args[0], llvm_type.as_pointer())
 
-    return types.CPointer(types.float32)(types.int64), codegen
+        return types.CPointer(kind)(types.int64), codegen
 
-
-@intrinsic
-def int64_pointer(typingctx, address):  # type: ignore[no-untyped-def]
-    """``address`` as an int64 pointer, for ``numba.carray``."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], _I64.as_pointer())
-
-    return types.CPointer(types.int64)(types.int64), codegen
+    pointer.__name__ = pointer.__qualname__ = name
+    pointer.__doc__ = f"``address`` as a {kind} pointer, for ``numba.carray``."
+    return intrinsic(pointer)
 
 
-@intrinsic
-def int32_pointer(typingctx, address):  # type: ignore[no-untyped-def]
-    """``address`` as an int32 pointer, for ``numba.carray``."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], _I32.as_pointer())
-
-    return types.CPointer(types.int32)(types.int64), codegen
-
-
-@intrinsic
-def float64_pointer(typingctx, address):  # type: ignore[no-untyped-def]
-    """``address`` as a float64 pointer, for ``numba.carray`` (a float in a context's words)."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], ir.DoubleType().as_pointer())
-
-    return types.CPointer(types.float64)(types.int64), codegen
+float32_pointer = _pointer_to(types.float32, _F32, "float32_pointer")
+float64_pointer = _pointer_to(types.float64, ir.DoubleType(), "float64_pointer")  # a float in a context's words
+int64_pointer = _pointer_to(types.int64, _I64, "int64_pointer")
+int32_pointer = _pointer_to(types.int32, _I32, "int32_pointer")
+int8_pointer = _pointer_to(types.int8, ir.IntType(8), "int8_pointer")
 
 
 _W = 8  # bytes per state word
