@@ -19,6 +19,14 @@ workers, each with one-thread BLAS. A worker that sleeps is scheduled as soon as
 woken, even on a core another process keeps busy, and leaves no spinning thread behind
 to slow whatever runs next (OpenBLAS's own threads spin for a while after each call).
 
+Where a provider splits every product it can over a pool of its own
+(``keep_blas_single``: the CPU provider's compiled pool), OpenBLAS stays on one thread
+for every call: after each call its threads spin on their cores for OpenBLAS's thread
+timeout (~0.1 s), taking them from the pool's next step and from whatever else the
+process runs next (measured: onnxruntime's MobileViT run 18-21 ms beside plugrt with
+one-thread BLAS, 29 ms beside OpenBLAS's spinning threads; plugrt's own 27-33 against
+33-51 ms).
+
 ``parallel_for(count, body, work)`` is the other way to use several cores: ``body(start,
 stop)`` runs over chunks of ``range(count)`` that the calling thread and pool workers
 claim one at a time, each with one BLAS thread, so work BLAS does not thread (many small
@@ -47,6 +55,7 @@ __all__ = [
     "threads_for",
     "split_threads",
     "free_cores",
+    "keep_blas_single",
     "parallel_for",
     "parallel_threads",
     "openblas_libraries",
@@ -237,9 +246,20 @@ def split_threads(work: int) -> int:
     return max(1, min(limit, _MONITOR.cores))
 
 
+_SINGLE = {"blas": False}  # keep_blas_single() was called: OpenBLAS never threads
+
+
+def keep_blas_single() -> None:
+    """From now on every BLAS call of this process runs on one OpenBLAS thread: a provider
+    that splits products over its own pool calls this once it has the pool (see the module)."""
+    _SINGLE["blas"] = True
+    _set_blas_count(1)
+
+
 def blas_threads(work: int) -> int:
-    """Set this thread's BLAS thread count for a product of ``work`` multiply-adds; returns it."""
-    count = 1 if getattr(_LOCAL, "in_parallel", False) else threads_for(work)
+    """Set this thread's BLAS thread count for a product of ``work`` multiply-adds; returns
+    it (always 1 after ``keep_blas_single``)."""
+    count = 1 if _SINGLE["blas"] or getattr(_LOCAL, "in_parallel", False) else threads_for(work)
     _set_blas_count(count)
     return count
 

@@ -47,10 +47,18 @@ def test_session_limit_caps_the_count(monitor):
     assert threads.threads_for(BIG) == 1
 
 
-def test_blas_threads_sets_openblas_per_thread(monitor):
+def _numpys_openblas_count(threadpoolctl):
+    numpys = os.path.realpath(threads.openblas_libraries()[0])
+    # scipy's OpenBLAS may be loaded too (scikit-learn's tests import it)
+    (entry,) = [i for i in threadpoolctl.threadpool_info() if os.path.realpath(i["filepath"]) == numpys]
+    return entry["num_threads"]
+
+
+def test_blas_threads_sets_openblas_per_thread(monitor, monkeypatch):
     threadpoolctl = pytest.importorskip("threadpoolctl")
     if threads._BLAS.resolve() is None:
         pytest.skip("numpy's BLAS has no per-thread thread count")
+    monkeypatch.setitem(threads._SINGLE, "blas", False)  # no provider splits products here
     threads.begin_run(0)
     monitor["others"] = 2.0  # two cores free
     numpys = os.path.realpath(threads.openblas_libraries()[0])
@@ -64,6 +72,23 @@ def test_blas_threads_sets_openblas_per_thread(monitor):
     assert numpys_count() == 2
     assert threads.blas_threads(1) == 1
     assert numpys_count() == 1
+
+
+def test_once_a_provider_splits_products_itself_openblas_stays_on_one_thread(monitor, monkeypatch):
+    """OpenBLAS's threads spin on their cores after each call: with the CPU provider's
+    compiled pool (which calls keep_blas_single) even a big product on free cores gets one."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if threads._BLAS.resolve() is None:
+        pytest.skip("numpy's BLAS has no per-thread thread count")
+    monkeypatch.setitem(threads._SINGLE, "blas", False)
+    threads.begin_run(0)
+    assert threads.blas_threads(BIG) == 4
+    threads.keep_blas_single()
+    assert _numpys_openblas_count(threadpoolctl) == 1
+    threads.begin_run(0)
+    assert threads.blas_threads(BIG) == 1
+    assert _numpys_openblas_count(threadpoolctl) == 1
+    assert threads.threads_for(BIG) == 4  # the cores stay free for the provider's own splits
 
 
 def test_numpys_own_openblas_comes_before_another_packages():

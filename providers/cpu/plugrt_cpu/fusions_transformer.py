@@ -32,6 +32,7 @@ from ._registry import KernelContext, capture_variant, declare_into, kernel_buil
 from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
 from .kernels import dense, elementwise, normalization
 from .kernels._compiled import DENSE_LOOPS, ROW_LOOPS
+from .kernels._gemm import matmul
 from .kernels.elementwise import compiled_loops, scratch, with_small_buffers
 
 __all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass"]
@@ -324,7 +325,7 @@ def self_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
         rows = batch * seq
         qkv = work("qkv", (rows, 3 * hidden), np.result_type(x, w))
         blas_threads(rows * width * 3 * hidden)
-        np.matmul(x.reshape(rows, width), w, out=qkv)
+        matmul(x.reshape(rows, width), w, out=qkv)
         qkv += b
         split = qkv.reshape(batch, seq, 3, heads, size)
         q = split[:, :, 0].transpose(0, 2, 1, 3)  # (batch, heads, seq, size), strided views

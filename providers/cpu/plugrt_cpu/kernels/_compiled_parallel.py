@@ -62,6 +62,7 @@ class CompiledPool:
                 wait(address, worker)
 
         threads.set_worker_wait(worker_wait, lambda: loops.signal(address))
+        threads.keep_blas_single()  # products split here (``_gemm.pooled_matmul``): OpenBLAS's threads would spin beside the workers
 
     def _pause_seconds(self) -> float:
         """Seconds one ``pause`` takes here (5-150 cycles, by CPU), measured once."""

@@ -14,7 +14,10 @@ from ._compiled import compiled_module
 from ._relu import relu_into
 from .elementwise import with_small_buffers
 
-__all__ = ["available", "bias_relu", "sgemm_address", "epilogue", "epilogue_loops", "gemm", "split_gemm", "split_columns", "splits_columns"]
+__all__ = [
+    "available", "bias_relu", "sgemm_address", "epilogue", "epilogue_loops", "gemm", "matmul", "pooled_matmul", "split_gemm",
+    "split_columns", "splits_columns",
+]
 
 # cblas enums (cblas.h): row-major storage, no transpose / transpose.
 _ROW_MAJOR = 101
@@ -276,3 +279,119 @@ def split_gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -
             gemm(a[start:stop], b, c[start:stop], beta)
 
         split_columns(m, rows, work)
+
+
+_F32 = np.dtype(np.float32)
+# Units of a pooled batch of products a thread (at least): small units let a worker that
+# wakes late take its share (12 products of 128 x 128 x 64 on two threads: 137 us in row
+# blocks of 64, 165 us a product a unit, 286 us on one thread). One product is cut in one
+# block a thread: each block packs all of the narrow operand again ((64, 1024) @ (1024,
+# 256) with cold caches: 258 us in two blocks, 279-345 in four, 307 on OpenBLAS's two).
+_POOLED_UNITS_PER_THREAD = 8
+
+
+def _operand_layout(x: np.ndarray) -> tuple[int, int] | None:
+    """(transposed, leading dimension) of the last two axes of ``x`` as cblas reads them:
+    rows (or, transposed, columns) of unit step; None for any other layout."""
+    item = x.itemsize
+    rows, columns = x.shape[-2:]
+    s0, s1 = x.strides[-2:]
+    if (s1 == item or columns <= 1) and (rows <= 1 or (s0 % item == 0 and s0 >= item * columns)):
+        return 0, max(1, columns if rows <= 1 else s0 // item)
+    if (s0 == item or rows <= 1) and (columns <= 1 or (s1 % item == 0 and s1 >= item * rows)):
+        return 1, max(1, rows if columns <= 1 else s1 // item)
+    return None
+
+
+def _batch_stride(x: np.ndarray, batch: tuple[int, ...]) -> int | None:
+    """Bytes from one matrix of ``x`` to the next over the flattened ``batch`` axes: 0 for a
+    2-D ``x`` (one matrix for all), None where its batch axes differ from ``batch`` or do
+    not flatten into one stride."""
+    if x.ndim == 2:
+        return 0
+    if x.shape[:-2] != batch:
+        return None
+    axes = [(size, stride) for size, stride in zip(x.shape[:-2], x.strides[:-2]) if size != 1]
+    for (_, outer), (size, inner) in zip(axes, axes[1:]):
+        if outer != inner * size:
+            return None
+    return axes[-1][1] if axes else 0
+
+
+def _gemm_job() -> Any:
+    module = compiled_module("_numba_dense")
+    return None if module is None else getattr(module, "gemm_job", None)
+
+
+def pooled_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """``out = a @ b`` (numpy's matmul: 2-D, or a batch of matrices, one operand possibly
+    2-D for every matrix of the other) split on the compiled pool into units that each call
+    the one-thread cblas_sgemm without the GIL (``_numba_dense.gemm_job``): matrices a unit
+    where the batch has several a thread, else blocks of each product's rows or columns.
+    Returns False, having done nothing, where it does not apply: not float32, a layout
+    cblas cannot read, a product too small to split (``split_threads``), or no compiled
+    pool; the caller then runs numpy's matmul.
+
+    With the compiled pool, OpenBLAS's own threads are not used (``plugrt.threads.
+    keep_blas_single``): each spins on its core for a time after every call (OpenBLAS's
+    thread timeout, ~0.1 s), taking the core from the pool's next step and from whatever
+    else the process runs next. Without it (no numba), numpy's matmul keeps OpenBLAS's
+    threads for a big product, as before: splitting on ``parallel_for``'s Python threads
+    ran BERT's products 1.8x slower."""
+    if not (a.dtype == b.dtype == out.dtype == _F32) or a.ndim < 2 or b.ndim < 2 or not out.flags.c_contiguous:
+        return False
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch = out.shape[:-2]
+    count = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    if b.shape[-2] != k or out.shape[-2:] != (m, n) or m == 0 or n == 0 or k == 0 or count == 0:
+        return False
+    threads = split_threads(count * m * n * k)
+    if threads <= 1:
+        return False
+    layouts = _operand_layout(a), _operand_layout(b)
+    strides = _batch_stride(a, batch), _batch_stride(b, batch)
+    if None in layouts or None in strides:
+        return False
+    address = sgemm_address()
+    job = _gemm_job()
+    from ._compiled_parallel import compiled_pool
+
+    pool = compiled_pool() if address is not None and job is not None else None
+    if pool is None or address is None:
+        return False
+    by_rows = not splits_columns(m, n)
+    span = m if by_rows else n
+    units = (_POOLED_UNITS_PER_THREAD if count > 1 else 1) * threads
+    if count >= units:
+        block = span  # whole matrices a unit
+    else:
+        block = max(_SPLIT_GRAIN, -(-span // -(-units // count)))
+    blocks = -(-span // block)
+    blas_threads(0)  # the calling thread runs units too: its BLAS on one thread
+    (trans_a, lda), (trans_b, ldb) = layouts  # type: ignore[misc]
+    context = np.array(
+        [
+            address[0], int(address[1]), trans_a, trans_b, m, n, k, a.ctypes.data, lda, strides[0], b.ctypes.data, ldb,
+            strides[1], out.ctypes.data, n, m * n * out.itemsize, block, blocks, int(by_rows),
+        ],
+        np.int64,
+    )
+    pool.run(job.address, context, count * blocks, threads)  # type: ignore[union-attr]
+    return True
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """numpy's ``matmul(a, b, out=out)``, split on the compiled pool where
+    :func:`pooled_matmul` applies, else on this thread's one BLAS thread."""
+    if out is None:
+        if a.dtype != _F32 or b.dtype != _F32 or a.ndim < 2 or b.ndim < 2:
+            return np.matmul(a, b)
+        try:
+            batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        except ValueError:
+            return np.matmul(a, b)  # numpy names the mismatch
+        out = np.empty((*batch, a.shape[-2], b.shape[-1]), _F32)
+    if not pooled_matmul(a, b, out):
+        np.matmul(a, b, out=out)
+    return out

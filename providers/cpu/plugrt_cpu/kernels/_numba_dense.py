@@ -23,9 +23,9 @@ from numba.extending import intrinsic
 
 from ._numba_gemm import _V, _VI64, _VMASK, _VW, MR, _ahead, _c, _floats, _k_loop, _splat, _vector_at, _vector_functions
 from ._numba_loops import _gelu
-from ._numba_parallel import float32_pointer, int64_pointer
+from ._numba_parallel import float32_pointer, int64_pointer, sgemm_any32, sgemm_any64
 
-__all__ = ["JOB_WORDS", "VECTOR", "bias_columns", "pack_rows", "panel_job", "panel_product"]
+__all__ = ["GEMM_WORDS", "JOB_WORDS", "VECTOR", "bias_columns", "gemm_job", "pack_rows", "panel_job", "panel_product"]
 
 VECTOR = 16  # columns of one panel of the weight: one vector of the micro-kernel
 _FLOAT = 4
@@ -233,3 +233,48 @@ def panel_job(c, start, stop, slot):  # pragma: no cover  (compiled)
     last = min(count, stop * group)
     if first < last:
         panel_product(packed, panels, out, bias, context[JOB_GELU] != 0, first, last, context[JOB_SLICE])
+
+
+# The context of ``gemm_job`` (int64 words; see ``kernels._gemm.pooled_matmul``): the
+# cblas_sgemm and whether its integers are 64-bit, each operand's transpose, the sizes of
+# one product, each matrix's address, leading dimension and bytes to the next matrix of the
+# batch, and how the units cut it: ``GEMM_BLOCKS`` blocks of ``GEMM_BLOCK`` rows (or
+# columns) a matrix.
+(
+    GEMM_FUNCTION, GEMM_LONG, GEMM_TRANS_A, GEMM_TRANS_B, GEMM_M, GEMM_N, GEMM_K, GEMM_A, GEMM_LDA, GEMM_STRIDE_A,
+    GEMM_B, GEMM_LDB, GEMM_STRIDE_B, GEMM_C, GEMM_LDC, GEMM_STRIDE_C, GEMM_BLOCK, GEMM_BLOCKS, GEMM_BY_ROWS,
+) = range(19)
+GEMM_WORDS = 19
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def gemm_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of a (batched) float32 product on the compiled pool: unit ``u``
+    is block ``u % GEMM_BLOCKS`` of the rows (or columns) of matrix ``u // GEMM_BLOCKS``,
+    one call of the one-thread cblas_sgemm each, without the GIL."""
+    context = numba.carray(int64_pointer(c), GEMM_WORDS)
+    trans_a, trans_b = context[GEMM_TRANS_A], context[GEMM_TRANS_B]
+    m, n, k = context[GEMM_M], context[GEMM_N], context[GEMM_K]
+    lda, ldb, ldc = context[GEMM_LDA], context[GEMM_LDB], context[GEMM_LDC]
+    block, blocks, by_rows = context[GEMM_BLOCK], context[GEMM_BLOCKS], context[GEMM_BY_ROWS] != 0
+    for unit in range(start, stop):
+        matrix = unit // blocks
+        lo = (unit - matrix * blocks) * block
+        a = context[GEMM_A] + matrix * context[GEMM_STRIDE_A]
+        b = context[GEMM_B] + matrix * context[GEMM_STRIDE_B]
+        out = context[GEMM_C] + matrix * context[GEMM_STRIDE_C]
+        rows, columns = m, n
+        if by_rows:
+            rows = min(m, lo + block) - lo
+            a += (lo if trans_a != 0 else lo * lda) * _FLOAT
+            out += lo * ldc * _FLOAT
+        else:
+            columns = min(n, lo + block) - lo
+            b += (lo * ldb if trans_b != 0 else lo) * _FLOAT
+            out += lo * _FLOAT
+        if rows <= 0 or columns <= 0:
+            continue
+        if context[GEMM_LONG] != 0:
+            sgemm_any64(context[GEMM_FUNCTION], trans_a, trans_b, rows, columns, k, a, lda, b, ldb, out, ldc)
+        else:
+            sgemm_any32(context[GEMM_FUNCTION], trans_a, trans_b, rows, columns, k, a, lda, b, ldb, out, ldc)

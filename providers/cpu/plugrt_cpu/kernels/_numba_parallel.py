@@ -179,43 +179,64 @@ def call_void(typingctx, function):  # type: ignore[no-untyped-def]
     return types.void(types.int64), codegen
 
 
-def _sgemm_intrinsic(integer: ir.IntType):  # type: ignore[no-untyped-def]
+def _sgemm_intrinsic(integer: ir.IntType, transposes: bool = False):  # type: ignore[no-untyped-def]
+    _NO_TRANS, _TRANS = 111, 112  # CblasNoTrans, CblasTrans
+
+    def flag(builder, value):  # type: ignore[no-untyped-def]
+        """CblasTrans where the int64 ``value`` is non-zero, else CblasNoTrans."""
+        on = builder.icmp_signed("!=", value, ir.Constant(_I64, 0))
+        return builder.select(on, ir.Constant(_I32, _TRANS), ir.Constant(_I32, _NO_TRANS))
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        if transposes:
+            target, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc = args
+            flags = [flag(builder, trans_a), flag(builder, trans_b)]
+        else:
+            target, m, n, k, a, lda, b, ldb, c, ldc = args
+            flags = [ir.Constant(_I32, _NO_TRANS), ir.Constant(_I32, _NO_TRANS)]
+        signature_ = ir.FunctionType(
+            ir.VoidType(), [_I32, _I32, _I32, integer, integer, integer, _F32, _BYTES, integer, _BYTES, integer, _F32, _BYTES, integer]
+        )
+        function = builder.inttoptr(target, signature_.as_pointer())
+
+        def size(value):  # type: ignore[no-untyped-def]
+            return value if integer.width == 64 else builder.trunc(value, integer)
+
+        builder.call(
+            function,
+            [
+                ir.Constant(_I32, 101),  # CblasRowMajor
+                *flags,
+                size(m),
+                size(n),
+                size(k),
+                ir.Constant(_F32, 1.0),
+                builder.inttoptr(a, _BYTES),
+                size(lda),
+                builder.inttoptr(b, _BYTES),
+                size(ldb),
+                ir.Constant(_F32, 0.0),
+                builder.inttoptr(c, _BYTES),
+                size(ldc),
+            ],
+        )
+        return context.get_dummy_value()
+
+    if transposes:
+
+        @intrinsic
+        def sgemm_any(typingctx, function, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc):  # type: ignore[no-untyped-def]
+            """``c = op(a) @ op(b)`` through the row-major cblas_sgemm at address
+            ``function``, ``op`` a transpose where ``trans_a`` / ``trans_b`` is non-zero
+            (alpha 1, beta 0); matrices are addresses, sizes int64."""
+            return types.void(*(types.int64,) * 12), codegen
+
+        return sgemm_any
+
     @intrinsic
     def sgemm(typingctx, function, m, n, k, a, lda, b, ldb, c, ldc):  # type: ignore[no-untyped-def]
         """``c = a @ b`` through the row-major cblas_sgemm at address ``function`` (no
         transposes, alpha 1, beta 0); matrices are addresses, sizes int64."""
-
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            target, m, n, k, a, lda, b, ldb, c, ldc = args
-            signature_ = ir.FunctionType(
-                ir.VoidType(), [_I32, _I32, _I32, integer, integer, integer, _F32, _BYTES, integer, _BYTES, integer, _F32, _BYTES, integer]
-            )
-            function = builder.inttoptr(target, signature_.as_pointer())
-
-            def size(value):  # type: ignore[no-untyped-def]
-                return value if integer.width == 64 else builder.trunc(value, integer)
-
-            builder.call(
-                function,
-                [
-                    ir.Constant(_I32, 101),  # CblasRowMajor
-                    ir.Constant(_I32, 111),  # CblasNoTrans
-                    ir.Constant(_I32, 111),
-                    size(m),
-                    size(n),
-                    size(k),
-                    ir.Constant(_F32, 1.0),
-                    builder.inttoptr(a, _BYTES),
-                    size(lda),
-                    builder.inttoptr(b, _BYTES),
-                    size(ldb),
-                    ir.Constant(_F32, 0.0),
-                    builder.inttoptr(c, _BYTES),
-                    size(ldc),
-                ],
-            )
-            return context.get_dummy_value()
-
         return types.void(*(types.int64,) * 10), codegen
 
     return sgemm
@@ -223,6 +244,8 @@ def _sgemm_intrinsic(integer: ir.IntType):  # type: ignore[no-untyped-def]
 
 sgemm64 = _sgemm_intrinsic(_I64)
 sgemm32 = _sgemm_intrinsic(_I32)
+sgemm_any64 = _sgemm_intrinsic(_I64, transposes=True)
+sgemm_any32 = _sgemm_intrinsic(_I32, transposes=True)
 
 
 def _pointer_to(kind, llvm_type, name: str):  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ import numpy as np
 
 from .._dtypes import numpy_dtype
 from .._registry import KernelContext, kernel, kernel_builder
+from ._gemm import matmul
 
 
 def _work_dtype(dtype: np.dtype) -> np.dtype:
@@ -40,11 +41,11 @@ def _grouped_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     batch, q_heads, m, _ = a.shape
     kv_heads = b.shape[1]
     if q_heads == kv_heads:
-        return np.matmul(a, b)
+        return matmul(a, b)
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} key/value heads")
     grouped = a.reshape(batch, kv_heads, q_heads // kv_heads, m, a.shape[-1])
-    return np.matmul(grouped, b[:, :, None]).reshape(batch, q_heads, m, b.shape[-1])
+    return matmul(grouped, b[:, :, None]).reshape(batch, q_heads, m, b.shape[-1])
 
 
 def _rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

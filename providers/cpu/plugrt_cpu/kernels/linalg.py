@@ -11,7 +11,7 @@ import numpy as np
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
-from ._gemm import split_gemm
+from ._gemm import matmul as pooled, pooled_matmul, split_gemm
 from .dense import Allocate, WeightPanels, dense_product, matrix_rows, new_array, packs
 from .elementwise import scratch
 from ._compiled import DENSE_LOOPS
@@ -32,7 +32,7 @@ def _widen(x: np.ndarray) -> np.ndarray:
 def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.dtype in _HALF_TYPES:
         return np.matmul(_widen(a), _widen(b)).astype(a.dtype)
-    return np.matmul(a, b)
+    return pooled(a, b)
 
 
 def _widen_into(out: np.ndarray, slot: str, x: np.ndarray) -> np.ndarray:
@@ -49,7 +49,7 @@ def _matmul_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
         product = scratch(out, "product", out.shape, np.float32)
         np.matmul(_widen_into(out, "a", a), _widen_into(out, "b", b), out=product)
         np.copyto(out, product, casting="unsafe")
-    else:
+    elif a.dtype != np.float32 or not pooled_matmul(a, b, out):
         np.matmul(a, b, out=out)
 
 
@@ -303,7 +303,7 @@ def _pair_contraction(a_term: str, b_term: str, out_term: str, a_shape, b_shape)
             a = a.sum(axis=a_summed, dtype=a.dtype)
         if b_summed:
             b = b.sum(axis=b_summed, dtype=b.dtype)
-        y = np.matmul(a.transpose(a_perm).reshape(a_matrix), b.transpose(b_perm).reshape(b_matrix))
+        y = pooled(a.transpose(a_perm).reshape(a_matrix), b.transpose(b_perm).reshape(b_matrix))
         return y.reshape(y_shape).transpose(out_perm)
 
     y_matrix = batch_shape + [math.prod(a_sizes[c] for c in left), math.prod(b_sizes[c] for c in right)]
@@ -317,7 +317,7 @@ def _pair_contraction(a_term: str, b_term: str, out_term: str, a_shape, b_shape)
             np.copyto(out, run(a, b), casting="unsafe")  # (sums of single-input letters: temporaries)
             return
         a_rows, b_columns = a.transpose(a_perm).reshape(a_matrix), b.transpose(b_perm).reshape(b_matrix)
-        np.matmul(a_rows, b_columns, out=target.reshape(y_matrix))
+        pooled(a_rows, b_columns, out=target.reshape(y_matrix))
 
     declare_into(run_into, run)
     return run
