@@ -53,6 +53,16 @@ CASES = {
     "2x4-same-upper": ((1, 4, 12, 13), (4, 1, 2, 4), {"auto_pad": "SAME_UPPER", "strides": [2, 1]}),
     "3x1-pads": ((1, 4, 8, 6), (4, 1, 3, 1), {"pads": [1, 0, 1, 0]}),
     "multiplier-2": ((1, 5, 9, 9), (10, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    # rows of 32 floats or more a phase: split into row phases too (conv._DepthwiseLayout)
+    "3x3-stride-2-row-phases": ((1, 3, 66, 70), (3, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    "5x5-stride-2-row-phases-odd-pads": ((1, 2, 67, 69), (2, 1, 5, 5), {"pads": [2, 1, 1, 2], "strides": [2, 2]}),
+    "3x3-stride-3-dilation-2-row-phases": (
+        (1, 2, 101, 99),
+        (2, 1, 3, 3),
+        {"pads": [2, 2, 2, 2], "strides": [3, 3], "dilations": [2, 2]},
+    ),
+    "3x3-stride-2x1-row-phases": ((1, 2, 40, 36), (2, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 1]}),
+    "multiplier-2-row-phases": ((1, 2, 64, 64), (4, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
 }
 
 

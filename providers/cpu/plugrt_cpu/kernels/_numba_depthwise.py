@@ -6,20 +6,24 @@ the same values to float32 rounding. Compiled code is cached on disk (``cache=Tr
 only the first process on a machine pays the compile (~3 s); later ones load it in ~0.2 s
 (most of it numba starting its code generator), on the first depthwise Conv.
 
-The layout (``conv._DepthwiseLayout`` computes it): input column ``c`` of row ``R`` goes
-to column ``c // sx`` of row ``R`` in column phase ``c % sx``, a plane of rows ``pitch``
-floats wide with zero rows above and below. Output ``(oy, ox)`` is grid position
-``i = oy * sy * pitch + ox``, and tap ``(ky, kx)`` reads one phase at ``i`` plus a fixed
-offset: the output plane is one loop over the grid with unit-stride loads that
-vectorise, whatever the strides, dilations and pads, and no per-row work. Rows carry no
-column padding: a tap that reads past a row's left or right end wraps into the
-neighbouring row, and a per-column mask drops it (a select, so a NaN there stays out of
-the sum, as in a zero-padded convolution). With grid rows as long as output rows (unit
-vertical stride and an output that covers the input, e.g. 'same' pads) the loop writes
-the output plane itself; otherwise the grid (whose rows for a vertical stride of 2 are
-half junk, still cheaper than splitting the rows) is cropped into it. An input whose
-rows are exactly ``sx * pitch`` wide is copied (and for ``sx == 2`` split into its two
-phases) in one run.
+The layout (``conv._DepthwiseLayout`` computes it): the input is split into its column
+stride phases, input column ``c`` going to column ``c // sx`` of phase ``c % sx``, and,
+where rows are long, into its row stride phases too, input row ``R`` (counted from the zero
+rows above it) going to row ``R // sy`` of row phase ``R % sy``: planes of rows ``pitch``
+floats wide with zero rows above and below. Output ``(oy, ox)`` is grid position ``i =
+oy * apart + ox``, and tap ``(ky, kx)`` reads one phase at ``i`` plus a fixed offset: the
+output plane is one loop over the grid with unit-stride loads that vectorise, whatever
+the strides, dilations and pads, and no per-row work. Rows carry no column padding: a
+tap that reads past a row's left or right end wraps into the neighbouring row, and a
+per-column mask drops it (a select, so a NaN there stays out of the sum, as in a
+zero-padded convolution). With the row phases a grid row is an output row (``apart`` is
+``pitch``); without them a vertical stride of ``sy`` puts ``sy`` plane rows between two
+output rows, and the rows between are computed and dropped (on short rows that is cheaper
+than splitting them: 576 planes of 14 x 14 to 7 x 7 took 95-133 us against 137-218; on
+long ones it is not: 96 planes of 112 x 112 to 56 x 56, 308-358 against 236-246). With
+grid rows as long as output rows the loop writes the output plane itself; otherwise the
+grid is cropped into it. An input whose rows are exactly ``sx * pitch`` wide and that has
+one row phase is copied (and for ``sx == 2`` split into its two column phases) in one run.
 
 The fastmath flags allow contraction and reassociation but not ``nnan``/``ninf``: NaN
 and infinity propagate as in numpy. ``error_model="numpy"`` drops the division checks.
@@ -49,11 +53,15 @@ _ZERO = np.float32(0.0)
 
 
 @_compiled
-def _fill(src, height, width, phases, sx, pitch, row0, block):  # pragma: no cover  (compiled; inlined)
-    """Input plane ``src`` (H * W floats from its first) into its column phases; the rest
-    of ``phases`` stays zero."""
-    if width == sx * pitch:  # the plane's rows end to end: one run
+def _fill(src, height, width, phases, ry, sx, pitch, front, top, block):  # pragma: no cover  (compiled; inlined)
+    """Input plane ``src`` (H * W floats from its first) into its stride phases: input row
+    ``r`` goes to row ``(r + top) // ry`` of the row phase ``(r + top) % ry``, its columns
+    ``c`` to column ``c // sx`` of the column phase ``c % sx`` (phase ``py * sx + px`` is
+    the block of ``block`` floats at ``(py * sx + px) * block``, rows ``pitch`` floats from
+    ``front``); the rest of ``phases`` stays zero."""
+    if ry == 1 and width == sx * pitch:  # the plane's rows end to end: one run
         count = height * pitch
+        row0 = front + top * pitch
         if sx == 1:
             dst = phases[row0:]
             for k in range(count):
@@ -72,11 +80,28 @@ def _fill(src, height, width, phases, sx, pitch, row0, block):  # pragma: no cov
                     dst[k] = run[sx * k]
         return
     for r in range(height):
-        for px in range(sx):
-            dst = phases[px * block + row0 + r * pitch :]
-            run = src[r * width + px :]
-            for j in range((width - px + sx - 1) // sx):
-                dst[j] = run[sx * j]
+        q = r + top
+        start = (q % ry) * sx * block + front + (q // ry) * pitch
+        row = src[r * width :]
+        if sx == 1:
+            dst = phases[start:]
+            for j in range(width):
+                dst[j] = row[j]
+        elif sx == 2:  # both column phases in one loop of constant strides, which vectorises
+            even = phases[start:]
+            odd = phases[start + block :]
+            half = width // 2
+            for j in range(half):
+                even[j] = row[2 * j]
+                odd[j] = row[2 * j + 1]
+            if width % 2:
+                even[half] = row[width - 1]
+        else:
+            for px in range(sx):
+                dst = phases[start + px * block :]
+                run = row[px:]
+                for j in range((width - px + sx - 1) // sx):
+                    dst[j] = run[sx * j]
 
 
 @_compiled
@@ -208,12 +233,14 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, activation, low, hig
     zero when ``relu`` (NaN stays NaN), then applies ``activation`` (Clip between ``low``
     and ``high``) to the plane while it is in cache.
 
-    ``layout`` is ``(sy, sx, pitch, row0, block, three_by_three, tap offsets...)``: a
-    column phase holds rows of ``pitch`` floats, input row 0 at ``row0``, ``block``
-    floats in all; grid rows are ``sy * pitch`` apart; ``three_by_three`` marks a 3x3
-    kernel whose middle column needs no mask. ``masks`` (kernel width, grid length) keeps
-    (> 0) or drops a kernel column's taps at each grid position. ``work`` is the calling
-    thread's: the phases (``sx * block`` floats), then the grid when it is cropped.
+    ``layout`` is ``(ry, sx, pitch, front, block, three_by_three, top, apart, tap
+    offsets...)``: ``ry`` row and ``sx`` column stride phases, each rows of ``pitch``
+    floats from ``front``, ``block`` floats in all, the input's rows counted from ``top``
+    zero rows above it (see ``_fill``); grid rows are ``apart`` floats apart, one an output
+    row; ``three_by_three`` marks a 3x3 kernel whose middle column needs no mask.
+    ``masks`` (kernel width, grid length) keeps (> 0) or drops a kernel column's taps at
+    each grid position. ``work`` is the calling thread's: the phases (``ry * sx * block``
+    floats), then the grid when it is cropped.
     """
     channels, height, width = x.shape[1], x.shape[2], x.shape[3]
     outputs, out_h, out_w = y.shape[1], y.shape[2], y.shape[3]
@@ -223,13 +250,12 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, activation, low, hig
     in_size = height * width
     out_size = out_h * out_w
     multiplier = outputs // channels
-    sy, sx, pitch, row0, block = layout[0], layout[1], layout[2], layout[3], layout[4]
-    offsets = layout[6:]
-    apart = sy * pitch
+    ry, sx, pitch, front, block, top, apart = layout[0], layout[1], layout[2], layout[3], layout[4], layout[6], layout[7]
+    offsets = layout[8:]
     crop = apart != out_w
     length = (out_h - 1) * apart + pitch
-    phases = work[: sx * block]
-    grid = work[sx * block :]
+    phases = work[: ry * sx * block]
+    grid = work[ry * sx * block :]
     phases[:] = _ZERO  # the padding rows and guards; the fills write only input rows
     # 3x3 with the middle kernel column inside every row (pads of 1, say): one pass over
     # the nine taps, only the outer columns masked
@@ -251,7 +277,7 @@ def depthwise_conv2d(x, weights, bias, layout, masks, relu, activation, low, hig
         m = plane - image * outputs
         source = image * channels + m // multiplier
         if source != last:
-            _fill(x_flat[source * in_size :], height, width, phases, sx, pitch, row0, block)
+            _fill(x_flat[source * in_size :], height, width, phases, ry, sx, pitch, front, top, block)
             last = source
         out = grid[:length] if crop else y_flat[plane * out_size : (plane + 1) * out_size]
         b = bias[m]

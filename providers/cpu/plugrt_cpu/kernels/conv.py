@@ -65,6 +65,9 @@ _DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 pl
 _DEPTHWISE_COMPILED_COST = 3
 _DEPTHWISE_COMPILED_GRAIN = 8  # planes per parallel_for chunk at least: each costs a call (~5 us)
 _LANES = 16  # channels a block of the channel-blocked depthwise loops (``_numba_depthwise.LANES``)
+# Rows at least this many floats wide are split into their stride phases (``_DepthwiseLayout``):
+# two 16-float vectors a row for the fill's loops.
+_DEPTHWISE_ROW_PHASES_MIN_PITCH = 32
 _DEPTHWISE_UNITS_PER_THREAD = 4  # units of planes per thread of a compiled-pool job
 
 
@@ -105,9 +108,10 @@ def _faster(first: Callable[[], None], second: Callable[[], None], rounds: int =
 
 class _DepthwiseLayout:
     """Where the compiled depthwise loops put an input plane and read each tap, for one
-    2-D shape (see ``_numba_depthwise``): column phases ``pitch`` floats wide, input rows
-    whole with zero rows above and below, the output computed on a grid of rows
-    ``sy * pitch`` apart, a kernel column's taps masked where they wrap past a row's end."""
+    2-D shape (see ``_numba_depthwise``): the input split into its column stride phases,
+    and into its row stride phases too where rows are long, each a plane of rows ``pitch``
+    floats wide with zero rows above and below; the output computed on a grid of rows
+    ``apart`` floats apart, a kernel column's taps masked where they wrap past a row's end."""
 
     def __init__(
         self,
@@ -122,25 +126,36 @@ class _DepthwiseLayout:
     ) -> None:
         (height, width), (kh, kw), (sy, sx), (dy, dx) = spatial, kernel, strides, dilations
         out_h, out_w = out
+        pitch = max(out_w, -(-width // sx))  # holds every input column of a phase
+        # Row phases (``ry`` of them) where rows are long enough for the fill's row loops to
+        # vectorise; else one, the grid then ``sy`` plane rows an output row (the rows
+        # between are computed and dropped). 96 planes of 112 x 112 to 56 x 56: 236-246 us
+        # split against 308-358; 576 planes of 14 x 14 to 7 x 7: 137-218 against 95-133.
+        ry = sy if pitch >= _DEPTHWISE_ROW_PHASES_MIN_PITCH else 1
+        step = sy // ry  # plane rows from one output row to the next
         # tap (ky, kx) of output (oy, ox) reads input row sy * oy + rows_at[ky] and column
-        # sx * ox + columns_at[kx]: phase columns_at % sx at ox + shifts[kx]
+        # sx * ox + columns_at[kx]: with the input's rows counted from ``top`` zero rows
+        # above it, row phase (rows_at + top) % ry at plane row step * oy + (rows_at + top)
+        # // ry, column phase columns_at % sx at ox + shifts[kx]
         rows_at = [ky * dy - pb[0] for ky in range(kh)]
         columns_at = [kx * dx - pb[1] for kx in range(kw)]
         shifts = [c // sx for c in columns_at]
-        pitch = max(out_w, -(-width // sx))  # holds every input column of a phase
-        apart = sy * pitch
         top = max(0, -min(rows_at))
-        rows = top + max(height, sy * (out_h - 1) + max(rows_at) + 1)
+        plane_rows = 1 + max((top + height - 1) // ry, step * (out_h - 1) + (top + max(rows_at)) // ry)
         front = max(0, -min(shifts))  # a tap wrapping before the first row stays inside
-        row0 = front + top * pitch
-        block = front + rows * pitch + max(0, max(shifts))
-        offsets = [(c % sx) * block + row0 + r * pitch + shift for r in rows_at for c, shift in zip(columns_at, shifts)]
+        block = front + plane_rows * pitch + max(0, max(shifts))
+        offsets = [
+            ((r + top) % ry * sx + c % sx) * block + front + (r + top) // ry * pitch + shift
+            for r in rows_at
+            for c, shift in zip(columns_at, shifts)
+        ]
+        apart = step * pitch
         length = (out_h - 1) * apart + pitch
         column = np.arange(length) % apart
         self.masks = np.stack([(column + shift >= 0) & (column + shift < pitch) for shift in shifts]).astype(np.float32)
         three_by_three = (kh, kw) == (3, 3) and shifts[1] == 0  # the middle column needs no mask
-        self.layout = np.array([sy, sx, pitch, row0, block, int(three_by_three), *offsets], dtype=np.int64)
-        self.work_size = sx * block + (length if apart != out_w else 0)
+        self.layout = np.array([ry, sx, pitch, front, block, int(three_by_three), top, apart, *offsets], dtype=np.int64)
+        self.work_size = ry * sx * block + (length if apart != out_w else 0)
         self.work = images * channels * out_h * out_w * kh * kw * _DEPTHWISE_COMPILED_COST
         self.no_bias = np.zeros(channels, dtype=np.float32)
         # the channel-blocked loops (``_numba_depthwise.blocked_depthwise``): the geometry,
