@@ -11,6 +11,7 @@ import numpy as np
 from plugrt.threads import blas_threads, openblas_libraries, parallel_for, split_threads
 
 from ._compiled import compiled_module
+from ._compiled_parallel import compiled_pool
 from ._relu import relu_into
 from .elementwise import with_small_buffers
 
@@ -111,13 +112,16 @@ def sgemm_address() -> tuple[int, bool] | None:
 
 
 def _layout(a: np.ndarray) -> tuple[int, int] | None:
-    """(transpose flag, leading dimension) of a 2-D view with one unit-step axis, else None."""
+    """(cblas transpose flag, leading dimension) of the last two axes of ``a`` (a matrix, or
+    every matrix of a batch): rows (or, transposed, columns) of unit step; an axis of one
+    element may have any step. None for any other layout."""
     item = a.itemsize
-    s0, s1 = a.strides
-    if s1 == item and s0 % item == 0 and s0 >= item * max(1, a.shape[1]):
-        return _NO_TRANS, s0 // item
-    if s0 == item and s1 % item == 0 and s1 >= item * max(1, a.shape[0]):
-        return _TRANS, s1 // item
+    rows, columns = a.shape[-2:]
+    s0, s1 = a.strides[-2:]
+    if (s1 == item or columns <= 1) and (rows <= 1 or (s0 % item == 0 and s0 >= item * columns)):
+        return _NO_TRANS, max(1, columns if rows <= 1 else s0 // item)
+    if (s0 == item or rows <= 1) and (columns <= 1 or (s1 % item == 0 and s1 >= item * rows)):
+        return _TRANS, max(1, rows if columns <= 1 else s1 // item)
     return None
 
 
@@ -290,19 +294,6 @@ _F32 = np.dtype(np.float32)
 _POOLED_UNITS_PER_THREAD = 8
 
 
-def _operand_layout(x: np.ndarray) -> tuple[int, int] | None:
-    """(transposed, leading dimension) of the last two axes of ``x`` as cblas reads them:
-    rows (or, transposed, columns) of unit step; None for any other layout."""
-    item = x.itemsize
-    rows, columns = x.shape[-2:]
-    s0, s1 = x.strides[-2:]
-    if (s1 == item or columns <= 1) and (rows <= 1 or (s0 % item == 0 and s0 >= item * columns)):
-        return 0, max(1, columns if rows <= 1 else s0 // item)
-    if (s0 == item or rows <= 1) and (columns <= 1 or (s1 % item == 0 and s1 >= item * rows)):
-        return 1, max(1, rows if columns <= 1 else s1 // item)
-    return None
-
-
 def _batch_stride(x: np.ndarray, batch: tuple[int, ...]) -> int | None:
     """Bytes from one matrix of ``x`` to the next over the flattened ``batch`` axes: 0 for a
     2-D ``x`` (one matrix for all), None where its batch axes differ from ``batch`` or do
@@ -349,16 +340,13 @@ def pooled_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     threads = split_threads(count * m * n * k)
     if threads <= 1:
         return False
-    layouts = _operand_layout(a), _operand_layout(b)
+    layouts = _layout(a), _layout(b)
     strides = _batch_stride(a, batch), _batch_stride(b, batch)
-    if None in layouts or None in strides:
+    address, job = sgemm_address(), _gemm_job()
+    if None in layouts or None in strides or address is None or job is None:
         return False
-    address = sgemm_address()
-    job = _gemm_job()
-    from ._compiled_parallel import compiled_pool
-
-    pool = compiled_pool() if address is not None and job is not None else None
-    if pool is None or address is None:
+    pool = compiled_pool()
+    if pool is None:
         return False
     by_rows = not splits_columns(m, n)
     span = m if by_rows else n
@@ -372,12 +360,12 @@ def pooled_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     (trans_a, lda), (trans_b, ldb) = layouts  # type: ignore[misc]
     context = np.array(
         [
-            address[0], int(address[1]), trans_a, trans_b, m, n, k, a.ctypes.data, lda, strides[0], b.ctypes.data, ldb,
+            address[0], int(address[1]), int(trans_a == _TRANS), int(trans_b == _TRANS), m, n, k, a.ctypes.data, lda, strides[0], b.ctypes.data, ldb,
             strides[1], out.ctypes.data, n, m * n * out.itemsize, block, blocks, int(by_rows),
         ],
         np.int64,
     )
-    pool.run(job.address, context, count * blocks, threads)  # type: ignore[union-attr]
+    pool.run(job.address, context, count * blocks, threads)
     return True
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from plugrt.threads import blas_threads, parallel_for, parallel_threads
 
 from ._compiled import compiled_module
-from ._gemm import pooled_matmul
+from ._gemm import matmul
 from ._compiled_parallel import compiled_pool
 from .normalization import zero_vector
 
@@ -267,7 +267,6 @@ def dense_product(
 
 def _blas_product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, work: int) -> None:
     blas_threads(work)
-    if not pooled_matmul(a, w, out):
-        np.matmul(a, w, out=out)
+    matmul(a, w, out=out)
     if bias is not None:
         np.add(out, bias, out=out)

@@ -11,7 +11,7 @@ import numpy as np
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
-from ._gemm import matmul as pooled, pooled_matmul, split_gemm
+from ._gemm import matmul as pooled, split_gemm
 from .dense import Allocate, WeightPanels, dense_product, matrix_rows, new_array, packs
 from .elementwise import scratch
 from ._compiled import DENSE_LOOPS
@@ -49,8 +49,8 @@ def _matmul_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
         product = scratch(out, "product", out.shape, np.float32)
         np.matmul(_widen_into(out, "a", a), _widen_into(out, "b", b), out=product)
         np.copyto(out, product, casting="unsafe")
-    elif a.dtype != np.float32 or not pooled_matmul(a, b, out):
-        np.matmul(a, b, out=out)
+    else:
+        pooled(a, b, out=out)
 
 
 @kernel_builder("MatMul", 1, compiled=DENSE_LOOPS)
