@@ -1,7 +1,7 @@
 """How far plugrt's logits are from onnxruntime's on a 4-bit decoder, at accuracy_level 1 and 4.
 
 usage: python benchmarks/decoder_logits.py [--shape smollm2-135m] [--models build/decoder_models]
-       [--prompt 64] [--tokens 16] [--prompts 4]
+       [--prompt 64] [--tokens 16] [--prompts 16] [--perturbed 4]
 
 Runs the builds ``int4`` (MatMulNBits accuracy_level 4: int8 activations) and ``int4-acc1``
 (float activations) of one shape from ``scripts/make_decoder_models.py`` (built when
@@ -17,20 +17,25 @@ onnxruntime-genai, both greedy over the same ``--prompt``-token prompt, and prin
 - the same two spreads at every position of ``--prompts`` prompts (the first as above, the
   rest random token ids), from one run of each model with onnxruntime's InferenceSession
   (the runtime onnxruntime-genai drives) and with a plugrt session: their median, mean,
-  90th percentile and largest value.
+  90th percentile and largest value; the same for onnxruntime's perturbed runs (below),
+  and how many greedy tokens each of those shares with onnxruntime's accuracy_level 1.
 
 A single position is a noisy measure of the spread: rounding an activation to int8 is not
 continuous, so any float difference upstream (a last-bit difference in a norm, as between
 two runtimes' accuracy_level 1 builds) turns some roundings the other way, and each such
-turn moves a product by a quantum of its block. plugrt's int8 activations and
-onnxruntime's are each the float model plus a different draw of that noise; whether one
-position comes out 2% on one side or the other is chance, so the verdict is taken over
-every position.
+turn moves a product by a quantum of its block; across the layers the two runs' int8 noise
+becomes two different draws. So the verdict is taken over every position, and against what
+onnxruntime itself gives when its float path changes in the last bit: ``--perturbed`` runs
+of onnxruntime's accuracy_level 4 build, each with one norm's scale (the model's first)
+moved by one ulp on a random half of its elements (as an initializer given to the session,
+the model file untouched). Their spreads are the statistic's own scatter between
+implementations. onnxruntime's unperturbed acc4 is not a fair bar alone: it shares its
+acc1 reference's float path bit for bit, and every perturbed run measured lies above it
+(Qwen2.5-0.5B's shape, 48 prompts: 0.7-1.0% above; 16 prompts: 0.5-2.1%).
 
-The verdict compares the two accuracy_level 4 spreads prompt by prompt (positions of one
-prompt share their turned roundings, so a prompt is the unit): plugrt's is within
-onnxruntime's when its mean over all positions is no larger, or larger by less than two
-standard errors of the per-prompt relative differences (the two draws indistinguishable).
+plugrt's spread is within onnxruntime's own when its mean over all positions, over
+onnxruntime's unperturbed acc4 mean, is no larger than the largest perturbed run's (or
+than their mean plus two standard deviations).
 
 Exit status 1 when accuracy_level 1 logits differ by more than 1e-4 or its tokens differ,
 or when plugrt's accuracy_level 4 spread is not within onnxruntime's.
@@ -42,6 +47,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -97,32 +103,87 @@ def _session_feeds(inputs: list, ids: list[int], folder: Path) -> dict[str, np.n
     return feeds
 
 
-def _position_spreads(folders: dict[str, Path], prompts: list[list[int]]) -> dict[str, list[np.ndarray]]:
+_NORMS = {"SimplifiedLayerNormalization": 1, "LayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2,
+          "SkipLayerNormalization": 2}  # op: the input index of its scale
+
+
+def _perturbed_options(folder: Path, seed: int, options: Any) -> tuple[Any, Any]:
+    """Session options giving onnxruntime the model's first norm scale with a random half of
+    its elements moved up by one ulp (the model file is not touched); and the OrtValue the
+    options point at, which must outlive the session."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type in _NORMS)
+    name = node.input[_NORMS[node.op_type]]
+    tensor = next(t for t in model.graph.initializer if t.name == name)
+    scale = numpy_helper.to_array(tensor, base_dir=str(folder)).astype(np.float32)  # a copy of its own
+    moved = np.random.default_rng(seed).random(scale.shape) < 0.5
+    scale[moved] = np.nextafter(scale[moved], np.float32(np.inf))
+    value = ort.OrtValue.ortvalue_from_numpy(scale)
+    options.add_initializer(name, value)
+    return options, value
+
+
+def _session_greedy(session: Any, folder: Path, prompt: list[int], tokens: int) -> list[int]:
+    """``tokens`` greedy tokens after ``prompt`` from an onnxruntime session of the model,
+    the whole sequence run again for each (no cache: a check, not a generator)."""
+    ids = list(prompt)
+    for _ in range(tokens):
+        logits = session.run(["logits"], _session_feeds(session.get_inputs(), ids, folder))[0]
+        ids.append(int(np.argmax(logits[0, -1])))
+    return ids[len(prompt):]
+
+
+def _position_spreads(
+    folders: dict[str, Path], prompts: list[list[int]], perturbed: int, tokens: int,
+) -> tuple[dict[str, list[np.ndarray]], dict[str, int]]:
     """Per prompt, per position: each of onnxruntime's accuracy_level 4, plugrt's
-    accuracy_level 4 and plugrt's accuracy_level 1 logits against onnxruntime's
-    accuracy_level 1 (max |diff| over that position's max |reference|)."""
+    accuracy_level 4, plugrt's accuracy_level 1 and ``perturbed`` last-bit-perturbed runs of
+    onnxruntime's accuracy_level 4 logits against onnxruntime's accuracy_level 1 (max |diff|
+    over that position's max |reference|); and how many of ``tokens`` greedy tokens after
+    the first prompt each perturbed run has in common with onnxruntime's acc1 (from the start)."""
     import onnxruntime as ort
 
     import plugrt
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    ort_sessions = {build: ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    def options() -> ort.SessionOptions:
+        made = ort.SessionOptions()
+        made.log_severity_level = 3
+        return made
+
+    ort_sessions = {build: ort.InferenceSession(str(folder / "model.onnx"), options(), providers=["CPUExecutionProvider"])
                     for build, folder in folders.items()}
     plugrt_sessions = {build: plugrt.load(folder / "model.onnx") for build, folder in folders.items()}
-    spreads: dict[str, list[np.ndarray]] = {"onnxruntime acc4": [], "plugrt acc4": [], "plugrt acc1": []}
+    kept = []  # the perturbed scales the sessions read
+    nulls = {}
+    for seed in range(perturbed):
+        made, value = _perturbed_options(folders["int4"], 100 + seed, options())
+        kept.append(value)
+        nulls[f"onnxruntime acc4, perturbed {seed + 1}"] = ort.InferenceSession(
+            str(folders["int4"] / "model.onnx"), made, providers=["CPUExecutionProvider"])
+    names = ["onnxruntime acc4", "plugrt acc4", "plugrt acc1", *nulls]
+    spreads: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for ids in prompts:
         logits = {}
         for build, session in ort_sessions.items():
             feeds = _session_feeds(session.get_inputs(), ids, folders[build])
-            logits[("onnxruntime", build)] = session.run(["logits"], feeds)[0][0]
-            logits[("plugrt", build)] = np.asarray(plugrt_sessions[build].run(feeds, ["logits"])["logits"])[0]
-        reference = logits[("onnxruntime", "int4-acc1")]
+            logits["onnxruntime", build] = session.run(["logits"], feeds)[0][0]
+            logits["plugrt", build] = np.asarray(plugrt_sessions[build].run(feeds, ["logits"])["logits"])[0]
+        for name, session in nulls.items():
+            logits[name] = session.run(["logits"], _session_feeds(session.get_inputs(), ids, folders["int4"]))[0][0]
+        reference = logits["onnxruntime", "int4-acc1"]
         scale = np.max(np.abs(reference), axis=-1)
-        for name, key in (("onnxruntime acc4", ("onnxruntime", "int4")), ("plugrt acc4", ("plugrt", "int4")),
-                          ("plugrt acc1", ("plugrt", "int4-acc1"))):
+        keys = {"onnxruntime acc4": ("onnxruntime", "int4"), "plugrt acc4": ("plugrt", "int4"),
+                "plugrt acc1": ("plugrt", "int4-acc1")} | {name: name for name in nulls}
+        for name, key in keys.items():
             spreads[name].append(np.max(np.abs(logits[key] - reference), axis=-1) / scale)
-    return spreads
+    exact = _session_greedy(ort_sessions["int4-acc1"], folders["int4-acc1"], prompts[0], tokens) if nulls else []
+    common = {name: _common_prefix(_session_greedy(session, folders["int4"], prompts[0], tokens), exact)
+              for name, session in nulls.items()}
+    return spreads, common
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -141,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=16, help="prompts whose every position the spread is measured at")
+    parser.add_argument("--perturbed", type=int, default=4,
+                        help="last-bit-perturbed onnxruntime acc4 runs: the statistic's scatter between implementations")
     args = parser.parse_args(argv)
     prompt = [3 + i for i in range(args.prompt)]
     results = {}
@@ -165,20 +228,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<24} {against:<24} {distance:>23.2e} {common:>10} of {args.tokens}")
     rng = np.random.default_rng(0)
     prompts = [prompt] + [[int(t) for t in rng.integers(3, 30000, args.prompt)] for _ in range(args.prompts - 1)]
-    per_prompt = _position_spreads(folders, prompts)
+    per_prompt, common = _position_spreads(folders, prompts, args.perturbed, args.tokens)
     spreads = {name: np.concatenate(values) for name, values in per_prompt.items()}
     print(f"\nevery position of {len(prompts)} prompts ({spreads['plugrt acc4'].size}), against onnxruntime acc1")
-    print(f"{'logits of':<24} {'median':>10} {'mean':>10} {'90th pct':>10} {'largest':>10}")
+    print(f"{'logits of':<34} {'median':>10} {'mean':>10} {'90th pct':>10} {'largest':>10} {'mean / onnxruntime acc4':>24}")
+    theirs = spreads["onnxruntime acc4"].mean()
     for name, values in spreads.items():
-        print(f"{name:<24} {np.median(values):>10.2e} {values.mean():>10.2e} {np.quantile(values, 0.9):>10.2e} "
-              f"{values.max():>10.2e}")
-    ours, theirs = spreads["plugrt acc4"].mean(), spreads["onnxruntime acc4"].mean()
-    relative = np.array([a.mean() / b.mean() - 1 for a, b in zip(per_prompt["plugrt acc4"], per_prompt["onnxruntime acc4"])])
-    error = float(relative.std(ddof=1) / np.sqrt(relative.size)) if relative.size > 1 else 0.0
-    within = ours <= theirs or ours / theirs - 1 < 2 * error
-    print(f"plugrt acc4 / onnxruntime acc4 spread, mean over positions: {ours / theirs:.3f} "
-          f"(per prompt {relative.min():+.1%} to {relative.max():+.1%}, standard error {error:.1%}): "
-          f"{'within' if within else 'OUTSIDE'} onnxruntime's own spread")
+        print(f"{name:<34} {np.median(values):>10.2e} {values.mean():>10.2e} {np.quantile(values, 0.9):>10.2e} "
+              f"{values.max():>10.2e} {values.mean() / theirs:>24.3f}")
+    ours = spreads["plugrt acc4"].mean() / theirs
+    nulls = np.array([values.mean() / theirs for name, values in spreads.items() if "perturbed" in name])
+    if nulls.size:
+        bar = max(nulls.max(), nulls.mean() + 2 * nulls.std(ddof=1)) if nulls.size > 1 else nulls.max()
+        bar = max(bar, 1.0)
+        within = bool(ours <= bar)
+        print(f"plugrt acc4 spread / onnxruntime acc4's: {ours:.3f}; onnxruntime acc4 with its last bits perturbed: "
+              f"{nulls.min():.3f} to {nulls.max():.3f} ({nulls.size} runs): "
+              f"{'within' if within else 'OUTSIDE'} onnxruntime's own spread (bar {bar:.3f})")
+        print(f"greedy tokens of the perturbed runs in common with onnxruntime acc1 (of {args.tokens}, first prompt): "
+              f"{', '.join(str(count) for count in common.values())}")
+    else:
+        within = bool(ours <= 1.0)
+        print(f"plugrt acc4 spread / onnxruntime acc4's: {ours:.3f} (no perturbed runs: within only at or below 1): "
+              f"{'within' if within else 'OUTSIDE'}")
     logits, tokens = results[("plugrt", "int4-acc1")]
     reference_logits, reference_tokens = results[("onnxruntime-genai", "int4-acc1")]
     acc1 = _distance(logits, reference_logits) <= 1e-4 and tokens == reference_tokens
