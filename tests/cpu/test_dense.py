@@ -125,6 +125,44 @@ def test_dense_product_split_over_threads_gives_the_serial_result(body, monkeypa
     np.testing.assert_array_equal(split, serial)
 
 
+def test_packed_body_splits_on_the_compiled_pool_below_the_pool_less_bound(body, monkeypatch):
+    """With the compiled pool (OpenBLAS kept on one thread beside it), a GPT-2-sized product
+    (64 x 256 x 768, under ``PACKED_PARALLEL_MIN_WORK``) is one job of several units on two
+    threads, bitwise the one-thread result; without the pool it stays on one thread."""
+    if body is None:
+        pytest.skip("the BLAS body splits on its own (test_pooled_matmul.py)")
+    from plugrt_cpu.kernels._compiled_parallel import compiled_pool
+
+    pool = compiled_pool()
+    if pool is None:
+        pytest.skip("no compiled pool here")
+    a, w, bias = _random(64, 256), _random(256, 768, seed=1) * 0.2, _random(768, seed=2)
+    assert 64 * 256 * 768 < dense.PACKED_PARALLEL_MIN_WORK
+    panels = dense.WeightPanels(w)
+    serial, split, alone = (np.full((64, 768), np.nan, np.float32) for _ in range(3))
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 1)
+    dense.dense_product(serial, a, w, bias, panels=panels)
+    jobs: list[tuple[int, int]] = []
+    run = pool.run
+
+    def counted(job: int, context: Any, count: int, threads: int) -> None:
+        jobs.append((count, threads))
+        run(job, context, count, threads)
+
+    monkeypatch.setattr(pool, "run", counted)
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 2)
+    dense.dense_product(split, a, w, bias, panels=panels)
+    assert len(jobs) == 1 and jobs[0][0] > 1 and jobs[0][1] == 2
+    np.testing.assert_array_equal(split, serial)
+    np.testing.assert_allclose(split, _reference(a, w, bias, False), rtol=1e-4, atol=1e-4)
+    chunks: list[int] = []
+    monkeypatch.setattr(dense, "compiled_pool", lambda: None)
+    monkeypatch.setattr(dense, "parallel_for", lambda count, fn, *args, **kwargs: chunks.append(count))
+    dense.dense_product(alone, a, w, bias, panels=panels)
+    assert chunks == [] and len(jobs) == 1  # one thread: neither the pool nor parallel_for
+    np.testing.assert_array_equal(alone, serial)
+
+
 def test_panels_are_not_used_for_another_weight(body):
     w, other = _random(30, 20), _random(30, 20, seed=5)
     a = _random(17, 30, seed=1)

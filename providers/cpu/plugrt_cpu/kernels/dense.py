@@ -47,13 +47,15 @@ __all__ = [
 ]
 
 _F32 = np.dtype(np.float32)
-#: multiply-adds below which the packed body runs on one thread. In models that mix its
-#: products with BLAS ones (an encoder's attention products stay on BLAS), its pool threads
-#: share the cores with OpenBLAS's workers, which spin for a while after each call: split
-#: over both cores, BERT-sized products (128 rows, K and N 256 to 1024) made bert_small and
-#: the encoders 1.3-2x slower than one thread did, where ViT, Swin and ConvNeXt, whose
-#: products are larger, keep their split. A stopgap until the packed body and BLAS share
-#: one pool (or BLAS's threads are told to sleep).
+#: multiply-adds below which the packed body runs on one thread where there is no compiled
+#: pool (its chunks then go to ``parallel_for``). There, OpenBLAS keeps its own threads, which
+#: spin for a while after each call: split over both cores beside them, BERT-sized products
+#: (128 rows, K and N 256 to 1024) made bert_small and the encoders 1.3-2x slower than one
+#: thread did. With the compiled pool OpenBLAS stays on one thread
+#: (``plugrt.threads.keep_blas_single``), and the packed body splits every product big
+#: enough for two threads (``parallel_threads``): GPT-2's 64-row products in the model, one
+#: thread against two (2-core EPYC), 268 -> 172 us (64 x 256 x 768), 353 -> 213 (x 1024),
+#: 377 -> 259 (64 x 1024 x 256).
 PACKED_PARALLEL_MIN_WORK = 1 << 26
 _VECTOR = 16  # columns of a weight panel (_numba_dense.VECTOR)
 _UNITS_PER_THREAD = 4  # units of panels per thread of a compiled-pool job
@@ -228,9 +230,8 @@ def dense_product(
             loops.panel_product(packed, laid_out, out, shift, activate, t0, t1, depth)
 
         tiles = laid_out.shape[0]
-        threads = parallel_threads(work) if work >= PACKED_PARALLEL_MIN_WORK else 1
-
         pool = compiled_pool()
+        threads = parallel_threads(work) if pool is not None or work >= PACKED_PARALLEL_MIN_WORK else 1
 
         def packed_body() -> None:
             loops.pack_rows(a, packed)
