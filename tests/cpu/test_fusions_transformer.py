@@ -266,19 +266,46 @@ def test_compiled_gelu_matches_the_numpy_gelu_and_an_erf_reference():
     np.testing.assert_array_equal(compiled[~finite & ~np.isnan(x)], numpy_path[~finite & ~np.isnan(x)])
 
 
-def test_gelu_without_numba_gives_what_it_gives_with_it(monkeypatch):
+def test_compiled_tanh_gelu_matches_a_float64_reference_and_the_numpy_path():
+    """The tanh approximation's compiled loop (as x / (1 + exp(-2u))) against the tanh form
+    in float64, and against the numpy path's special values (NaN, +-inf, huge, tiny)."""
+    _skip_without_compiled_loops()
+    x = np.concatenate([
+        _random(4096, seed=8) * 3,
+        np.linspace(-12, 12, 2001, dtype=np.float32),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e30, -1e30, 1e-30, -1e-30, 60.0, -60.0], np.float32),
+    ])
+    compiled = np.empty_like(x)
+    assert elementwise._compiled_gelu(x, compiled, tanh=True)
+    wide = x.astype(np.float64)
+    finite = np.isfinite(x) & (np.abs(x) < 1e15)  # the float64 cube overflows nothing below
+    with np.errstate(over="ignore", invalid="ignore"):
+        reference = 0.5 * wide * (1 + np.tanh(math.sqrt(2 / math.pi) * (wide + 0.044715 * wide**3)))
+    np.testing.assert_allclose(compiled[finite], reference[finite], rtol=2e-6, atol=1e-7)
+    assert np.isnan(compiled[np.isnan(x)]).all()
+    assert compiled[x == np.inf][0] == np.inf and np.isnan(compiled[x == -np.inf][0])  # the tanh form's -inf * 0
+    assert compiled[x == np.float32(1e30)][0] == np.float32(1e30) and compiled[x == np.float32(-1e30)][0] == 0.0
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_without_numba_gives_what_it_gives_with_it(monkeypatch, approximate):
     _skip_without_compiled_loops()
     x = _random(64, 256, seed=3) * 2
-    gelu = elementwise.gelu(_gelu_context())
+    gelu = elementwise.gelu(_gelu_context(approximate))
     with_numba = gelu(x)
+    compiled = np.empty_like(x)
+    assert elementwise._compiled_gelu(x, compiled, tanh=approximate == "tanh")
+    np.testing.assert_array_equal(with_numba, compiled)  # the kernel took the compiled loop
     monkeypatch.setattr(elementwise, "compiled_loops", lambda: None)
+    # the numpy tanh form loses ~1e-4 relative to the cancellation in 1 + tanh(u) on the
+    # negative tail, where the values are below 1e-3: absolute 1e-6 holds
     np.testing.assert_allclose(gelu(x), with_numba, rtol=1e-6, atol=1e-6)
 
 
-def _gelu_context():
+def _gelu_context(approximate: str = "none"):
     from plugrt_cpu._registry import KernelContext
 
-    return KernelContext("Gelu", "", 20, {"approximate": "none"}, 1, 1, [np.dtype(np.float32)], [None])
+    return KernelContext("Gelu", "", 20, {"approximate": approximate}, 1, 1, [np.dtype(np.float32)], [None])
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import numpy as np
 __all__ = [
     "bias_gelu_rows",
     "gelu_erf",
+    "gelu_tanh",
     "layer_norm_rows",
     "normalize_rows",
     "scale_and_shift_rows",
@@ -83,6 +84,27 @@ def gelu_erf(x, out):  # pragma: no cover  (compiled; covered through its caller
         return
     for i in range(x.size):
         out[i] = _gelu(x[i])
+
+
+@_compiled
+def _gelu_tanh(v):  # pragma: no cover  (compiled; inlined into gelu_tanh)
+    """0.5 * v * (1 + tanh(u)), u = sqrt(2 / pi) * (v + 0.044715 v^3), as v / (1 + exp(-2u)):
+    the same value (0.5 * (1 + tanh(u)) is the logistic of 2u), without the cancellation of
+    1 + tanh(u) for negative u, with ``_numba_epilogue``'s polynomial exp, which vectorises.
+    NaN stays NaN, +inf gives +inf and -inf NaN (as the tanh form's -inf * 0)."""
+    t = v * (_F(1.5957691216057308) + _F(0.07135481627159121) * (v * v))  # 2u
+    return v / (_F(1.0) + _exp(-t))
+
+
+@_entry(numba.void(_IN1, _OUT1))
+def gelu_tanh(x, out):  # pragma: no cover  (compiled; covered through its callers)
+    """out = GELU(x), the tanh approximation, over flat float32 arrays (``out`` may be ``x``)."""
+    if x.ctypes.data == out.ctypes.data:  # in place: one array, so that the loop vectorises (see gelu_erf)
+        for i in range(out.size):
+            out[i] = _gelu_tanh(out[i])
+        return
+    for i in range(x.size):
+        out[i] = _gelu_tanh(x[i])
 
 
 @_entry(numba.void(_OUT2, _IN1))

@@ -917,9 +917,10 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _COMPILED_GELU_MIN = 1 << 10
 
 
-def _compiled_gelu(x: np.ndarray, out: np.ndarray) -> bool:
-    """GELU of float32 ``x`` into ``out`` in one compiled pass, when numba is there and
-    both are contiguous; False (nothing written) otherwise."""
+def _compiled_gelu(x: np.ndarray, out: np.ndarray, tanh: bool = False) -> bool:
+    """GELU of float32 ``x`` (the erf form, or with ``tanh`` the tanh approximation) into
+    ``out`` in one compiled pass, when numba is there and both are contiguous; False
+    (nothing written) otherwise."""
     if x.dtype != np.float32 or out.dtype != np.float32 or x.size < _COMPILED_GELU_MIN:
         return False
     if not (x.flags.c_contiguous and out.flags.c_contiguous):
@@ -927,7 +928,7 @@ def _compiled_gelu(x: np.ndarray, out: np.ndarray) -> bool:
     loops = compiled_loops()
     if loops is None:
         return False
-    loops.gelu_erf(x.reshape(-1), out.reshape(-1))
+    (loops.gelu_tanh if tanh else loops.gelu_erf)(x.reshape(-1), out.reshape(-1))
     return True
 
 
@@ -955,6 +956,10 @@ declare_into(_gelu_exact_into, _gelu_exact)
 
 
 def _gelu_tanh_into(out, x):
+    # one compiled pass where numba is there (GPT-2's 64 x 1024: 110 us in the nine numpy
+    # passes below)
+    if _compiled_gelu(x, out, tanh=True):
+        return
     np.multiply(x, x, out=out)
     out *= 0.044715
     out += 1
