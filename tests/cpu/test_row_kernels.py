@@ -175,6 +175,35 @@ def test_a_large_softmax_shared_over_the_compiled_pool_matches_float64(shape, in
     assert (masked == 0).all() and np.isnan(y[0, 0, 5]).all()
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in-place"])
+def test_wide_rows_on_one_thread_take_the_one_pass_loop_and_narrow_rows_the_three_passes(in_place, monkeypatch):
+    """On one thread, rows of ``_ONE_PASS_MIN_WIDTH`` or more run the one-pass compiled loop
+    (the pool's job, run alone), within float32 rounding of a float64 softmax with a masked
+    column and a NaN row; narrower rows keep the three passes (no job)."""
+    from plugrt_cpu.kernels._compiled_parallel import compiled_pool
+
+    pool = compiled_pool()
+    if pool is None or softmax.compiled_loops() is None:
+        pytest.skip("needs numba's compiled loops and pool")
+    jobs: list[tuple[int, int]] = []
+    original = pool.run
+    monkeypatch.setattr(pool, "run", lambda *args: jobs.append((args[2], args[3])) or original(*args))
+    monkeypatch.setattr(softmax, "parallel_threads", lambda work: 1)
+    for width, one_pass in ((softmax._ONE_PASS_MIN_WIDTH, True), (softmax._ONE_PASS_MIN_WIDTH - 1, False)):
+        x = (np.random.default_rng(width).standard_normal((3, 5, width)) * 4).astype(np.float32)
+        x[..., 2] = -np.inf
+        x[1, 2, 9] = np.nan
+        expected = np.exp(x.astype(np.float64) - np.nanmax(x, axis=-1, keepdims=True))
+        expected /= expected.sum(axis=-1, keepdims=True)
+        expected[1, 2] = np.nan
+        jobs.clear()
+        out = x if in_place else np.empty_like(x)
+        y = softmax._compiled_softmax(x if in_place else x.copy(), -1, out)
+        assert jobs == ([(1, 1)] if one_pass else [])  # one unit of every row, on this thread
+        np.testing.assert_allclose(y, expected, rtol=2e-6, atol=1e-7)
+        assert (np.nan_to_num(y[..., 2]) == 0).all() and np.isnan(y[1, 2]).all()
+
+
 _CHANNELS_LAST_NORM = """
     <ir_version: 8, opset_import: ["" : 17]>
     block (float[2, 20, 5, 7] x) => (float[2, 5, 7, 20] y, float[2, 5, 7, 1] mean, float[2, 5, 7, 1] inv_std) {

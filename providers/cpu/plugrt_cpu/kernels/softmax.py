@@ -16,10 +16,18 @@ from ._compiled_parallel import compiled_pool
 
 # A softmax of this many values or more shares its rows over the compiled pool's threads
 # (fewer: the hand-off costs more than the second thread saves); each value counts as
-# _SOFTMAX_COST element operations against the threads' threshold.
+# _SOFTMAX_COST element operations against the threads' threshold (one thread below 64K
+# values). 2-core EPYC, BERT-small's 4 x 128 x 128 scores: 38 us on two threads, 46 in
+# the one-pass loop on one, 71 in the three passes around numpy's exp; BERT-base's
+# 12 x 128 x 128: 75, 127 and 189 us.
 _POOL_MIN_VALUES = 1 << 15
-_SOFTMAX_COST = 16
+_SOFTMAX_COST = 64
 _SOFTMAX_UNITS_PER_THREAD = 4
+# Rows at least this wide take the one-pass compiled loop (the row's max, the polynomial
+# exp and the sum while it is in cache) on one thread too; narrower rows, where numpy's exp
+# over the whole array amortises better, keep the three passes (8 x 49 x 49, Swin's windows:
+# 33 us one-pass against 27; 4 x 64 x 64: 20 against 20).
+_ONE_PASS_MIN_WIDTH = 128
 
 # Each takes ``out`` for the ``into`` variants: the same steps into it, with the per-row
 # statistics in a work array.
@@ -41,9 +49,11 @@ def _per_row(ufunc: np.ufunc, a: np.ndarray, b: np.ndarray, out: np.ndarray | No
 
 
 def _compiled_softmax(x: np.ndarray, axis: int, out: np.ndarray | None) -> np.ndarray | None:
-    """Softmax over the last axis of a C-contiguous float32 ``x`` in three passes (the
+    """Softmax over the last axis of a C-contiguous float32 ``x``: with the compiled pool, a
+    row at a time in one compiled loop (on its threads where there are enough values, else
+    alone for rows of ``_ONE_PASS_MIN_WIDTH`` or more); otherwise in three passes (the
     compiled max-subtraction, numpy's vectorised exp in place, the compiled normalisation)
-    where numpy takes five with broadcast temporaries; None where it does not apply."""
+    where numpy takes five with broadcast temporaries. None where it does not apply."""
     if x.dtype != np.float32 or x.ndim == 0 or axis not in (-1, x.ndim - 1) or not x.flags.c_contiguous:
         return None
     if out is not None and (out.dtype != np.float32 or not out.flags.c_contiguous):
@@ -56,12 +66,13 @@ def _compiled_softmax(x: np.ndarray, axis: int, out: np.ndarray | None) -> np.nd
     target = y.reshape(rows.shape)
     pool = compiled_pool()
     threads = parallel_threads(x.size * _SOFTMAX_COST) if x.size >= _POOL_MIN_VALUES else 1
-    if pool is not None and threads > 1:
+    if pool is not None and (threads > 1 or rows.shape[1] >= _ONE_PASS_MIN_WIDTH):
         # the rows as one job on the compiled pool, each row's softmax in one compiled loop
         # with the vectorised exp: MobileViT's 4 x 4 x 256 x 256 scores took 1.88 ms on one
-        # thread (the compiled max, numpy's exp, the compiled normalisation), 1.13 so
+        # thread (the compiled max, numpy's exp, the compiled normalisation), 1.13 so; on
+        # one thread, the job runs alone (``CompiledPool.run``)
         count = rows.shape[0]
-        per_unit = max(1, count // (threads * _SOFTMAX_UNITS_PER_THREAD))
+        per_unit = max(1, count // (threads * _SOFTMAX_UNITS_PER_THREAD)) if threads > 1 else count
         context = np.array([rows.ctypes.data, target.ctypes.data, count, rows.shape[1], per_unit], np.int64)
         pool.run(loops.softmax_job.address, context, -(-count // per_unit), threads)
         return y
