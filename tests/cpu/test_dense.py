@@ -339,6 +339,32 @@ def test_the_first_product_measures_and_every_later_one_keeps_the_faster(monkeyp
     assert runs == ["packed"]
 
 
+@pytest.mark.parametrize("blas_seconds, packed_kept", [(0.9, True), (0.86, True), (0.8, False), (0.5, False), (1.2, True)])
+def test_blas_is_kept_only_when_clearly_faster_than_the_packed_body(monkeypatch, blas_seconds, packed_kept):
+    """The trial's times on a clock the bodies advance (1 s a packed call): BLAS wins only
+    under ``BLAS_CLEARLY_FASTER`` of the packed body's time."""
+    monkeypatch.setattr(dense, "_PREFERRED", {"packed": None, "measured": None})
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(dense, "time", clock)
+
+    def body(seconds: float):
+        def run() -> None:
+            clock.now += seconds
+
+        return run
+
+    assert dense.BLAS_CLEARLY_FASTER == 0.85
+    assert dense.preferred_body((64, 256, 768, 2, False), body(1.0), body(blas_seconds)) is packed_kept
+    assert dense._PREFERRED["packed"] is packed_kept
+
+
 @pytest.mark.parametrize("gelu", [False, True])
 def test_every_call_gives_the_right_values_whichever_body_a_shape_keeps(gelu, monkeypatch):
     """The measuring call and the later ones: each call's output and the GELU flag it

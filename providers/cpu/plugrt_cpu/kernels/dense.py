@@ -133,15 +133,24 @@ class WeightPanels:
 _PREFERRED: dict[str, Any] = {"packed": None, "measured": None}
 #: timed runs of each body when measuring (after an untimed one each)
 TRIAL_CALLS = 2
+#: BLAS is kept only when its best trial time is under this fraction of the packed body's.
+#: The trial repeats one product with its weight hot in the cache, which favours BLAS (it
+#: packs the weight again every call, from the cache here, from memory in a model) over the
+#: packed body (panels laid out once, streamed). In models the packed body was ahead on
+#: every transformer and hybrid export measured (2-core EPYC, beside onnxruntime: BERT-small
+#: 1.09-1.10 against 1.21-1.29 on BLAS, GPT-2 prefill 1.36-1.37 against 1.40-1.49, ViT-B
+#: 1.09-1.11 against 1.17-1.19), and a process whose trial picked BLAS ran BERT-small at
+#: 1.23 where the others ran it at 1.01-1.08.
+BLAS_CLEARLY_FASTER = 0.85
 
 
 def preferred_body(key: tuple[int, int, int, int, bool], packed: Callable[[], Any], blas: Callable[[], Any]) -> bool:
     """Runs this call's product by the body that is faster on this host, and returns
     whether that was the packed one. The first product of the process measures: each
     body once untimed (their buffers' first touch, their threads' start), then
-    ``TRIAL_CALLS`` timed runs of each in turn; the faster best time decides for every
-    later product of every shape (``key``, the measuring product's shape, is kept for
-    reports). One choice for all: what decides it is the host's BLAS (its vector kernels),
+    ``TRIAL_CALLS`` timed runs of each in turn; the packed body is kept unless BLAS's best
+    time is clearly faster (``BLAS_CLEARLY_FASTER``), for every later product of every
+    shape (``key``, the measuring product's shape, is kept for reports). One choice for all: what decides it is the host's BLAS (its vector kernels),
     and a model whose products mix the two bodies measured slower than either alone (ViT-B
     345 ms a run, 252 all on BLAS, 281 all packed: OpenBLAS's workers spin after a call and
     slow the pool's jobs next to them). Deciding within one call keeps later calls, and a
@@ -157,7 +166,7 @@ def preferred_body(key: tuple[int, int, int, int, bool], packed: Callable[[], An
                 (packed if body else blas)()
                 elapsed = time.perf_counter() - started
                 best[body] = min(elapsed, best.get(body, elapsed))
-        choice = best[True] < best[False]
+        choice = not best[False] < BLAS_CLEARLY_FASTER * best[True]
         _PREFERRED.update(packed=choice, measured=key)
     (packed if choice else blas)()
     return choice
