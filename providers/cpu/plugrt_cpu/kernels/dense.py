@@ -150,11 +150,12 @@ def preferred_body(key: tuple[int, int, int, int, bool], packed: Callable[[], An
     body once untimed (their buffers' first touch, their threads' start), then
     ``TRIAL_CALLS`` timed runs of each in turn; the packed body is kept unless BLAS's best
     time is clearly faster (``BLAS_CLEARLY_FASTER``), for every later product of every
-    shape (``key``, the measuring product's shape, is kept for reports). One choice for all: what decides it is the host's BLAS (its vector kernels),
-    and a model whose products mix the two bodies measured slower than either alone (ViT-B
-    345 ms a run, 252 all on BLAS, 281 all packed: OpenBLAS's workers spin after a call and
-    slow the pool's jobs next to them). Deciding within one call keeps later calls, and a
-    capture's replays, on one body."""
+    shape (``key``, the measuring product's shape, is kept for reports). One choice for
+    all: what decides it is the host's BLAS (its vector kernels), and a model whose
+    products mixed the two bodies measured slower than either alone (ViT-B 345 ms a run,
+    252 all on BLAS, 281 all packed, when OpenBLAS's workers still spun after each call
+    beside the pool's jobs). Deciding within one call keeps later calls, and a capture's
+    replays, on one body."""
     choice = _PREFERRED["packed"]
     if choice is None:
         packed()
