@@ -242,10 +242,10 @@ def _cache_numba_runtime() -> None:
     """Have numba read its runtime library from the compiled loops' cache directory
     rather than compile it with LLVM in every process (``_nrt_cache``: 27 MiB of LLVM's
     code not paged in, ~20 ms); before the first compiled module is imported."""
-    from . import _nrt_cache
+    from ._nrt_cache import install
 
     with contextlib.suppress(Exception):  # an unexpected numba: it compiles its runtime as usual
-        _nrt_cache.install(cache_directory)
+        install(cache_directory)
 
 
 @functools.cache
