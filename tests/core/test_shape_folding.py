@@ -67,3 +67,41 @@ def test_an_input_of_another_shape_is_still_refused():
     session = plugrt.load(_model([2, 3, 4], BODY.replace("START", "0").replace("END", "3")), device="cpu")
     with pytest.raises(InputShapeError, match="the model expects 2"):
         session.run({"x": np.zeros((3, 3, 4), np.float32)})
+
+
+# Swin's window padding as exports write it: the pad is computed with Mod from the input's
+# width, which onnx's data propagation does not follow, so the model's shape inference
+# leaves the Pad's output shape, and the Shape read from it, unknown; folding the pad's
+# constants and inferring the Pad alone gives its shape, and the Shape after it folds too
+PADDED = """
+    s = Shape (x)
+    i = Constant <value = int64 {2}> ()
+    w = Gather <axis = 0> (s, i)
+    four = Constant <value = int64 {5}> ()
+    m = Mod (w, four)
+    p = Sub (four, m)
+    q = Mod (p, four)
+    u = Unsqueeze (q, zero)
+    zero = Constant <value = int64[1] {0}> ()
+    before = Constant <value = int64[5] {0, 0, 0, 0, 0}> ()
+    pads = Concat <axis = 0> (before, u)
+    xp = Pad (x, pads)
+    t = Shape (xp)
+    last = Constant <value = int64[1] {-1}> ()
+    tail = Slice (t, last, big)
+    big = Constant <value = int64[1] {9}> ()
+    g = Cast <to = 1> (tail)
+    flat = Constant <value = int64[1] {-1}> ()
+    v = Reshape (xp, flat)
+    y = Mul (v, g)
+"""
+
+
+def test_a_shape_known_only_once_constants_are_folded_folds_in_the_same_pass():
+    model = _model([2, 3, 4], PADDED)
+    session = plugrt.load(model, device="cpu")
+    assert "Shape" not in _ops(session)
+    x = np.random.default_rng(1).standard_normal((2, 3, 4)).astype(np.float32)
+    (expected,) = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert expected.shape == (30,)  # the width padded from 4 to 5
+    np.testing.assert_allclose(session.run({"x": x})["y"], expected, rtol=1e-6)
