@@ -266,7 +266,7 @@ def _infer_outputs(node: ir.Node, opsets: dict[str, int], max_bytes: int) -> Non
         logger.debug("no inference for %s: %s", node.op_type, exc)
         return
     for value in node.outputs:
-        proto = inferred.get(value.name) if value is not None else None
+        proto = inferred.get(value.name) if value is not None and value.name else None
         if proto is None or _static(value):
             continue
         shape = ir.serde.deserialize_type_proto_for_shape(proto)
