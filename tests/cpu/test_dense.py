@@ -163,6 +163,68 @@ def test_packed_body_splits_on_the_compiled_pool_below_the_pool_less_bound(body,
     np.testing.assert_array_equal(alone, serial)
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+def test_a_tall_product_splits_by_rows_on_the_pool_and_gives_the_serial_result(body, monkeypatch, gelu):
+    """An activation with more rows than the weight has columns (Swin's MLP: 3136 x 96 @ 96
+    x 384) is cut into blocks of rows, each unit every panel; with blocks smaller than the
+    unit (``cache_rows``) each block runs every panel group and its epilogue in turn. Bitwise
+    the one-thread result, and float64 numpy's values."""
+    if body is None:
+        pytest.skip("the BLAS body splits on its own (test_pooled_matmul.py)")
+    from plugrt_cpu.kernels._compiled_parallel import compiled_pool
+
+    pool = compiled_pool()
+    if pool is None:
+        pytest.skip("no compiled pool here")
+    m, k, n = 600, 40, 100
+    a, w, bias = _random(m, k), _random(k, n, seed=1) * 0.2, _random(n, seed=2)
+    panels = dense.WeightPanels(w)
+    serial, split, blocks = (np.full((m, n), np.nan, np.float32) for _ in range(3))
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 1)
+    dense.dense_product(serial, a, w, bias, panels=panels, gelu=gelu)
+    mr = dense.packed_kernels()[0].MR
+    rows, per_unit = dense.unit_shape(m, n, -(-n // 16), 2, mr)
+    assert per_unit == -(-n // 16) and rows % mr == 0 and -(-m // rows) >= 4  # blocks of rows, all the panels each
+    jobs: list[int] = []
+    run = pool.run
+
+    def counted(job: int, context: Any, count: int, threads: int) -> None:
+        jobs.append(count)
+        run(job, context, count, threads)
+
+    monkeypatch.setattr(pool, "run", counted)
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 2)
+    dense.dense_product(split, a, w, bias, panels=panels, gelu=gelu)
+    assert jobs == [-(-m // rows)]
+    np.testing.assert_array_equal(split, serial)
+    monkeypatch.setattr(dense, "cache_rows", lambda m, k, mr: mr)  # blocks of one tile inside each unit
+    dense.dense_product(blocks, a, w, bias, panels=panels, gelu=gelu)
+    np.testing.assert_array_equal(blocks, serial)
+    np.testing.assert_allclose(serial, _reference(a, w, bias, gelu), rtol=1e-4, atol=1e-4)
+
+
+def test_a_product_whose_weight_is_the_larger_operand_splits_by_panels():
+    """ViT-B's MLP (197 x 768 @ 768 x 3072): each unit every row and its own panels, so the
+    weight is read once; Swin's (3136 x 96 @ 96 x 384): blocks of rows, all the panels."""
+    rows, per_unit = dense.unit_shape(197, 3072, 192, 2, 16)
+    assert rows >= 197 and per_unit == 192 // 8
+    rows, per_unit = dense.unit_shape(3136, 384, 24, 2, 16)
+    assert per_unit == 24 and rows == 16 * -(-196 // 8)
+    rows, per_unit = dense.unit_shape(20, 16, 1, 2, 16)  # a tile or two of rows: not cut by rows
+    assert rows == 32 and per_unit == 1
+
+
+def test_cache_rows_fill_half_the_l2_cache_for_one_slice_and_take_every_row_for_several(monkeypatch):
+    monkeypatch.setattr(dense, "_data_cache_bytes", lambda level, default: {1: 32 * 1024, 2: 1 << 20}[level])
+    dense.slice_depth.cache_clear()
+    try:
+        assert dense.cache_rows(3136, 96, 16) == (1 << 19) // (96 * 4) // 16 * 16  # 1360 rows of 96 floats
+        assert dense.cache_rows(197, 3072, 16) == 197  # 3072 > a slice of 128 steps
+        assert dense.cache_rows(3, 4096, 16) == 16
+    finally:
+        dense.slice_depth.cache_clear()
+
+
 def test_panels_are_not_used_for_another_weight(body):
     w, other = _random(30, 20), _random(30, 20, seed=5)
     a = _random(17, 30, seed=1)

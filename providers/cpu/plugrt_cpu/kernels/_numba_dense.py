@@ -147,92 +147,102 @@ def bias_columns(c, bias, j0, j1, gelu):  # pragma: no cover  (compiled)
                 row[j] = row[j] + shift[j]
 
 
-@numba.njit([numba.void(_PACKED, _PANELS, _MATRIX, _BIAS, numba.boolean, numba.int64, numba.int64, numba.int64)], **_FLAGS)
-def panel_product(packed, panels, c, bias, gelu, t0, t1, depth):  # pragma: no cover  (compiled)
-    """``c[:, j] = epilogue(a @ w)[:, j]`` for the columns of panels [t0, t1): ``packed`` is
-    ``a`` (M, K) from :func:`pack_rows`, ``panels`` the weight (K, N) as (ceil(N / VECTOR),
-    K, VECTOR) panels, zero past column N; the epilogue adds ``bias`` (N,) and then, when
-    ``gelu``, the erf GELU.
+@numba.njit(
+    [numba.void(_PACKED, _PANELS, _MATRIX, _BIAS, numba.boolean, numba.int64, numba.int64, numba.int64, numba.int64, numba.int64,
+                numba.int64)],
+    **_FLAGS,
+)
+def panel_product(packed, panels, c, bias, gelu, t0, t1, depth, r_lo, r_hi, block):  # pragma: no cover  (compiled)
+    """``c[r, j] = epilogue(a @ w)[r, j]`` for rows [r_lo, r_hi) (``r_lo`` a multiple of MR)
+    and the columns of panels [t0, t1): ``packed`` is ``a`` (M, K) from :func:`pack_rows`,
+    ``panels`` the weight (K, N) as (ceil(N / VECTOR), K, VECTOR) panels, zero past column
+    N; the epilogue adds ``bias`` (N,) and then, when ``gelu``, the erf GELU.
 
-    PANELS panels at a time, ROWS rows of ``a`` a tile. Each group runs in slices of at most
-    ``depth`` steps of K, every row tile of ``a`` over one slice of the group before the
-    next: the slice (contiguous blocks: the weight was laid out once) stays in the L1 cache
-    while the row tiles' slices stream from L2. A slice after the first adds the partial
-    sums; the epilogue runs on the group's columns while they are in cache."""
-    rows, k = c.shape[0], packed.shape[1]
+    The rows go in blocks of ``block`` rows (a multiple of MR: ``dense.cache_rows``), each
+    block through every group of PANELS panels, ROWS rows of ``a`` a tile. Each group runs
+    in slices of at most ``depth`` steps of K, every row tile of the block over one slice
+    of the group before the next: the slice (contiguous blocks: the weight was laid out
+    once) stays in the L1 cache while the row tiles' slices come from L2. A slice after the
+    first adds the partial sums; the epilogue runs on the block's columns of the group
+    while they are in cache."""
+    k = packed.shape[1]
     n = c.shape[1]
     ldc = c.shape[1]
     w, x, out = packed.ctypes.data, panels.ctypes.data, c.ctypes.data
     slices = (k + depth - 1) // depth
     stride = k * VECTOR  # floats from one panel to the next
-    for t in range(t0, t1, PANELS):
-        count = min(PANELS, t1 - t)
-        j0 = t * VECTOR
-        width = min(count * VECTOR, n - j0)
-        columns = width - (count - 1) * VECTOR  # of the group's last panel
-        group = x + t * stride * _FLOAT
-        tiles = (rows + ROWS - 1) // ROWS
-        for s in range(slices):
-            k0 = s * k // slices
-            steps = (s + 1) * k // slices - k0
-            # the next slice of the group's panels (after the last, the next group's first),
-            # a share before each row tile: it comes from memory while this slice computes
-            if s + 1 < slices:
-                ahead = group + (s + 1) * k // slices * VECTOR * _FLOAT
-                ahead_bytes = ((s + 2) * k // slices - (s + 1) * k // slices) * VECTOR * _FLOAT
-                ahead_panels = count
-            else:
-                ahead = x + (t + PANELS) * stride * _FLOAT
-                ahead_bytes = (k // slices) * VECTOR * _FLOAT
-                ahead_panels = min(PANELS, t1 - t - PANELS)
-            for r0 in range(0, rows, ROWS):
-                for p in range(ahead_panels):
-                    _ahead(ahead + p * stride * _FLOAT, ahead_bytes, r0 // ROWS, tiles)
-                left = w + ((r0 // MR) * k * MR + k0 * MR + r0 % MR) * _FLOAT
-                right = group + k0 * VECTOR * _FLOAT
-                offset = out + (r0 * ldc + j0) * _FLOAT
-                tile_rows = min(ROWS, rows - r0)
-                if count == 3:
-                    _panel_tile3(left, right, stride, steps, offset, ldc, columns, tile_rows, s)
-                elif count == 2:
-                    _panel_tile2(left, right, stride, steps, offset, ldc, columns, tile_rows, s)
+    for b0 in range(r_lo, r_hi, block):
+        b1 = min(r_hi, b0 + block)
+        tiles = (b1 - b0 + ROWS - 1) // ROWS
+        for t in range(t0, t1, PANELS):
+            count = min(PANELS, t1 - t)
+            j0 = t * VECTOR
+            width = min(count * VECTOR, n - j0)
+            columns = width - (count - 1) * VECTOR  # of the group's last panel
+            group = x + t * stride * _FLOAT
+            for s in range(slices):
+                k0 = s * k // slices
+                steps = (s + 1) * k // slices - k0
+                # the next slice of the group's panels (after the last, the next group's first),
+                # a share before each row tile: it comes from memory while this slice computes
+                if s + 1 < slices:
+                    ahead = group + (s + 1) * k // slices * VECTOR * _FLOAT
+                    ahead_bytes = ((s + 2) * k // slices - (s + 1) * k // slices) * VECTOR * _FLOAT
+                    ahead_panels = count
                 else:
-                    _panel_tile1(left, right, stride, steps, offset, ldc, columns, tile_rows, s)
-        shift = bias[j0 : j0 + width]
-        for i in range(rows):
-            row = c[i, j0 : j0 + width]
-            if gelu:
-                for j in range(width):
-                    row[j] = _gelu(row[j] + shift[j])
-            else:
-                for j in range(width):
-                    row[j] = row[j] + shift[j]
+                    ahead = x + (t + PANELS) * stride * _FLOAT
+                    ahead_bytes = (k // slices) * VECTOR * _FLOAT
+                    ahead_panels = min(PANELS, t1 - t - PANELS)
+                for r0 in range(b0, b1, ROWS):
+                    for p in range(ahead_panels):
+                        _ahead(ahead + p * stride * _FLOAT, ahead_bytes, (r0 - b0) // ROWS, tiles)
+                    left = w + ((r0 // MR) * k * MR + k0 * MR + r0 % MR) * _FLOAT
+                    right = group + k0 * VECTOR * _FLOAT
+                    offset = out + (r0 * ldc + j0) * _FLOAT
+                    tile_rows = min(ROWS, b1 - r0)
+                    if count == 3:
+                        _panel_tile3(left, right, stride, steps, offset, ldc, columns, tile_rows, s)
+                    elif count == 2:
+                        _panel_tile2(left, right, stride, steps, offset, ldc, columns, tile_rows, s)
+                    else:
+                        _panel_tile1(left, right, stride, steps, offset, ldc, columns, tile_rows, s)
+            bias_columns(c[b0:b1], bias, j0, j0 + width, gelu)
 
 
-# The context of ``panel_job`` (int64 words; see ``kernels.dense.dense_product``).
+# The context of ``panel_job`` (int64 words; see ``kernels.dense.dense_product``): a unit
+# is ``JOB_ROW_BLOCK`` rows (a multiple of MR; the last block fewer) by
+# ``JOB_PANELS_PER_UNIT`` panels, unit ``u`` the block ``u // JOB_CHUNKS`` of rows and the
+# chunk ``u % JOB_CHUNKS`` of panels; ``JOB_CACHE_ROWS`` is ``panel_product``'s ``block``.
 (
     JOB_PACKED, JOB_ROW_TILES, JOB_DEPTH_K, JOB_PANELS, JOB_PANEL_COUNT, JOB_C, JOB_ROWS, JOB_COLUMNS, JOB_BIAS,
-    JOB_GELU, JOB_SLICE, JOB_PANELS_PER_UNIT,
-) = range(12)
-JOB_WORDS = 12
+    JOB_GELU, JOB_SLICE, JOB_PANELS_PER_UNIT, JOB_ROW_BLOCK, JOB_CHUNKS, JOB_CACHE_ROWS,
+) = range(15)
+JOB_WORDS = 15
 
 
 @numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
 def panel_job(c, start, stop, slot):  # pragma: no cover  (compiled)
-    """Units [start, stop) of a dense product on the compiled pool: each unit
-    ``JOB_PANELS_PER_UNIT`` weight panels by :func:`panel_product`, without the GIL."""
+    """Units [start, stop) of a dense product on the compiled pool: each unit a block of
+    rows by ``JOB_PANELS_PER_UNIT`` weight panels, by :func:`panel_product`, without the GIL."""
     context = numba.carray(int64_pointer(c), JOB_WORDS)
     k = context[JOB_DEPTH_K]
     count = context[JOB_PANEL_COUNT]
+    rows = context[JOB_ROWS]
     packed = numba.carray(float32_pointer(context[JOB_PACKED]), (context[JOB_ROW_TILES], k, MR))
     panels = numba.carray(float32_pointer(context[JOB_PANELS]), (count, k, VECTOR))
-    out = numba.carray(float32_pointer(context[JOB_C]), (context[JOB_ROWS], context[JOB_COLUMNS]))
+    out = numba.carray(float32_pointer(context[JOB_C]), (rows, context[JOB_COLUMNS]))
     bias = numba.carray(float32_pointer(context[JOB_BIAS]), context[JOB_COLUMNS])
-    group = context[JOB_PANELS_PER_UNIT]
-    first = start * group
-    last = min(count, stop * group)
-    if first < last:
-        panel_product(packed, panels, out, bias, context[JOB_GELU] != 0, first, last, context[JOB_SLICE])
+    group, block, chunks = context[JOB_PANELS_PER_UNIT], context[JOB_ROW_BLOCK], context[JOB_CHUNKS]
+    for unit in range(start, stop):
+        r_lo = (unit // chunks) * block
+        first = (unit % chunks) * group
+        last = min(count, first + group)
+        r_hi = min(rows, r_lo + block)
+        if first < last and r_lo < r_hi:
+            panel_product(
+                packed, panels, out, bias, context[JOB_GELU] != 0, first, last, context[JOB_SLICE], r_lo, r_hi,
+                context[JOB_CACHE_ROWS],
+            )
 
 
 # The context of ``gemm_job`` (int64 words; see ``kernels._gemm.pooled_matmul``): the
