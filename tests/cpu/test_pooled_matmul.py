@@ -91,6 +91,35 @@ def test_a_big_product_runs_as_several_units_on_the_pool(two_cores, pool, monkey
     assert calls == [(24, 2)]  # 12 products in two blocks each: 8 units a thread at least
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_classifiers_few_rows_by_a_big_weight_split_by_columns(two_cores, pool, monkeypatch, rows):
+    """1 x 1280 @ 1280 x 1000 (a CNN's classifier, 5 MB of weight) has 1.3 M multiply-adds,
+    under ``PARALLEL_MIN_WORK``, but takes as long as the weight's read: it is split in a
+    block of columns a thread, by MatMul's ``pooled_matmul`` and by Gemm's ``split_gemm``,
+    with float64 numpy's values; a small weight (64 x 64) is not split."""
+    calls = []
+    original = type(pool).run
+
+    def run(self, body, context, count, threads_):
+        calls.append((count, threads_))
+        return original(self, body, context, count, threads_)
+
+    monkeypatch.setattr(type(pool), "run", run)
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((rows, 1280)).astype(np.float32), rng.standard_normal((1280, 1000)).astype(np.float32)
+    assert rows * 1280 * 1000 < threads.PARALLEL_MIN_WORK
+    expected = a.astype(np.float64) @ b
+    out = np.full((rows, 1000), np.nan, np.float32)
+    assert _gemm.pooled_matmul(a, b, out)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-3)
+    out[:] = np.nan
+    _gemm.split_gemm(a, b, out)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-3)
+    assert calls == [(2, 2), (2, 2)]
+    small = np.empty((rows, 64), np.float32)
+    assert not _gemm.pooled_matmul(a[:, :64], b[:64, :64], small)
+
+
 def test_what_it_does_not_take_is_left_to_numpy(two_cores):
     rng = np.random.default_rng(2)
     a, b = rng.standard_normal((256, 256)), rng.standard_normal((256, 256))

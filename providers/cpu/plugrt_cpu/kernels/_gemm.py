@@ -271,6 +271,8 @@ def split_gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -
     operand and all of the narrow one, as one BLAS thread of a static split would."""
     m, n = c.shape
     work = m * n * a.shape[1]
+    if beta == 0.0 and m < _STREAMED_WEIGHT_COST and pooled_matmul(a, b, c):
+        return  # a few rows: the weight's read split on the pool (pooled_matmul)
     if splits_columns(m, n):
 
         def columns(start: int, stop: int) -> None:
@@ -286,6 +288,12 @@ def split_gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float = 0.0) -
 
 
 _F32 = np.dtype(np.float32)
+#: A product of a few rows is as long as the read of its right operand: each of its floats
+#: costs about this many multiply-adds' time (one core: ~34 G multiply-adds/s against ~4 G
+#: floats/s from memory), so that a classifier's 1 x 1280 @ 1280 x 1000 (5 MB) is split
+#: like a product of that many rows. In EfficientViT-B0 beside onnxruntime its two heads
+#: took 280-320 us each on one thread (onnxruntime 175-225).
+_STREAMED_WEIGHT_COST = 8
 # Units of a pooled batch of products a thread (at least): small units let a worker that
 # wakes late take its share (12 products of 128 x 128 x 64 on two threads: 137 us in row
 # blocks of 64, 165 us a product a unit, 286 us on one thread). One product is cut in one
@@ -337,7 +345,7 @@ def pooled_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     count = int(np.prod(batch, dtype=np.int64)) if batch else 1
     if b.shape[-2] != k or out.shape[-2:] != (m, n) or m == 0 or n == 0 or k == 0 or count == 0:
         return False
-    threads = split_threads(count * m * n * k)
+    threads = split_threads(count * max(m, _STREAMED_WEIGHT_COST) * n * k)
     if threads <= 1:
         return False
     layouts = _layout(a), _layout(b)
