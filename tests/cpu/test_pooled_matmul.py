@@ -120,6 +120,34 @@ def test_a_classifiers_few_rows_by_a_big_weight_split_by_columns(two_cores, pool
     assert not _gemm.pooled_matmul(a[:, :64], b[:64, :64], small)
 
 
+def test_heads_of_a_transposed_projection_are_one_job(path, two_cores, pool, monkeypatch):
+    """Attention's heads cut from one projection and transposed ((4, 256, 4, 24) viewed as
+    (4, 4, 256, 24): batch strides that do not fold into one) are one job on the pool, each
+    matrix found by its two batch indices, with float64 numpy's values; three batch axes
+    that fold into no fewer than three strides are left to numpy."""
+    calls = []
+    original = type(pool).run
+
+    def run(self, body, context, count, threads_):
+        calls.append(count)
+        return original(self, body, context, count, threads_)
+
+    monkeypatch.setattr(type(pool), "run", run)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((4, 256, 4, 24)).astype(np.float32).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((4, 256, 4, 24)).astype(np.float32).transpose(0, 2, 3, 1)  # (4, 4, 24, 256)
+    out = np.full((4, 4, 256, 256), np.nan, np.float32)
+    assert _gemm.pooled_matmul(q, k, out) == (path == "numba")
+    if path == "numba":
+        assert calls == [16]
+        np.testing.assert_allclose(out, np.matmul(q.astype(np.float64), k), rtol=1e-4, atol=1e-3)
+    mixed = rng.standard_normal((3, 64, 2, 5, 64)).astype(np.float32).transpose(2, 0, 3, 1, 4)  # (2, 3, 5, 64, 64)
+    other = rng.standard_normal((2, 3, 5, 64, 64)).astype(np.float32)
+    assert not _gemm.pooled_matmul(mixed, other, np.empty((2, 3, 5, 64, 64), np.float32))
+    # the same product with the left operand contiguous is taken: only the layout refused it
+    assert _gemm.pooled_matmul(np.ascontiguousarray(mixed), other, np.empty((2, 3, 5, 64, 64), np.float32)) == (path == "numba")
+
+
 def test_what_it_does_not_take_is_left_to_numpy(two_cores):
     rng = np.random.default_rng(2)
     a, b = rng.standard_normal((256, 256)), rng.standard_normal((256, 256))

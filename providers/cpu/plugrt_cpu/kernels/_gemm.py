@@ -302,19 +302,37 @@ _STREAMED_WEIGHT_COST = 8
 _POOLED_UNITS_PER_THREAD = 8
 
 
-def _batch_stride(x: np.ndarray, batch: tuple[int, ...]) -> int | None:
-    """Bytes from one matrix of ``x`` to the next over the flattened ``batch`` axes: 0 for a
-    2-D ``x`` (one matrix for all), None where its batch axes differ from ``batch`` or do
-    not flatten into one stride."""
-    if x.ndim == 2:
-        return 0
-    if x.shape[:-2] != batch:
-        return None
-    axes = [(size, stride) for size, stride in zip(x.shape[:-2], x.strides[:-2]) if size != 1]
-    for (_, outer), (size, inner) in zip(axes, axes[1:]):
-        if outer != inner * size:
+def _batch_layout(a: np.ndarray, b: np.ndarray, batch: tuple[int, ...]) -> tuple[int, tuple[int, int], tuple[int, int]] | None:
+    """How the flattened ``batch`` axes step through ``a`` and ``b``: ``(inner, (a's outer,
+    a's inner), (b's outer, b's inner))``, matrix ``u`` at outer index ``u // inner`` and
+    inner index ``u % inner``, strides in bytes (0 for a 2-D operand, one matrix for all).
+    Adjacent batch axes fold where both operands step through them as one; None where
+    more than two strides remain, or an operand's batch axes differ from ``batch``. An
+    attention's heads from a transposed projection take two ((4, 4, 256, 24) with batch
+    strides (98304, 96): MobileViT's scores)."""
+    strides = []
+    for x in (a, b):
+        if x.ndim == 2:
+            strides.append((0,) * len(batch))
+        elif x.shape[:-2] != batch:
             return None
-    return axes[-1][1] if axes else 0
+        else:
+            strides.append(tuple(x.strides[:-2]))
+    groups: list[list[int]] = []  # [size, a's stride, b's stride], outermost first
+    for size, stride_a, stride_b in zip(batch, *strides):
+        if size == 1:
+            continue
+        if groups and groups[-1][1] == stride_a * size and groups[-1][2] == stride_b * size:
+            groups[-1] = [groups[-1][0] * size, stride_a, stride_b]
+        else:
+            groups.append([size, stride_a, stride_b])
+    if len(groups) > 2:
+        return None
+    if len(groups) < 2:
+        outer_a, outer_b = (groups[0][1], groups[0][2]) if groups else (0, 0)
+        return 1, (outer_a, 0), (outer_b, 0)
+    (_, outer_a, outer_b), (inner, inner_a, inner_b) = groups
+    return inner, (outer_a, inner_a), (outer_b, inner_b)
 
 
 def _gemm_job() -> Any:
@@ -349,9 +367,9 @@ def pooled_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     if threads <= 1:
         return False
     layouts = _layout(a), _layout(b)
-    strides = _batch_stride(a, batch), _batch_stride(b, batch)
+    steps = _batch_layout(a, b, batch)
     address, job = sgemm_address(), _gemm_job()
-    if None in layouts or None in strides or address is None or job is None:
+    if None in layouts or steps is None or address is None or job is None:
         return False
     pool = compiled_pool()
     if pool is None:
@@ -366,10 +384,13 @@ def pooled_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     blocks = -(-span // block)
     blas_threads(0)  # the calling thread runs units too: its BLAS on one thread
     (trans_a, lda), (trans_b, ldb) = layouts  # type: ignore[misc]
+    inner, (outer_a, inner_a), (outer_b, inner_b) = steps
+    matrix_bytes = m * n * out.itemsize  # out is C-contiguous: its matrices follow each other
     context = np.array(
         [
-            address[0], int(address[1]), int(trans_a == _TRANS), int(trans_b == _TRANS), m, n, k, a.ctypes.data, lda, strides[0], b.ctypes.data, ldb,
-            strides[1], out.ctypes.data, n, m * n * out.itemsize, block, blocks, int(by_rows),
+            address[0], int(address[1]), int(trans_a == _TRANS), int(trans_b == _TRANS), m, n, k, a.ctypes.data, lda, outer_a,
+            b.ctypes.data, ldb, outer_b, out.ctypes.data, n, inner * matrix_bytes, block, blocks, int(by_rows),
+            inner, inner_a, inner_b, matrix_bytes,
         ],
         np.int64,
     )

@@ -249,12 +249,17 @@ def panel_job(c, start, stop, slot):  # pragma: no cover  (compiled)
 # cblas_sgemm and whether its integers are 64-bit, each operand's transpose, the sizes of
 # one product, each matrix's address, leading dimension and bytes to the next matrix of the
 # batch, and how the units cut it: ``GEMM_BLOCKS`` blocks of ``GEMM_BLOCK`` rows (or
-# columns) a matrix.
+# columns) a matrix. A batch whose axes fold into two strides (an attention's heads of a
+# transposed projection: the batch axes of (4, 4, 256, 24) with strides (98304, 96)) counts
+# matrix ``u`` as ``(u // GEMM_INNER, u % GEMM_INNER)``, the ``GEMM_STRIDE_*`` words the
+# bytes from one outer index to the next and the ``GEMM_INNER_*`` ones from one inner
+# index to the next (``GEMM_INNER`` 1: one stride).
 (
     GEMM_FUNCTION, GEMM_LONG, GEMM_TRANS_A, GEMM_TRANS_B, GEMM_M, GEMM_N, GEMM_K, GEMM_A, GEMM_LDA, GEMM_STRIDE_A,
     GEMM_B, GEMM_LDB, GEMM_STRIDE_B, GEMM_C, GEMM_LDC, GEMM_STRIDE_C, GEMM_BLOCK, GEMM_BLOCKS, GEMM_BY_ROWS,
-) = range(19)
-GEMM_WORDS = 19
+    GEMM_INNER, GEMM_INNER_A, GEMM_INNER_B, GEMM_INNER_C,
+) = range(23)
+GEMM_WORDS = 23
 
 
 @numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
@@ -267,12 +272,15 @@ def gemm_job(c, start, stop, slot):  # pragma: no cover  (compiled)
     m, n, k = context[GEMM_M], context[GEMM_N], context[GEMM_K]
     lda, ldb, ldc = context[GEMM_LDA], context[GEMM_LDB], context[GEMM_LDC]
     block, blocks, by_rows = context[GEMM_BLOCK], context[GEMM_BLOCKS], context[GEMM_BY_ROWS] != 0
+    inner = context[GEMM_INNER]
     for unit in range(start, stop):
         matrix = unit // blocks
         lo = (unit - matrix * blocks) * block
-        a = context[GEMM_A] + matrix * context[GEMM_STRIDE_A]
-        b = context[GEMM_B] + matrix * context[GEMM_STRIDE_B]
-        out = context[GEMM_C] + matrix * context[GEMM_STRIDE_C]
+        outer = matrix // inner
+        within = matrix - outer * inner
+        a = context[GEMM_A] + outer * context[GEMM_STRIDE_A] + within * context[GEMM_INNER_A]
+        b = context[GEMM_B] + outer * context[GEMM_STRIDE_B] + within * context[GEMM_INNER_B]
+        out = context[GEMM_C] + outer * context[GEMM_STRIDE_C] + within * context[GEMM_INNER_C]
         rows, columns = m, n
         if by_rows:
             rows = min(m, lo + block) - lo
