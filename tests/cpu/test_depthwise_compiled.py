@@ -260,7 +260,10 @@ def test_planes_shared_out_on_two_threads_match_onnxruntime(case, pool, monkeypa
 
         monkeypatch.setattr(found, "run", run)
         monkeypatch.setattr(convolution, "compiled_pool", lambda: found)
-    monkeypatch.setattr(convolution, "parallel_threads", lambda work: 2)
+    from plugrt import threads
+
+    monkeypatch.setattr(threads, "parallel_threads", lambda work: 2)  # parallel_for's
+    monkeypatch.setattr(convolution, "_compiled_threads", lambda work: 2)  # the compiled pool's
     x_shape, w_shape, attributes = CASES[case]
     x_shape = (x_shape[0], x_shape[1] * 8, *x_shape[2:])  # enough planes for several units a thread
     w_shape = (w_shape[0] * 8, *w_shape[1:])
@@ -272,6 +275,41 @@ def test_planes_shared_out_on_two_threads_match_onnxruntime(case, pool, monkeypa
     if pool == "compiled-pool":
         planes = x_shape[0] * w_shape[0]
         assert jobs and all(threads == 2 and 1 < count <= planes for count, threads in jobs)
+
+
+@pytest.mark.parametrize("way", ["blocked", "planes"])
+def test_a_depthwise_conv_above_the_compiled_split_work_runs_on_two_threads(way, monkeypatch):
+    """MobileNet v2's 144 channels of 56 x 56 to 28 x 28 (1 M multiply-adds: under
+    PARALLEL_MIN_WORK, above ``_COMPILED_SPLIT_WORK`` at the loops' cost) is one job on two
+    threads of the compiled pool, as the Conv units' products of that size are (it took 175
+    us on one thread, 111-121 on two), with onnxruntime's values."""
+    from plugrt import threads
+    from plugrt_cpu.kernels import _compiled_parallel
+
+    found = _compiled_parallel.compiled_pool() if convolution.depthwise_loops() is not None else None
+    if found is None:
+        pytest.skip("needs the compiled loops and their pool")
+    monkeypatch.setattr(threads._MONITOR, "cores", 2)
+    monkeypatch.setattr(threads._MONITOR, "others_busy", lambda: 0.0)
+    monkeypatch.setattr(convolution, "_faster", lambda first, second, rounds=2: (second(), way == "blocked")[1])
+    jobs = []
+    original = found.run
+
+    def run(body, context, count, threads_):
+        jobs.append(threads_)
+        return original(body, context, count, threads_)
+
+    monkeypatch.setattr(found, "run", run)
+    x_shape, w_shape = (1, 144, 56, 56), (144, 1, 3, 3)
+    assert 144 * 28 * 28 * 9 * convolution._DEPTHWISE_COMPILED_COST < threads.PARALLEL_MIN_WORK
+    x, w, b = _random(*x_shape, seed=1), _random(*w_shape, seed=2), _random(144, seed=3)
+    model = _model(x_shape, w, b, {"pads": [1, 1, 1, 1], "strides": [2, 2]}, True)
+    session = plugrt.load(model, device="cpu")
+    session.run({"x": x})  # the first call makes the way's choice
+    jobs.clear()
+    actual = session.run({"x": x})["y"]
+    np.testing.assert_allclose(actual, _onnxruntime(model, x), rtol=1e-4, atol=1e-5)
+    assert jobs == [2]
 
 
 # -- the channel-blocked loops (short planes), chosen on the first call by timing both -------
