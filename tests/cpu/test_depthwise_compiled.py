@@ -263,7 +263,7 @@ def test_planes_shared_out_on_two_threads_match_onnxruntime(case, pool, monkeypa
     from plugrt import threads
 
     monkeypatch.setattr(threads, "parallel_threads", lambda work: 2)  # parallel_for's
-    monkeypatch.setattr(convolution, "_compiled_threads", lambda work: 2)  # the compiled pool's
+    monkeypatch.setattr(convolution, "_depthwise_threads", lambda work: 2)  # the compiled pool's
     x_shape, w_shape, attributes = CASES[case]
     x_shape = (x_shape[0], x_shape[1] * 8, *x_shape[2:])  # enough planes for several units a thread
     w_shape = (w_shape[0] * 8, *w_shape[1:])

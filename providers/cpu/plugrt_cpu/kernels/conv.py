@@ -9,7 +9,7 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, split_threads
+from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, split_threads, threads_for
 from plugrt.provider import shared_transform
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
@@ -77,6 +77,16 @@ def _compiled_threads(work: int) -> int:
     (~12 us on one thread) are split too (SqueezeNet, Inception v2 and ShuffleNet on 2
     threads: 3-5% faster runs than at PARALLEL_MIN_WORK)."""
     return split_threads(max(work, PARALLEL_MIN_WORK)) if work >= _COMPILED_SPLIT_WORK else 1
+
+
+def _depthwise_threads(work: int) -> int:
+    """Threads for a depthwise job on the compiled pool (``work`` as ``_DepthwiseLayout``
+    counts it): split from the Conv units' threshold, which the pool's hand-off allows
+    (MobileNet v2's 144 planes of 56 x 56 to 28 x 28: 175 us on one thread, 111-121 on
+    two), but only over the cores other processes leave free (``threads_for``): a short
+    job split onto a busy core waits for it (beside one busy process, EfficientNet-B0 and
+    EfficientViT-B0 ran 5-25% slower split on every core)."""
+    return threads_for(PARALLEL_MIN_WORK) if work >= _COMPILED_SPLIT_WORK else 1
 
 
 def depthwise_loops() -> ModuleType | None:
@@ -612,9 +622,7 @@ class _Convolution:
             padded[:m] = b
             b = padded
         units = n * blocks
-        # a job on the compiled pool: split from the Conv units' threshold (MobileNet v2's 144
-        # planes of 56 x 56 to 28 x 28: 175 us on one thread, 111-121 on two)
-        threads = min(units, _compiled_threads(layout.work))
+        threads = min(units, _depthwise_threads(layout.work))
         slots = pool.slots(units, threads)
         work, _ = _workspace("depthwise-blocked", (slots * layout.blocked_floats,), np.dtype(np.float32))
         context = np.array(
@@ -637,7 +645,7 @@ class _Convolution:
         n, m = x.shape[0], plan.m
         code, low, high = activation
         planes = n * m
-        threads = _compiled_threads(layout.work)  # one job on the compiled pool, as the blocked loops
+        threads = _depthwise_threads(layout.work)
         # units of several planes, a few a thread, so that a thread that finishes first takes over
         per_unit = max(1, planes // (threads * _DEPTHWISE_UNITS_PER_THREAD)) if threads > 1 else planes
         units = -(-planes // per_unit)
