@@ -68,8 +68,9 @@ def test_split_product_matches_numpys_in_float64(path, two_cores, a_shape, b_sha
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
-def test_a_big_product_runs_as_several_units_on_the_pool(two_cores, pool, monkeypatch):
-    calls = []
+def _pool_jobs(pool, monkeypatch) -> list[tuple[int, int]]:
+    """The (units, threads) of every job the compiled pool runs from now on."""
+    calls: list[tuple[int, int]] = []
     original = type(pool).run
 
     def run(self, body, context, count, threads_):
@@ -77,6 +78,11 @@ def test_a_big_product_runs_as_several_units_on_the_pool(two_cores, pool, monkey
         return original(self, body, context, count, threads_)
 
     monkeypatch.setattr(type(pool), "run", run)
+    return calls
+
+
+def test_a_big_product_runs_as_several_units_on_the_pool(two_cores, pool, monkeypatch):
+    calls = _pool_jobs(pool, monkeypatch)
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((256, 256)).astype(np.float32), rng.standard_normal((256, 512)).astype(np.float32)
     out = np.empty((256, 512), np.float32)
@@ -97,14 +103,7 @@ def test_a_classifiers_few_rows_by_a_big_weight_split_by_columns(two_cores, pool
     under ``PARALLEL_MIN_WORK``, but takes as long as the weight's read: it is split in a
     block of columns a thread, by MatMul's ``pooled_matmul`` and by Gemm's ``split_gemm``,
     with float64 numpy's values; a small weight (64 x 64) is not split."""
-    calls = []
-    original = type(pool).run
-
-    def run(self, body, context, count, threads_):
-        calls.append((count, threads_))
-        return original(self, body, context, count, threads_)
-
-    monkeypatch.setattr(type(pool), "run", run)
+    calls = _pool_jobs(pool, monkeypatch)
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((rows, 1280)).astype(np.float32), rng.standard_normal((1280, 1000)).astype(np.float32)
     assert rows * 1280 * 1000 < threads.PARALLEL_MIN_WORK
@@ -125,21 +124,14 @@ def test_heads_of_a_transposed_projection_are_one_job(path, two_cores, pool, mon
     (4, 4, 256, 24): batch strides that do not fold into one) are one job on the pool, each
     matrix found by its two batch indices, with float64 numpy's values; three batch axes
     that fold into no fewer than three strides are left to numpy."""
-    calls = []
-    original = type(pool).run
-
-    def run(self, body, context, count, threads_):
-        calls.append(count)
-        return original(self, body, context, count, threads_)
-
-    monkeypatch.setattr(type(pool), "run", run)
+    calls = _pool_jobs(pool, monkeypatch)
     rng = np.random.default_rng(5)
     q = rng.standard_normal((4, 256, 4, 24)).astype(np.float32).transpose(0, 2, 1, 3)
     k = rng.standard_normal((4, 256, 4, 24)).astype(np.float32).transpose(0, 2, 3, 1)  # (4, 4, 24, 256)
     out = np.full((4, 4, 256, 256), np.nan, np.float32)
     assert _gemm.pooled_matmul(q, k, out) == (path == "numba")
     if path == "numba":
-        assert calls == [16]
+        assert [count for count, _ in calls] == [16]
         np.testing.assert_allclose(out, np.matmul(q.astype(np.float64), k), rtol=1e-4, atol=1e-3)
     mixed = rng.standard_normal((3, 64, 2, 5, 64)).astype(np.float32).transpose(2, 0, 3, 1, 4)  # (2, 3, 5, 64, 64)
     other = rng.standard_normal((2, 3, 5, 64, 64)).astype(np.float32)
