@@ -207,9 +207,9 @@ def test_a_product_whose_weight_is_the_larger_operand_splits_by_panels():
     """ViT-B's MLP (197 x 768 @ 768 x 3072): each unit every row and its own panels, so the
     weight is read once; Swin's (3136 x 96 @ 96 x 384): blocks of rows, all the panels."""
     rows, per_unit = dense.unit_shape(197, 3072, 192, 2, 16)
-    assert rows >= 197 and per_unit == 192 // 8
+    assert rows == 208 and per_unit == 24  # every row (13 tiles of 16), 24 of the 192 panels a unit: 8 units
     rows, per_unit = dense.unit_shape(3136, 384, 24, 2, 16)
-    assert per_unit == 24 and rows == 16 * -(-196 // 8)
+    assert per_unit == 24 and rows == 400  # every panel, 25 of the 196 row tiles a unit: 8 units
     rows, per_unit = dense.unit_shape(20, 16, 1, 2, 16)  # a tile or two of rows: not cut by rows
     assert rows == 32 and per_unit == 1
 
@@ -218,7 +218,7 @@ def test_cache_rows_fill_half_the_l2_cache_for_one_slice_and_take_every_row_for_
     monkeypatch.setattr(dense, "_data_cache_bytes", lambda level, default: {1: 32 * 1024, 2: 1 << 20}[level])
     dense.slice_depth.cache_clear()
     try:
-        assert dense.cache_rows(3136, 96, 16) == (1 << 19) // (96 * 4) // 16 * 16  # 1360 rows of 96 floats
+        assert dense.cache_rows(3136, 96, 16) == 1360  # 1360 rows of 96 floats: 510 KiB, half of 1 MiB
         assert dense.cache_rows(197, 3072, 16) == 197  # 3072 > a slice of 128 steps
         assert dense.cache_rows(3, 4096, 16) == 16
     finally:
