@@ -37,6 +37,7 @@ from .kernels import conv as convolution
 from .kernels._compiled import CONV_LOOPS, DENSE_LOOPS, ROW_LOOPS
 from .kernels._gemm import epilogue_loops
 from .kernels import conv_activation, conv_residual, squeeze_excite
+from .kernels.expand_depthwise import EXPAND_PREFIX, build_expand_depthwise
 from .kernels import dense, elementwise, normalization
 from .kernels.elementwise import scratch
 
@@ -52,6 +53,7 @@ __all__ = [
     "FuseConvAddPass",
     "FuseConvReluPass",
     "FuseConvActivationPass",
+    "FuseExpandDepthwisePass",
     "FuseSiluMulPass",
     "FuseSiluPass",
     "FuseSqueezeExcitePass",
@@ -74,7 +76,7 @@ def fusion_passes() -> list[InPlacePass]:
     placement, for every provider."""
     return [
         FuseSqueezeExcitePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(),
-        FuseConvActivationPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(), FuseSiluMulPass(),
+        FuseConvActivationPass(), FuseExpandDepthwisePass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(), FuseSiluMulPass(),
         FuseSiluPass(),
     ]
 
@@ -506,6 +508,80 @@ _SILU_TYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
 
 
 # ---------------------------------------------------------------------------------------
+# (3c) 1x1 Conv + the depthwise Conv that alone reads it: one ExpandDepthwise step
+
+
+def _conv_step(node: ir.Node | None) -> TypeIs[ir.Node]:
+    """A Conv, or a FusedConv with an activation and no residual input."""
+    if node is None or len(node.outputs) != 1 or len(node.inputs) > 3:
+        return False
+    if _is(node, "Conv"):
+        return True
+    return node.op_type == "FusedConv" and node.domain == DOMAIN and "activation" in node.attributes
+
+
+def _ints(node: ir.Node, name: str, default: list[int]) -> list[int]:
+    attribute = node.attributes.get(name)
+    return default if attribute is None else [int(v) for v in attribute.as_ints()]
+
+
+def _float32_weight(node: ir.Node) -> np.ndarray | None:
+    """The 4-D weight of a Conv step when it and the bias (if any) are float32 constants."""
+    weight = constant_array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if weight is None or weight.dtype != np.float32 or weight.ndim != 4:
+        return None
+    bias_value = node.inputs[2] if len(node.inputs) > 2 else None
+    bias = None if bias_value is None else constant_array(bias_value)
+    if bias_value is not None and (bias is None or bias.dtype != np.float32):
+        return None
+    return weight
+
+
+class FuseExpandDepthwisePass(_NodePass):
+    """A 1x1 Conv step (stride 1, no pads, one group; its activation fused or not) whose
+    output only a 2-D depthwise Conv step reads, both with float32 constant weights:
+    ``plugrt.cpu::ExpandDepthwise(x, w1, b1, w2, b2)``, the 1x1 Conv's activation as
+    ``expand_activation`` (``kernels.expand_depthwise``: the wide tensor between them is
+    never made)."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _conv_step(node) or node.attributes.get_int("group", 1) != 1 or node.attributes.get("auto_pad") not in (None,):
+            return False
+        expand = _float32_weight(node)
+        if expand is None or expand.shape[2:] != (1, 1):
+            return False
+        if any(v != 1 for v in _ints(node, "strides", [1, 1]) + _ints(node, "dilations", [1, 1])) or any(_ints(node, "pads", [0] * 4)):
+            return False
+        depthwise = _sole_reader(node.outputs[0])
+        if not _conv_step(depthwise) or depthwise.inputs[0] is not node.outputs[0] or depthwise.attributes.get("auto_pad") is not None:
+            return False
+        taps = _float32_weight(depthwise)
+        m = expand.shape[0]
+        if taps is None or taps.shape[:2] != (m, 1) or depthwise.attributes.get_int("group", 1) != m:
+            return False
+        kernel = list(taps.shape[2:])
+        if _ints(depthwise, "kernel_shape", kernel) != kernel:
+            return False
+        attributes = [
+            ir.AttrInt64s("kernel_shape", kernel), ir.AttrInt64("group", m),
+            ir.AttrInt64s("strides", _ints(depthwise, "strides", [1, 1])),
+            ir.AttrInt64s("dilations", _ints(depthwise, "dilations", [1, 1])),
+            ir.AttrInt64s("pads", _ints(depthwise, "pads", [0] * 4)),
+        ]
+        for step, prefix in ((node, EXPAND_PREFIX), (depthwise, "")):
+            activation, params = step.attributes.get("activation"), step.attributes.get("activation_params")
+            if activation is not None:
+                attributes.append(ir.AttrString(prefix + "activation", activation.as_string()))
+            if params is not None:
+                attributes.append(ir.AttrFloat32s(prefix + "activation_params", list(params.as_floats())))
+        inputs = [node.inputs[0], node.inputs[1], node.inputs[2] if len(node.inputs) > 2 else None, depthwise.inputs[1],
+                  depthwise.inputs[2] if len(depthwise.inputs) > 2 else None]
+        fused = _private_node(model, "ExpandDepthwise", inputs, node.name or "conv", attributes)
+        _replace(model.graph, [node, depthwise], fused)
+        return True
+
+
+# ---------------------------------------------------------------------------------------
 # Kernels of the plugrt.cpu nodes
 
 
@@ -593,6 +669,7 @@ def _as_rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+kernel_builder("ExpandDepthwise", DOMAIN_VERSION, domain=DOMAIN, compiled=CONV_LOOPS)(build_expand_depthwise)
 kernel_builder("SqueezeExcite", DOMAIN_VERSION, domain=DOMAIN, compiled=CONV_LOOPS + ROW_LOOPS)(squeeze_excite.build_squeeze_excite)
 kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output=True, compiled=ROW_LOOPS)(
     normalization.layer_normalization

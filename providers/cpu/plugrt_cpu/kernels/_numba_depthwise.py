@@ -43,7 +43,10 @@ from numba.extending import intrinsic
 from ._numba_epilogue import ACT_CLIP, activation_rows
 from ._numba_parallel import float32_pointer, int64_pointer
 
-__all__ = ["BLOCKED_WORDS", "JOB_WORDS", "LANES", "block_weights", "blocked_depthwise", "blocked_job", "blocked_work", "depthwise_conv2d", "depthwise_job"]
+__all__ = [
+    "BLOCKED_WORDS", "EXPAND_WORDS", "JOB_WORDS", "LANES", "block_weights", "blocked_depthwise", "blocked_job", "blocked_work",
+    "depthwise_conv2d", "depthwise_job", "expand_depthwise", "expand_geometry", "expand_job",
+]
 
 _compiled = numba.njit(
     fastmath={"contract", "arcp", "nsz", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True
@@ -360,7 +363,8 @@ _GANG = 4  # output positions summed side by side: one weight load a tap for the
 
 
 def block_weights(weights: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``weights`` (M, taps) and ``bias`` (M,) as :func:`blocked_depthwise` reads them:
+    """``weights`` (M, taps) and ``bias`` (M,) as :func:`blocked_depthwise` reads them (or
+    a 1x1 Conv's (M, K) as :func:`expand_depthwise` does):
     (ceil(M / LANES), taps, LANES) and (ceil(M / LANES), LANES), zero past channel M."""
     m, taps = weights.shape
     blocks = -(-m // LANES)
@@ -612,7 +616,12 @@ def blocked_depthwise(x, wb, bb, geometry, relu, activation, low, high, work, y,
         block = unit - image * blocks
         c0 = block * LANES
         count = min(LANES, channels - c0)
-        padded[:] = _ZERO
+        for r in range(rows):  # the border (the interleave writes every position inside it)
+            if r < y_first + top or r >= y_last + top:
+                padded[r * cols * LANES : (r + 1) * cols * LANES] = _ZERO
+            else:
+                padded[r * cols * LANES : (r * cols + left + x_first) * LANES] = _ZERO
+                padded[(r * cols + left + x_last) * LANES : (r + 1) * cols * LANES] = _ZERO
         if last:
             source = x.ctypes.data + (image * plane * channels + c0) * 4
             for r in range(y_first, y_last):
@@ -680,5 +689,248 @@ def blocked_job(c, start, stop, slot):  # pragma: no cover  (compiled)
     )
     blocked_depthwise(
         x, wb, bb, geometry, context[BLOCKED_RELU] != 0, context[BLOCKED_ACTIVATION], bounds[0], bounds[2], work, y,
+        start, stop,
+    )
+
+
+# -- a 1x1 Conv and the depthwise Conv it feeds, in one pass ---------------------------------
+
+def _wide_registers() -> bool:
+    """Whether numba compiles for this host and it has AVX-512's 32 vector registers (a
+    LANES-wide vector then one register; elsewhere two of AVX2's 16)."""
+    import llvmlite.binding as llvm
+
+    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):  # compiled for another CPU (NUMBA_CPU_NAME)
+        return False
+    try:
+        return bool(llvm.get_host_cpu_features().get("avx512f", False))
+    except RuntimeError:  # not known on this platform
+        return False
+
+
+# Positions of the 1x1 product side by side (one weight load a step for them all): sixteen
+# sums in AVX-512's registers (against eight: 64 -> 384 channels on 14 x 14, 2.1 -> 2.6
+# vector multiply-adds a ns); four where a sum takes two of AVX2's sixteen.
+_EXPAND_GANG = 16 if _wide_registers() else 4
+_EXPAND_AHEAD = 4 * _EXPAND_GANG  # input positions the 1x1 product computes a call at least
+
+
+@intrinsic
+def _expand(typingctx, dst, table, src, w, k, plane, start, n, bias, low, high):  # type: ignore[no-untyped-def]
+    """Positions ``[start, start + n)`` of a 1x1 Conv's output block of LANES channels,
+    each one LANES-wide vector ``bias + sum_i src[i * plane + p] * w[i]`` (``k`` input
+    channels; one fused multiply-add a step by the broadcast input), clamped to ``[low,
+    high]`` (NaN stays NaN), stored at ``dst + table[p]``. Addresses in bytes: ``dst`` the
+    padded block, ``table`` (int64 byte offsets a position), ``src`` the image's first
+    input channel, ``w`` (k x LANES floats), ``bias`` (LANES floats)."""
+    signature = types.void(*([types.int64] * 9), types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        dst, table, src, w, k, plane, start, n, bias, low, high = args
+        vector = ir.VectorType(ir.FloatType(), LANES)
+        pointer = vector.as_pointer()
+        i64 = ir.IntType(64)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+        offsets = builder.inttoptr(table, i64.as_pointer())
+        first = builder.load(builder.inttoptr(bias, pointer), align=4)
+        undefined = ir.Constant(vector, ir.Undefined)
+        lane0 = ir.Constant(ir.IntType(32), 0)
+        broadcast = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+
+        def splat(value):  # type: ignore[no-untyped-def]
+            return builder.shuffle_vector(builder.insert_element(undefined, value, lane0), undefined, broadcast)
+
+        floor, ceiling = splat(low), splat(high)
+        four = ir.Constant(i64, 4)
+        step = builder.mul(plane, four)
+        totals = [cgutils.alloca_once(builder, vector) for _ in range(_EXPAND_GANG)]
+
+        def positions(p0, count):  # type: ignore[no-untyped-def]
+            """``count`` (1 to _EXPAND_GANG; None: all) positions from ``p0``, their sums side
+            by side: the lanes past ``count`` read the last position again and store nothing."""
+            base = builder.add(src, builder.mul(p0, four))
+            if count is None:  # a whole gang
+                count = ir.Constant(i64, _EXPAND_GANG)
+                reads = [ir.Constant(i64, 4 * g) for g in range(_EXPAND_GANG)]
+            else:
+                last = builder.sub(count, ir.Constant(i64, 1))
+                reads = [builder.mul(builder.select(builder.icmp_signed("<", ir.Constant(i64, g), count), ir.Constant(i64, g), last), four)
+                         for g in range(_EXPAND_GANG)]
+            for g in range(_EXPAND_GANG):
+                builder.store(first, totals[g])
+            with cgutils.for_range(builder, k) as inner:
+                row = builder.add(base, builder.mul(inner.index, step))
+                weight = builder.load(builder.inttoptr(builder.add(w, builder.mul(inner.index, ir.Constant(i64, LANES * 4))), pointer), align=4)
+                for g in range(_EXPAND_GANG):
+                    value = builder.load(builder.inttoptr(builder.add(row, reads[g]), ir.FloatType().as_pointer()), align=4)
+                    builder.store(builder.call(fma, [splat(value), weight, builder.load(totals[g])]), totals[g])
+            for g in range(_EXPAND_GANG):
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, g), count), likely=True):
+                    value = builder.load(totals[g])
+                    value = builder.select(builder.fcmp_ordered("<", value, floor), floor, value)
+                    value = builder.select(builder.fcmp_ordered(">", value, ceiling), ceiling, value)
+                    offset = builder.load(builder.gep(offsets, [builder.add(p0, ir.Constant(i64, g))]))
+                    builder.store(value, builder.inttoptr(builder.add(dst, offset), pointer), align=4)
+
+        gang = ir.Constant(i64, _EXPAND_GANG)
+        gangs = builder.sdiv(n, gang)
+        with cgutils.for_range(builder, gangs) as outer:
+            positions(builder.add(start, builder.mul(outer.index, gang)), None)
+        done = builder.mul(gangs, gang)
+        rest = builder.sub(n, done)
+        with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(i64, 0))):
+            positions(builder.add(start, done), rest)
+
+    return signature, codegen
+
+
+_EXPAND_DEPTHWISE = numba.void(
+    numba.types.Array(numba.float32, 4, "C", readonly=True),  # x (n, K, H, W)
+    numba.types.Array(numba.float32, 3, "C", readonly=True),  # the 1x1 weights, blocked (blocks, K, LANES)
+    numba.types.Array(numba.float32, 2, "C", readonly=True),  # the 1x1 bias, blocked (blocks, LANES)
+    numba.int64,  # the 1x1 Conv's activation after its clamp (``_numba_epilogue.ACT_*``; 0: none)
+    numba.float32,  # the 1x1 Conv's clamp: low (-inf: none; 0 for a Relu)
+    numba.float32,  # and high
+    numba.types.Array(numba.int64, 1, "C", readonly=True),  # byte offset of each input position in the padded block
+    numba.types.Array(numba.float32, 3, "C", readonly=True),  # depthwise weights, blocked (blocks, taps, LANES)
+    numba.types.Array(numba.float32, 2, "C", readonly=True),  # depthwise bias, blocked (blocks, LANES)
+    numba.types.Array(numba.int64, 1, "C", readonly=True),  # geometry: kh, kw, sy, sx, dy, dx, top, left, rows, cols
+    numba.boolean,  # relu after the depthwise Conv
+    numba.int64,  # a fused activation after it
+    numba.float32,  # Clip's low bound
+    numba.float32,  # Clip's high bound
+    numba.float32[::1],  # work
+    numba.float32[:, :, :, ::1],  # y (n, M, out_h, out_w)
+    numba.int64,  # first unit (image, channel block)
+    numba.int64,  # units end
+)
+
+
+@numba.njit(
+    [_EXPAND_DEPTHWISE],
+    fastmath={"contract", "arcp", "nsz", "reassoc"},
+    nogil=True,
+    boundscheck=False,
+    error_model="numpy",
+    cache=True,
+)
+def expand_depthwise(x, we, be, expand_activation, expand_low, expand_high, table, wb, bb, geometry, relu, activation, low, high,
+                     work, y, start, stop):  # pragma: no cover  (compiled)
+    """Units [start, stop) of a 1x1 Conv (``we``, ``be``: K input channels to M, then its
+    clamp and ``expand_activation``) and the depthwise Conv that alone reads its output
+    (``wb``, ``bb``, ``geometry``; then ``relu`` and ``activation``), counted over (image,
+    block of LANES channels of M). The 1x1 Conv's block of LANES channels is written
+    interleaved into the zero-bordered padded block in ``work`` (``table`` maps each
+    input position to its place there), input rows only as the next output row first
+    needs them, so the depthwise sums read them from cache; its M channels never go to
+    memory as planes. ``work``: the padded block (``geometry[8]`` rows of ``geometry[9]``
+    positions) and one output row of sums."""
+    channels = y.shape[1]
+    height, width = x.shape[2], x.shape[3]
+    inputs = x.shape[1]
+    out_h, out_w = y.shape[2], y.shape[3]
+    kh, kw, sy, sx, dy, dx, top, left = (
+        geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], geometry[5], geometry[6], geometry[7]
+    )
+    rows, cols = geometry[8], geometry[9]
+    padded = work[: rows * cols * LANES]
+    sums = work[rows * cols * LANES : (rows * cols + out_w) * LANES]
+    grid = padded.reshape((rows, cols * LANES))
+    taps = kh * kw
+    offsets = np.empty(taps, np.int64)
+    for ky in range(kh):
+        for kx in range(kw):
+            offsets[ky * kw + kx] = (ky * dy * cols + kx * dx) * LANES
+    blocks = wb.shape[0]
+    plane = height * width
+    positions = out_h * out_w
+    y_flat = y.reshape(-1)
+    for unit in range(start, stop):
+        image = unit // blocks
+        block = unit - image * blocks
+        c0 = block * LANES
+        count = min(LANES, channels - c0)
+        for r in range(rows):  # the zero border; the 1x1 Conv writes every position inside it
+            if r < top or r >= top + height:
+                grid[r, :] = _ZERO
+            else:
+                grid[r, : left * LANES] = _ZERO
+                grid[r, (left + width) * LANES :] = _ZERO
+        source = x.ctypes.data + image * inputs * plane * 4
+        expand_w = we[block].ctypes.data
+        expand_b = be[block].ctypes.data
+        weights = wb[block].ctypes.data
+        shift = bb[block].ctypes.data
+        target = y.ctypes.data + (image * channels + c0) * positions * 4
+        done = y_flat[image * channels * positions : (image + 1) * channels * positions].reshape((channels, positions))
+        ready = 0  # input rows expanded so far
+        for oy in range(out_h):
+            needed = min(height, oy * sy - top + (kh - 1) * dy + 1)
+            if needed > ready:  # at least _EXPAND_AHEAD positions a call: whole gangs on short rows
+                needed = min(height, max(needed, ready + (_EXPAND_AHEAD + width - 1) // width))
+                _expand(padded.ctypes.data, table.ctypes.data, source, expand_w, inputs, plane, ready * width,
+                        (needed - ready) * width, expand_b, expand_low, expand_high)
+                if expand_activation != 0:
+                    activation_rows(grid, ready + top, needed + top, left * LANES, (left + width) * LANES, expand_activation,
+                                    expand_low, expand_high)
+                ready = needed
+            _sum_taps(sums.ctypes.data, padded.ctypes.data + oy * sy * cols * LANES * 4, weights, offsets.ctypes.data, taps,
+                      out_w, sx * LANES, shift)
+            for p0 in range(0, out_w, LANES):
+                _deinterleave(target + (oy * out_w + p0) * 4, sums.ctypes.data + p0 * LANES * 4, positions,
+                              min(LANES, out_w - p0), count, relu)
+            if activation != 0:
+                activation_rows(done, c0, c0 + count, oy * out_w, (oy + 1) * out_w, activation, low, high)
+
+
+def expand_geometry(kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], pads: tuple[int, int],
+                    height: int, width: int, out_h: int, out_w: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """For :func:`expand_depthwise` on (height, width) planes: its geometry words, the
+    table of each input position's byte offset in the padded block, and the floats of work
+    a thread needs. The padded block spans the rows and columns the outputs read and every
+    input position (``pads``: top and left)."""
+    (kh, kw), (sy, sx), (dy, dx), (top, left) = kernel, strides, dilations, pads
+    rows = max((out_h - 1) * sy + (kh - 1) * dy + 1, top + height)
+    cols = max((out_w - 1) * sx + (kw - 1) * dx + 1, left + width)
+    geometry = np.array([kh, kw, sy, sx, dy, dx, top, left, rows, cols], np.int64)
+    r, c = np.divmod(np.arange(height * width, dtype=np.int64), width)
+    table = ((r + top) * cols + c + left) * (LANES * 4)
+    return geometry, table, (rows * cols + out_w) * LANES
+
+
+# The context of ``expand_job`` (int64 words; see ``expand_depthwise.ExpandDepthwise``).
+(
+    EXPAND_X, EXPAND_IMAGES, EXPAND_INPUTS, EXPAND_HEIGHT, EXPAND_WIDTH, EXPAND_WEIGHTS, EXPAND_BIAS, EXPAND_ACTIVATION,
+    EXPAND_LOW, EXPAND_HIGH, EXPAND_TABLE, EXPAND_DW_WEIGHTS, EXPAND_BLOCKS, EXPAND_TAPS, EXPAND_DW_BIAS, EXPAND_GEOMETRY,
+    EXPAND_RELU, EXPAND_DW_ACTIVATION, EXPAND_DW_LOW, EXPAND_DW_HIGH, EXPAND_WORK, EXPAND_WORK_FLOATS, EXPAND_Y,
+    EXPAND_CHANNELS, EXPAND_OUT_HEIGHT, EXPAND_OUT_WIDTH,
+) = range(26)
+EXPAND_WORDS = 26  # the LOW and HIGH words: float32 bits in the low half of the word
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def expand_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of :func:`expand_depthwise` on the compiled pool, in this slot's
+    work array."""
+    context = numba.carray(int64_pointer(c), EXPAND_WORDS)
+    n, inputs, blocks = context[EXPAND_IMAGES], context[EXPAND_INPUTS], context[EXPAND_BLOCKS]
+    height, width = context[EXPAND_HEIGHT], context[EXPAND_WIDTH]
+    x = numba.carray(float32_pointer(context[EXPAND_X]), (n, inputs, height, width))
+    we = numba.carray(float32_pointer(context[EXPAND_WEIGHTS]), (blocks, inputs, LANES))
+    be = numba.carray(float32_pointer(context[EXPAND_BIAS]), (blocks, LANES))
+    table = numba.carray(int64_pointer(context[EXPAND_TABLE]), height * width)
+    wb = numba.carray(float32_pointer(context[EXPAND_DW_WEIGHTS]), (blocks, context[EXPAND_TAPS], LANES))
+    bb = numba.carray(float32_pointer(context[EXPAND_DW_BIAS]), (blocks, LANES))
+    geometry = numba.carray(int64_pointer(context[EXPAND_GEOMETRY]), 10)
+    words = numba.carray(float32_pointer(c), 2 * EXPAND_WORDS)  # the float32 bounds, each in its word's low half
+    floats = context[EXPAND_WORK_FLOATS]
+    work = numba.carray(float32_pointer(context[EXPAND_WORK] + slot * floats * 4), floats)
+    y = numba.carray(
+        float32_pointer(context[EXPAND_Y]),
+        (n, context[EXPAND_CHANNELS], context[EXPAND_OUT_HEIGHT], context[EXPAND_OUT_WIDTH]),
+    )
+    expand_depthwise(
+        x, we, be, context[EXPAND_ACTIVATION], words[2 * EXPAND_LOW], words[2 * EXPAND_HIGH], table, wb, bb, geometry,
+        context[EXPAND_RELU] != 0, context[EXPAND_DW_ACTIVATION], words[2 * EXPAND_DW_LOW], words[2 * EXPAND_DW_HIGH], work, y,
         start, stop,
     )
