@@ -43,6 +43,15 @@ class _Counting:
         self.calls += 1
         self.loops.panel_product(*args)
 
+    def few_rows_product(self, *args: Any) -> None:
+        self.calls += 1
+        self.loops.few_rows_product(*args)
+
+    @property
+    def few_rows_job(self) -> Any:  # a job on the compiled pool: counted as a call
+        self.calls += 1
+        return self.loops.few_rows_job
+
 
 @pytest.fixture(params=["packed", "blas"])
 def body(request, monkeypatch):
@@ -97,13 +106,42 @@ def test_dense_product_matches_float64(body, shape, gelu):
         assert not applied
 
 
-@pytest.mark.parametrize("rows", [1, 15])
-def test_fewer_rows_than_a_tile_go_to_blas(body, rows):
-    a, w, bias = _random(rows, 40), _random(40, 24, seed=1), _random(24, seed=2)
-    out = np.empty((rows, 24), np.float32)
-    applied = dense.dense_product(out, a, w, bias, panels=dense.WeightPanels(w), gelu=True)
-    np.testing.assert_allclose(out, _reference(a, w, bias, False), rtol=1e-4, atol=1e-4)
-    assert not applied and (body is None or body.calls == 0)
+# rows under a packed row tile (16): tiles of one, two and four rows (three and five use the
+# four-row tile with rows left over); N 150 takes eight-panel groups and a ragged last panel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 15])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_fewer_rows_than_a_tile_stream_the_weight_panels(body, rows, gelu):
+    a, w, bias = _random(rows, 70), _random(70, 150, seed=1) * 0.2, _random(150, seed=2)
+    out = np.full((rows, 150), np.nan, np.float32)
+    applied = dense.dense_product(out, a, w, bias, panels=dense.WeightPanels(w), gelu=gelu)
+    np.testing.assert_allclose(out, _reference(a, w, bias, gelu and applied), rtol=1e-4, atol=1e-4)
+    if body is not None:
+        assert applied == gelu and body.calls >= 1
+    else:
+        assert not applied
+
+
+def test_few_rows_read_from_a_strided_stack(body):
+    stack = _random(6, 2, 33)
+    a, w = stack[:, 1], _random(33, 40, seed=1)  # rows 66 floats apart
+    out = np.full((6, 40), np.nan, np.float32)
+    dense.dense_product(out, a, w, None, panels=dense.WeightPanels(w))
+    np.testing.assert_allclose(out, _reference(a, w, None, False), rtol=1e-4, atol=1e-4)
+
+
+def test_few_rows_split_over_threads_give_the_serial_result(body, monkeypatch):
+    a, w, bias = _random(3, 300), _random(300, 500, seed=1), _random(500, seed=2)
+    serial, split = np.empty((3, 500), np.float32), np.empty((3, 500), np.float32)
+    panels = dense.WeightPanels(w)
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 1)
+    dense.dense_product(serial, a, w, bias, panels=panels, gelu=True)
+    calls = body.calls if body is not None else 0
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 2)
+    dense.dense_product(split, a, w, bias, panels=panels, gelu=True)
+    np.testing.assert_array_equal(split, serial)
+    np.testing.assert_allclose(split, _reference(a, w, bias, body is not None), rtol=1e-4, atol=1e-4)
+    if body is not None and dense.compiled_pool() is not None:
+        assert body.calls == calls + 1  # one job on the pool
 
 
 def test_dense_product_reads_a_transposed_input(body):

@@ -25,7 +25,10 @@ from ._numba_gemm import _V, _VI64, _VMASK, _VW, MR, _ahead, _c, _floats, _k_loo
 from ._numba_loops import _gelu
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm_any32, sgemm_any64
 
-__all__ = ["GEMM_WORDS", "JOB_WORDS", "VECTOR", "bias_columns", "gemm_job", "pack_rows", "panel_job", "panel_product"]
+__all__ = [
+    "FEW_WORDS", "GEMM_WORDS", "JOB_WORDS", "VECTOR", "bias_columns", "few_rows_job", "few_rows_product", "gemm_job", "pack_rows",
+    "panel_job", "panel_product",
+]
 
 VECTOR = 16  # columns of one panel of the weight: one vector of the micro-kernel
 _FLOAT = 4
@@ -207,6 +210,130 @@ def panel_product(packed, panels, c, bias, gelu, t0, t1, depth, r_lo, r_hi, bloc
                     else:
                         _panel_tile1(left, right, stride, steps, offset, ldc, columns, tile_rows, s)
             bias_columns(c[b0:b1], bias, j0, j0 + width, gelu)
+
+
+# -- products of fewer rows than a packed row tile (a classifier at batch 1, a decode step) --
+
+#: (rows, panels) of the few-row tiles: the weight's panels streamed from memory once for
+#: every row of the tile, each step ``panels`` vector loads for rows x panels fused
+#: multiply-adds (a row tile of MR rows would multiply MR - rows rows of padding).
+FEW_TILES = ((1, 8), (2, 8), (4, 6))
+
+
+def _few_codegen(rows: int, panels: int):  # type: ignore[no-untyped-def]
+    """The code of a few-row tile of at most ``rows`` rows by ``panels`` panels."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        a, lda, x, stride, k, c, ldc, used_rows, count, columns, bias = args
+        fma, masked_load, masked_store = _vector_functions(builder.module)
+        four = ir.Constant(ir.IntType(32), 4)
+        zero = ir.Constant(_V, [0.0] * _VW)
+        lanes = ir.Constant(_VI64, list(range(_VW)))
+        full = ir.Constant(_VMASK, [1] * _VW)
+        last = builder.icmp_signed("<", lanes, _splat(builder, columns, _VI64))
+        left, weights = _floats(builder, a), _floats(builder, x)
+        # rows and panels past the used ones read the last used one again (their sums are not stored)
+        row_at = [builder.mul(builder.select(builder.icmp_signed("<", _c(r), used_rows), _c(r), builder.sub(used_rows, _c(1))), lda)
+                  for r in range(rows)]
+        panel_at = [
+            builder.mul(builder.select(builder.icmp_signed("<", _c(p), count), _c(p), builder.sub(count, _c(1))), stride)
+            for p in range(panels)
+        ]
+
+        def step(index, accumulators):  # type: ignore[no-untyped-def]
+            at = builder.mul(index, _c(_VW))
+            vectors = [builder.load(_vector_at(builder, weights, builder.add(at, panel_at[p])), align=4) for p in range(panels)]
+            sums = list(accumulators)
+            for r in range(rows):
+                value = _splat(builder, builder.load(builder.gep(left, [builder.add(row_at[r], index)])), _V)
+                for p in range(panels):
+                    sums[r * panels + p] = builder.call(fma, [value, vectors[p], accumulators[r * panels + p]])
+            return sums
+
+        sums = _k_loop(builder, k, rows * panels, step)
+        out, shift = _floats(builder, c), _floats(builder, bias)
+        for p in range(panels):
+            with builder.if_then(builder.icmp_signed("<", _c(p), count)):
+                mask = builder.select(builder.icmp_signed("==", _c(p), builder.sub(count, _c(1))), last, full)
+                offset = builder.call(masked_load, [_vector_at(builder, shift, _c(p * _VW)), four, mask, zero])
+                for r in range(rows):
+                    with builder.if_then(builder.icmp_signed("<", _c(r), used_rows)):
+                        where = _vector_at(builder, out, builder.add(builder.mul(_c(r), ldc), _c(p * _VW)))
+                        builder.call(masked_store, [builder.fadd(sums[r * panels + p], offset), where, four, mask])
+
+    return codegen
+
+
+def _few_tile(rows: int, panels: int):  # type: ignore[no-untyped-def]
+    @intrinsic
+    def tile(typingctx, a, lda, x, stride, k, c, ldc, used_rows, count, columns, bias):  # type: ignore[no-untyped-def]
+        """``C[r, :] = bias + sum_k a[r, k] * X_p[k, :]`` for rows ``r < used_rows`` (at most
+        ``rows``) and panels ``p < count`` (at most ``panels``): ``a`` row 0 of the rows
+        (row step ``lda`` floats), ``x`` the first panel's step 0 (the next ``stride`` floats
+        on), ``c`` the tile's first element (row step ``ldc``), ``columns`` the valid
+        columns of panel ``count - 1``, ``bias`` the first panel's columns of the bias."""
+        return types.void(*([types.int64] * 11)), _few_codegen(rows, panels)
+
+    return tile
+
+
+_few_tile1, _few_tile2, _few_tile4 = (_few_tile(*shape) for shape in FEW_TILES)
+
+
+@numba.njit([numba.void(numba.int64, numba.int64, numba.int64, _PANELS, _MATRIX, _BIAS, numba.boolean, numba.int64, numba.int64)], **_FLAGS)
+def few_rows_product(a, lda, m, panels, c, bias, gelu, t0, t1):  # pragma: no cover  (compiled)
+    """``c[:, j] = epilogue(a @ w)[:, j]`` for the columns of panels [t0, t1): ``a`` the
+    address of the first of ``m`` rows (few: under a packed row tile) of K floats, ``lda``
+    floats apart, read where they are; ``panels`` the weight (K, N) as (ceil(N / VECTOR),
+    K, VECTOR) panels. Every panel is streamed once for up to four rows (``FEW_TILES``).
+    The epilogue adds ``bias`` (N,), then the erf GELU when ``gelu``."""
+    k = panels.shape[1]
+    n = c.shape[1]
+    ldc = c.shape[1]
+    stride = k * VECTOR
+    x = panels.ctypes.data
+    for r0 in range(0, m, 4):
+        rows = min(4, m - r0)
+        left = a + r0 * lda * _FLOAT
+        widest = 6 if rows > 2 else 8
+        for t in range(t0, t1, widest):
+            count = min(widest, t1 - t)
+            j0 = t * VECTOR
+            columns = min(count * VECTOR, n - j0) - (count - 1) * VECTOR
+            right = x + t * stride * _FLOAT
+            offset = c.ctypes.data + (r0 * ldc + j0) * _FLOAT
+            shift = bias.ctypes.data + j0 * _FLOAT
+            if rows == 1:
+                _few_tile1(left, lda, right, stride, k, offset, ldc, rows, count, columns, shift)
+            elif rows == 2:
+                _few_tile2(left, lda, right, stride, k, offset, ldc, rows, count, columns, shift)
+            else:
+                _few_tile4(left, lda, right, stride, k, offset, ldc, rows, count, columns, shift)
+    if gelu:
+        for i in range(m):
+            row = c[i]
+            for j in range(t0 * VECTOR, min(n, t1 * VECTOR)):
+                row[j] = _gelu(row[j])
+
+
+# The context of ``few_rows_job`` (int64 words; see ``kernels.dense.dense_product``): a unit
+# is ``FEW_PANELS_PER_UNIT`` panels of every row.
+FEW_A, FEW_LDA, FEW_ROWS, FEW_DEPTH, FEW_PANELS, FEW_PANEL_COUNT, FEW_C, FEW_COLUMNS, FEW_BIAS, FEW_GELU, FEW_PER_UNIT = range(11)
+FEW_WORDS = 11
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def few_rows_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of :func:`few_rows_product` on the compiled pool, without the GIL."""
+    context = numba.carray(int64_pointer(c), FEW_WORDS)
+    m, count, n = context[FEW_ROWS], context[FEW_PANEL_COUNT], context[FEW_COLUMNS]
+    panels = numba.carray(float32_pointer(context[FEW_PANELS]), (count, context[FEW_DEPTH], VECTOR))
+    out = numba.carray(float32_pointer(context[FEW_C]), (m, n))
+    bias = numba.carray(float32_pointer(context[FEW_BIAS]), n)
+    per_unit = context[FEW_PER_UNIT]
+    few_rows_product(
+        context[FEW_A], context[FEW_LDA], m, panels, out, bias, context[FEW_GELU] != 0, start * per_unit, min(count, stop * per_unit)
+    )
 
 
 # The context of ``panel_job`` (int64 words; see ``kernels.dense.dense_product``): a unit

@@ -207,11 +207,12 @@ def unit_shape(m: int, n: int, tiles: int, threads: int, mr: int) -> tuple[int, 
 
 
 def packs(rows: int) -> bool:
-    """Whether a product of ``rows`` rows by a constant weight runs the packed body: its
-    modules ready, and at least one full row tile of the micro-kernel (fewer rows would
-    compute mostly padding, where BLAS has its matrix-vector and small-matrix paths)."""
-    kernels = packed_kernels()
-    return kernels is not None and rows >= kernels[0].MR
+    """Whether a product of ``rows`` rows by a constant weight runs the packed bodies: their
+    modules ready, and at least one row. Under a row tile of the micro-kernel the few-row
+    tiles stream the weight's panels once (``_numba_dense.few_rows_product``): a CNN's
+    classifier at batch 1 went through BLAS's product, which packed its weight again every
+    call (ResNet-50's 2048 x 1000 at 2.7-3x onnxruntime's time)."""
+    return rows >= 1 and packed_kernels() is not None
 
 
 def matrix_rows(
@@ -263,6 +264,11 @@ def dense_product(
     laid_out = panels.get(w) if kernels is not None and panels is not None else None
     if laid_out is not None and kernels is not None and out.dtype == a.dtype == _F32 and out.flags.c_contiguous:
         gemm, loops = kernels
+        if m < gemm.MR:
+            if a.strides[1] == a.itemsize and a.strides[0] % a.itemsize == 0 and (bias is None or bias.dtype == _F32):
+                return _few_rows(loops, out, a, laid_out, bias, gelu)
+            _blas_product(out, a, w, bias, work)
+            return False
         packed = allocate("packed", (-(-m // gemm.MR), k, gemm.MR), _F32)
         fused = bias is None or (bias.dtype == _F32 and bias.flags.c_contiguous)
         shift = bias if fused and bias is not None else zero_vector(n)
@@ -309,6 +315,37 @@ def dense_product(
         return bool(finished and finished[0])
     _blas_product(out, a, w, bias, work)
     return False
+
+
+#: A product of few rows reads each weight float for few multiply-adds: its split over
+#: threads counts it as this many rows (``_gemm._STREAMED_WEIGHT_COST``'s rule).
+_STREAMED_WEIGHT_ROWS = 8
+
+
+def _few_rows(loops: Any, out: np.ndarray, a: np.ndarray, panels: np.ndarray, bias: np.ndarray | None, gelu: bool) -> bool:
+    """``out = a @ w + bias`` (then the GELU) for ``a`` of fewer rows than a packed row
+    tile, its rows contiguous: the weight's panels streamed once, split over the threads
+    by blocks of panels (``_numba_dense.few_rows_job``). Returns whether the GELU ran."""
+    m, k = a.shape
+    tiles, n = panels.shape[0], out.shape[1]
+    fused = bias is None or bias.flags.c_contiguous
+    shift = bias if fused and bias is not None else zero_vector(n)
+    activate = gelu and fused  # the GELU comes after the bias: in the loops only with it
+    pool = compiled_pool()
+    threads = min(tiles, parallel_threads(max(m, _STREAMED_WEIGHT_ROWS) * n * k)) if pool is not None else 1
+    lda = a.strides[0] // a.itemsize
+    if threads <= 1 or pool is None:
+        loops.few_rows_product(a.ctypes.data, lda, m, panels, out, shift, activate, 0, tiles)
+    else:
+        per_unit = -(-tiles // threads)
+        context = np.array(
+            [a.ctypes.data, lda, m, k, panels.ctypes.data, tiles, out.ctypes.data, n, shift.ctypes.data, int(activate), per_unit],
+            np.int64,
+        )
+        pool.run(loops.few_rows_job.address, context, -(-tiles // per_unit), threads)
+    if bias is not None and not fused:
+        np.add(out, bias, out=out)
+    return activate
 
 
 def _blas_product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, work: int) -> None:
