@@ -144,6 +144,14 @@ def test_few_rows_split_over_threads_give_the_serial_result(body, monkeypatch):
         assert body.calls == calls + 1  # one job on the pool
 
 
+def test_dense_product_reads_rows_of_a_wider_matrix_where_they_are(body):
+    wide, w = _random(40, 100), _random(70, 33, seed=1)
+    a = wide[:, 20:90]  # rows 100 floats apart
+    out = np.full((40, 33), np.nan, np.float32)
+    dense.dense_product(out, a, w, None, panels=dense.WeightPanels(w))
+    np.testing.assert_allclose(out, _reference(a, w, None, False), rtol=1e-4, atol=1e-4)
+
+
 def test_dense_product_reads_a_transposed_input(body):
     a, w = _random(40, 70).T, _random(40, 33, seed=1)  # a: (70, 40), column-major
     out = np.empty((70, 33), np.float32)

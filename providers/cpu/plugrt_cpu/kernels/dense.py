@@ -5,10 +5,11 @@ bodies, chosen per call from what the host offers:
 
 - float32 where numba is there and the host has AVX-512 (``_numba_gemm.available``):
   the weight is laid out once, by the first call, in panels of 16 columns
-  (:class:`WeightPanels`, each panel one contiguous K x 16 block), ``a`` is packed per
-  call in the micro-kernel's row tiles (a copy of tokens x K floats), and
+  (:class:`WeightPanels`, each panel one contiguous K x 16 block), ``a`` is read where
+  it is (rows of contiguous floats; any other layout is copied once), and
   ``_numba_dense.panel_product`` runs every row tile over a slice of a panel while that
-  slice stays in the L1 cache, then the bias (+ GELU) on the panel's columns. OpenBLAS
+  slice stays in the L1 cache, then the bias (+ GELU) on the panel's columns; fewer rows
+  than a row tile take ``_numba_dense.few_rows_product``. OpenBLAS
   packs both operands on every call, and numpy's wheels run its AVX2 kernels on some
   AVX-512 hosts: one thread of this body ran 1.6-2x faster than one of OpenBLAS's on the
   shapes of ViT, BERT, Swin and ConvNeXt layers.
@@ -104,7 +105,7 @@ def slice_depth() -> int:
 
 
 def cache_rows(m: int, k: int, mr: int) -> int:
-    """Rows of the packed activation ``panel_product`` takes through all its panel groups
+    """Rows of the activation ``panel_product`` takes through all its panel groups
     before the next rows: where K fits one slice, as many as fill half the L2 cache (a
     multiple of ``mr``), so that the groups after the first read them from there and each
     group's epilogue finds its columns in cache; with several slices, every row (each
@@ -264,12 +265,16 @@ def dense_product(
     laid_out = panels.get(w) if kernels is not None and panels is not None else None
     if laid_out is not None and kernels is not None and out.dtype == a.dtype == _F32 and out.flags.c_contiguous:
         gemm, loops = kernels
+        if not (a.strides[1] == a.itemsize and a.strides[0] % a.itemsize == 0):  # the loops read rows of contiguous floats
+            rows = allocate("contiguous-rows", a.shape, _F32)
+            np.copyto(rows, a)
+            a = rows
         if m < gemm.MR:
-            if a.strides[1] == a.itemsize and a.strides[0] % a.itemsize == 0 and (bias is None or bias.dtype == _F32):
+            if bias is None or bias.dtype == _F32:
                 return _few_rows(loops, out, a, laid_out, bias, gelu)
             _blas_product(out, a, w, bias, work)
             return False
-        packed = allocate("packed", (-(-m // gemm.MR), k, gemm.MR), _F32)
+        lda = a.strides[0] // a.itemsize
         fused = bias is None or (bias.dtype == _F32 and bias.flags.c_contiguous)
         shift = bias if fused and bias is not None else zero_vector(n)
         activate = gelu and fused  # the GELU comes after the bias: in the kernel only with it
@@ -277,14 +282,13 @@ def dense_product(
         block_rows = cache_rows(m, k, gemm.MR)
 
         def block(t0: int, t1: int) -> None:
-            loops.panel_product(packed, laid_out, out, shift, activate, t0, t1, depth, 0, m, block_rows)
+            loops.panel_product(a.ctypes.data, lda, laid_out, out, shift, activate, t0, t1, depth, 0, m, block_rows)
 
         tiles = laid_out.shape[0]
         pool = compiled_pool()
         threads = parallel_threads(work) if pool is not None or work >= PACKED_PARALLEL_MIN_WORK else 1
 
         def packed_body() -> None:
-            loops.pack_rows(a, packed)
             if threads <= 1 or tiles < 2:
                 block(0, tiles)
             elif pool is not None:  # one job without the GIL: parallel_for's chunks each took it to start
@@ -292,7 +296,7 @@ def dense_product(
                 chunks = -(-tiles // per_unit)
                 context = np.array(
                     [
-                        packed.ctypes.data, packed.shape[0], k, laid_out.ctypes.data, tiles, out.ctypes.data, m, n,
+                        a.ctypes.data, lda, k, laid_out.ctypes.data, tiles, out.ctypes.data, m, n,
                         shift.ctypes.data, int(activate), depth, per_unit, row_block, chunks, block_rows,
                     ],
                     np.int64,
