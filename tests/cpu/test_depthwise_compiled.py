@@ -320,6 +320,8 @@ BLOCKED_CASES = {
     "3x3-stride-2-48-channels": ((1, 48, 14, 14), (48, 1, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
     "7x7-33-channels-19-wide": ((1, 33, 5, 19), (33, 1, 7, 7), {"pads": [3, 3, 3, 3]}),
     "3x3-stride-2-unread-last-row": ((1, 17, 8, 8), (17, 1, 3, 3), {"strides": [2, 2]}),
+    # output rows of two windowed gangs and a remainder at stride 2
+    "5x5-stride-2-21-wide": ((1, 20, 6, 41), (20, 1, 5, 5), {"pads": [2, 2, 2, 2], "strides": [2, 2]}),
 }
 
 

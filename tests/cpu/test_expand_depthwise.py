@@ -37,6 +37,12 @@ SHAPES = {
     "5x5-stride-2-odd": ((1, 5, 13, 11), 33, "group = 33, pads = [2, 2, 2, 2], strides = [2, 2]", (5, 5)),
     "dilated-uneven-pads": ((1, 6, 9, 7), 16, "group = 16, pads = [2, 1, 0, 2], dilations = [2, 2]", (3, 3)),
     "short-rows": ((1, 40, 3, 5), 96, "group = 96, pads = [1, 1, 1, 1]", (3, 3)),
+    # output rows of several gangs of the windowed sums and a remainder, each width and stride
+    "7x7-long-rows": ((1, 4, 5, 30), 24, "group = 24, pads = [3, 3, 3, 3]", (7, 7)),
+    "3x3-stride-2-long-rows": ((1, 8, 6, 37), 16, "group = 16, pads = [1, 1, 1, 1], strides = [2, 2]", (3, 3)),
+    "5x5-stride-2-long-rows": ((1, 8, 7, 40), 17, "group = 17, pads = [2, 2, 2, 2], strides = [2, 2]", (5, 5)),
+    "7x7-stride-2-long-rows": ((1, 3, 9, 30), 16, "group = 16, pads = [3, 3, 3, 3], strides = [2, 2]", (7, 7)),
+    "5x5-long-rows": ((1, 6, 4, 45), 32, "group = 32, pads = [2, 2, 2, 2]", (5, 5)),
 }
 
 

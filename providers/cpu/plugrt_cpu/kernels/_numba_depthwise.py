@@ -441,6 +441,118 @@ def _sum_taps(typingctx, dst, src, w, offsets, taps, n, step, bias):  # type: ig
     return signature, codegen
 
 
+def _wide_registers() -> bool:
+    """Whether numba compiles for this host and it has AVX-512's 32 vector registers (a
+    LANES-wide vector then one register; elsewhere two of AVX2's 16)."""
+    import llvmlite.binding as llvm
+
+    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):  # compiled for another CPU (NUMBA_CPU_NAME)
+        return False
+    try:
+        return bool(llvm.get_host_cpu_features().get("avx512f", False))
+    except RuntimeError:  # not known on this platform
+        return False
+
+
+#: Output positions a windowed sum computes side by side, by (kernel width, stride):
+#: each tap row's input vectors are loaded once for them all, ``(gang - 1) * stride +
+#: width`` loads for ``gang * width`` multiply-adds (the per-tap way loads one vector a
+#: multiply-add). Sized to AVX-512's 32 registers; with AVX2's 16 (two a vector) four.
+_WINDOW_GANGS = {(3, 1): 8, (5, 1): 8, (7, 1): 8, (3, 2): 8, (5, 2): 8, (7, 2): 4}
+
+
+def _window_gang(width: int, stride: int) -> int:
+    return _WINDOW_GANGS[(width, stride)] if _wide_registers() else 4
+
+
+def _window_codegen(width: int, stride: int):  # type: ignore[no-untyped-def]
+    gang = _window_gang(width, stride)
+    span = (gang - 1) * stride + width
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        dst, src, w, kh, row_step, n, bias = args
+        vector = ir.VectorType(ir.FloatType(), LANES)
+        pointer = vector.as_pointer()
+        i64 = ir.IntType(64)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+
+        def at(address):  # type: ignore[no-untyped-def]
+            return builder.inttoptr(address, pointer)
+
+        first = builder.load(at(bias), align=4)
+        totals = [cgutils.alloca_once(builder, vector) for _ in range(gang)]
+        gangs = builder.sdiv(n, ir.Constant(i64, gang))
+        with cgutils.for_range(builder, gangs) as outer:
+            start = builder.mul(outer.index, ir.Constant(i64, gang))
+            window = builder.add(src, builder.mul(start, ir.Constant(i64, stride * LANES * 4)))
+            for g in range(gang):
+                builder.store(first, totals[g])
+            with cgutils.for_range(builder, kh) as inner:
+                row = builder.add(window, builder.mul(inner.index, row_step))
+                values = [builder.load(at(builder.add(row, ir.Constant(i64, i * LANES * 4))), align=4) for i in range(span)]
+                weights = builder.add(w, builder.mul(inner.index, ir.Constant(i64, width * LANES * 4)))
+                sums = [builder.load(totals[g]) for g in range(gang)]
+                for kx in range(width):
+                    weight = builder.load(at(builder.add(weights, ir.Constant(i64, kx * LANES * 4))), align=4)
+                    sums = [builder.call(fma, [values[g * stride + kx], weight, sums[g]]) for g in range(gang)]
+                for g in range(gang):
+                    builder.store(sums[g], totals[g])
+            for g in range(gang):
+                target = builder.add(dst, builder.mul(builder.add(start, ir.Constant(i64, g)), ir.Constant(i64, LANES * 4)))
+                builder.store(builder.load(totals[g]), at(target), align=4)
+
+    return codegen
+
+
+def _window(width: int, stride: int):  # type: ignore[no-untyped-def]
+    @intrinsic
+    def window(typingctx, dst, src, w, kh, row_step, n, bias):  # type: ignore[no-untyped-def]
+        """:func:`_sum_taps` for a kernel ``width`` taps wide (dilation 1) at column stride
+        ``stride``: the whole gangs of the first ``n`` positions (the rest is left to the
+        caller). ``w`` holds ``kh`` rows of ``width`` taps; ``row_step`` bytes from one tap
+        row's window to the next."""
+        return types.void(*([types.int64] * 7)), _window_codegen(width, stride)
+
+    return window
+
+
+_window_3_1, _window_5_1, _window_7_1, _window_3_2, _window_5_2, _window_7_2 = (
+    _window(3, 1), _window(5, 1), _window(7, 1), _window(3, 2), _window(5, 2), _window(7, 2)
+)
+_GANG_3_1, _GANG_5_1, _GANG_7_1, _GANG_3_2, _GANG_5_2, _GANG_7_2 = (
+    _window_gang(3, 1), _window_gang(5, 1), _window_gang(7, 1), _window_gang(3, 2), _window_gang(5, 2), _window_gang(7, 2)
+)
+
+
+@_compiled
+def _sum_row(dst, src, w, offsets, kh, kw, dx, sx, row_step, n, bias):  # pragma: no cover  (compiled; inlined)
+    """One output row of a block's sums: :func:`_sum_taps`, its whole gangs by a windowed
+    sum where the kernel is 3, 5 or 7 taps wide (dilation 1) at column stride 1 or 2."""
+    done = 0
+    if dx == 1 and sx == 1:
+        if kw == 3:
+            _window_3_1(dst, src, w, kh, row_step, n, bias)
+            done = n // _GANG_3_1 * _GANG_3_1
+        elif kw == 5:
+            _window_5_1(dst, src, w, kh, row_step, n, bias)
+            done = n // _GANG_5_1 * _GANG_5_1
+        elif kw == 7:
+            _window_7_1(dst, src, w, kh, row_step, n, bias)
+            done = n // _GANG_7_1 * _GANG_7_1
+    elif dx == 1 and sx == 2:
+        if kw == 3:
+            _window_3_2(dst, src, w, kh, row_step, n, bias)
+            done = n // _GANG_3_2 * _GANG_3_2
+        elif kw == 5:
+            _window_5_2(dst, src, w, kh, row_step, n, bias)
+            done = n // _GANG_5_2 * _GANG_5_2
+        elif kw == 7:
+            _window_7_2(dst, src, w, kh, row_step, n, bias)
+            done = n // _GANG_7_2 * _GANG_7_2
+    if done < n:
+        _sum_taps(dst + done * LANES * 4, src + done * sx * LANES * 4, w, offsets, kh * kw, n - done, sx * LANES, bias)
+
+
 def _transpose(builder, rows):  # type: ignore[no-untyped-def]
     """The LANES x LANES matrix of ``rows`` (LANES vectors) transposed: at each level
     ``s`` (1, 2, 4, 8) rows ``i`` and ``i + s`` swap their off-diagonal s x s blocks, two
@@ -640,9 +752,9 @@ def blocked_depthwise(x, wb, bb, geometry, relu, activation, low, high, work, y,
         weights = wb[block].ctypes.data
         shift = bb[block].ctypes.data
         for oy in range(out_h):
-            _sum_taps(
+            _sum_row(
                 sums.ctypes.data + oy * out_w * LANES * 4, padded.ctypes.data + oy * sy * cols * LANES * 4, weights,
-                offsets.ctypes.data, taps, out_w, sx * LANES, shift,
+                offsets.ctypes.data, kh, kw, dx, sx, dy * cols * LANES * 4, out_w, shift,
             )
         target = y.ctypes.data + (image * channels + c0) * positions * 4
         for p0 in range(0, positions, LANES):
@@ -694,19 +806,6 @@ def blocked_job(c, start, stop, slot):  # pragma: no cover  (compiled)
 
 
 # -- a 1x1 Conv and the depthwise Conv it feeds, in one pass ---------------------------------
-
-def _wide_registers() -> bool:
-    """Whether numba compiles for this host and it has AVX-512's 32 vector registers (a
-    LANES-wide vector then one register; elsewhere two of AVX2's 16)."""
-    import llvmlite.binding as llvm
-
-    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):  # compiled for another CPU (NUMBA_CPU_NAME)
-        return False
-    try:
-        return bool(llvm.get_host_cpu_features().get("avx512f", False))
-    except RuntimeError:  # not known on this platform
-        return False
-
 
 # Positions of the 1x1 product side by side (one weight load a step for them all): sixteen
 # sums in AVX-512's registers (against eight: 64 -> 384 channels on 14 x 14, 2.1 -> 2.6
@@ -874,8 +973,8 @@ def expand_depthwise(x, we, be, expand_activation, expand_low, expand_high, tabl
                     activation_rows(grid, ready + top, needed + top, left * LANES, (left + width) * LANES, expand_activation,
                                     expand_low, expand_high)
                 ready = needed
-            _sum_taps(sums.ctypes.data, padded.ctypes.data + oy * sy * cols * LANES * 4, weights, offsets.ctypes.data, taps,
-                      out_w, sx * LANES, shift)
+            _sum_row(sums.ctypes.data, padded.ctypes.data + oy * sy * cols * LANES * 4, weights, offsets.ctypes.data, kh, kw, dx,
+                     sx, dy * cols * LANES * 4, out_w, shift)
             for p0 in range(0, out_w, LANES):
                 _deinterleave(target + (oy * out_w + p0) * 4, sums.ctypes.data + p0 * LANES * 4, positions,
                               min(LANES, out_w - p0), count, relu)
