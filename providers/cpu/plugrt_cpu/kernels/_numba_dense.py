@@ -49,12 +49,31 @@ ROWS = 8
 PANELS = 3
 
 
+def _tile_step(builder, left, weights, row_at, panel_at, rows, panels):  # type: ignore[no-untyped-def]
+    """The step of K of a tile of ``rows`` rows by ``panels`` panels: each panel's vector
+    (at ``panel_at[p]`` floats from ``weights`` plus the step's) times each row's float
+    (at ``row_at[r]`` floats from ``left`` plus the step), added to its accumulator."""
+    fma = _vector_functions(builder.module)[0]
+
+    def step(index, accumulators):  # type: ignore[no-untyped-def]
+        at = builder.mul(index, _c(_VW))
+        vectors = [builder.load(_vector_at(builder, weights, builder.add(at, panel_at[p])), align=4) for p in range(panels)]
+        sums = list(accumulators)
+        for r in range(rows):
+            value = _splat(builder, builder.load(builder.gep(left, [builder.add(row_at[r], index)])), _V)
+            for p in range(panels):
+                sums[r * panels + p] = builder.call(fma, [value, vectors[p], accumulators[r * panels + p]])
+        return sums
+
+    return step
+
+
 def _panel_codegen(panels: int):  # type: ignore[no-untyped-def]
     """The code of ``_panel_tile{panels}``."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         a, lda, x, stride, k, c, ldc, columns, rows, accumulate = args
-        fma, masked_load, masked_store = _vector_functions(builder.module)
+        _, masked_load, masked_store = _vector_functions(builder.module)
         four = ir.Constant(ir.IntType(32), 4)
         zero = ir.Constant(_V, [0.0] * _VW)
         lanes = ir.Constant(_VI64, list(range(_VW)))
@@ -66,19 +85,7 @@ def _panel_codegen(panels: int):  # type: ignore[no-untyped-def]
         row_at = [builder.mul(builder.select(builder.icmp_signed("<", _c(r), rows), _c(r), builder.sub(rows, _c(1))), lda)
                   for r in range(ROWS)]
 
-        def step(index, accumulators):  # type: ignore[no-untyped-def]
-            at = builder.mul(index, _c(_VW))
-            vectors = [
-                builder.load(_vector_at(builder, weights, builder.add(at, builder.mul(stride, _c(p)))), align=4)
-                for p in range(panels)
-            ]
-            sums = list(accumulators)
-            for r in range(ROWS):
-                value = _splat(builder, builder.load(builder.gep(left, [builder.add(row_at[r], index)])), _V)
-                for p in range(panels):
-                    sums[r * panels + p] = builder.call(fma, [value, vectors[p], accumulators[r * panels + p]])
-            return sums
-
+        step = _tile_step(builder, left, weights, row_at, [builder.mul(stride, _c(p)) for p in range(panels)], ROWS, panels)
         sums = _k_loop(builder, k, ROWS * panels, step)
         out = _floats(builder, c)
         adding = builder.icmp_signed("!=", accumulate, _c(0))
@@ -208,7 +215,7 @@ def _few_codegen(rows: int, panels: int):  # type: ignore[no-untyped-def]
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         a, lda, x, stride, k, c, ldc, used_rows, count, columns, bias = args
-        fma, masked_load, masked_store = _vector_functions(builder.module)
+        _, masked_load, masked_store = _vector_functions(builder.module)
         four = ir.Constant(ir.IntType(32), 4)
         zero = ir.Constant(_V, [0.0] * _VW)
         lanes = ir.Constant(_VI64, list(range(_VW)))
@@ -223,17 +230,7 @@ def _few_codegen(rows: int, panels: int):  # type: ignore[no-untyped-def]
             for p in range(panels)
         ]
 
-        def step(index, accumulators):  # type: ignore[no-untyped-def]
-            at = builder.mul(index, _c(_VW))
-            vectors = [builder.load(_vector_at(builder, weights, builder.add(at, panel_at[p])), align=4) for p in range(panels)]
-            sums = list(accumulators)
-            for r in range(rows):
-                value = _splat(builder, builder.load(builder.gep(left, [builder.add(row_at[r], index)])), _V)
-                for p in range(panels):
-                    sums[r * panels + p] = builder.call(fma, [value, vectors[p], accumulators[r * panels + p]])
-            return sums
-
-        sums = _k_loop(builder, k, rows * panels, step)
+        sums = _k_loop(builder, k, rows * panels, _tile_step(builder, left, weights, row_at, panel_at, rows, panels))
         out, shift = _floats(builder, c), _floats(builder, bias)
         for p in range(panels):
             with builder.if_then(builder.icmp_signed("<", _c(p), count)):
