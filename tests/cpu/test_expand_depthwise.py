@@ -227,3 +227,28 @@ def test_depthwise_weight_fed_at_run_time_is_not_fused():
     ops, (actual,) = _step_ops(model.SerializeToString(), feeds)
     assert ops == ["Conv", "Conv"]
     np.testing.assert_allclose(actual, _onnxruntime(model.SerializeToString(), feeds), rtol=1e-5, atol=1e-5)
+
+
+def test_one_session_runs_inputs_of_several_sizes(way):
+    model = onnx.parser.parse_model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[1, 4, H, W] x) => (float y) {
+            e = Conv (x, w1, b1)
+            ea = Relu (e)
+            y = Conv <group = 24, pads = [1, 1, 1, 1], strides = [2, 2]> (ea, w2, b2)
+        }
+        """
+    )
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(_random(24, 4, 1, 1, seed=1), "w1"), numpy_helper.from_array(_random(24, seed=2), "b1"),
+            numpy_helper.from_array(_random(24, 1, 3, 3, seed=3), "w2"), numpy_helper.from_array(_random(24, seed=4), "b2"),
+        ]
+    )
+    data = model.SerializeToString()
+    session = plugrt.load(data, device="cpu")
+    for height, width in [(9, 9), (16, 11), (5, 20), (9, 9)]:
+        feeds = {"x": _random(1, 4, height, width, seed=height * width)}
+        expected = _onnxruntime(data, feeds)
+        np.testing.assert_allclose(session.run(feeds)["y"], expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))

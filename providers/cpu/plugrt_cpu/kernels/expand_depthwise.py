@@ -28,7 +28,7 @@ from .._registry import KernelContext, declare_into
 from . import conv as convolution
 from . import conv_activation
 from ._compiled_parallel import compiled_pool
-from ._window import _copy_to_workspace, _workspace
+from ._window import _copy_to_workspace, _ShapeCache, _workspace
 from .elementwise import scratch
 
 __all__ = ["EXPAND_PREFIX", "build_expand_depthwise"]
@@ -117,7 +117,18 @@ def build_expand_depthwise(ctx: KernelContext) -> Callable[..., np.ndarray]:
     pads = tuple(int(p) for p in attributes.get("pads", (0, 0, 0, 0)))
     w1, b1, w2, b2 = ctx.constant_inputs[1:5] if len(ctx.constant_inputs) >= 5 else (None,) * 4
     blocked: list[Any] = []  # the weights as the compiled loops read them, made on first use
-    shapes: dict[tuple[int, ...], _Shape] = {}
+
+    def plan(shape: tuple[int, ...]) -> _Shape | None:
+        height, width = shape[2:]
+        out_shape = tuple(
+            (size + pads[i] + pads[i + 2] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+            for i, size in enumerate((height, width))
+        )
+        if min(out_shape) <= 0:
+            return None
+        return _Shape(convolution.depthwise_loops(), height, width, out_shape, kernel, strides, dilations, pads[:2])
+
+    shapes = _ShapeCache(plan)  # a few input shapes at most
     e_code, e_low, e_high = _bounds(*expand_activation)
     depthwise_relu = depthwise_activation[0] == "Relu"  # the rest after the sums, as the Conv's compiled paths apply them
     d_code, d_low, d_high = getattr(_step_activation(*depthwise_activation), "fused", (0, 0.0, 0.0))
@@ -180,18 +191,9 @@ def build_expand_depthwise(ctx: KernelContext) -> Callable[..., np.ndarray]:
             or (out is not None and (out.dtype != _F32 or not out.flags.c_contiguous))
         ):
             return separate(x, wa, ba, wb, bb, out)
-        layout = shapes.get(x.shape)
-        if layout is not None and layout.fused_wins is False:
+        layout = shapes(x.shape)
+        if layout is None or layout.fused_wins is False:
             return separate(x, wa, ba, wb, bb, out)
-        if layout is None:
-            height, width = x.shape[2:]
-            out_shape = tuple(
-                (size + pads[i] + pads[i + 2] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
-                for i, size in enumerate((height, width))
-            )
-            if min(out_shape) <= 0:
-                return separate(x, wa, ba, wb, bb, out)
-            layout = shapes[x.shape] = _Shape(loops, height, width, out_shape, kernel, strides, dilations, pads[:2])
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x) if out is None else _copy_to_workspace("expand-depthwise-input", x)
         y = out if out is not None else np.empty((x.shape[0], w1.shape[0], *layout.out), _F32)
