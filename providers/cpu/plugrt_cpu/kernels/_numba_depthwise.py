@@ -40,6 +40,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._host_cpu import host_features
 from ._numba_epilogue import ACT_CLIP, activation_rows
 from ._numba_parallel import float32_pointer, int64_pointer
 
@@ -444,14 +445,7 @@ def _sum_taps(typingctx, dst, src, w, offsets, taps, n, step, bias):  # type: ig
 def _wide_registers() -> bool:
     """Whether numba compiles for this host and it has AVX-512's 32 vector registers (a
     LANES-wide vector then one register; elsewhere two of AVX2's 16)."""
-    import llvmlite.binding as llvm
-
-    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):  # compiled for another CPU (NUMBA_CPU_NAME)
-        return False
-    try:
-        return bool(llvm.get_host_cpu_features().get("avx512f", False))
-    except RuntimeError:  # not known on this platform
-        return False
+    return bool(host_features().get("avx512f", False))
 
 
 #: Output positions a windowed sum computes side by side, by (kernel width, stride):

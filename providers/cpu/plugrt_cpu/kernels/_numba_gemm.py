@@ -36,6 +36,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._host_cpu import host_features
+
 __all__ = ["MR", "available", "gathered_product", "pack_weight", "packed_product"]
 
 MR = 16  # rows of C (output channels) per tile
@@ -64,15 +66,7 @@ def available() -> bool:
     """Whether the host has AVX-512 and numba compiles for it (the kernel's vectors are
     512 bits; elsewhere LLVM would split each into narrower ones, and BLAS is the better
     choice). ``NUMBA_CPU_NAME`` set to another CPU (a portable cache) turns it off."""
-    import llvmlite.binding as llvm
-
-    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):  # compiled for another CPU (NUMBA_CPU_NAME)
-        return False
-    try:
-        features = llvm.get_host_cpu_features()
-    except RuntimeError:  # not known on this platform
-        return False
-    return bool(features.get("avx512f", False))
+    return bool(host_features().get("avx512f", False))
 
 
 def pack_weight(weight: np.ndarray) -> np.ndarray:

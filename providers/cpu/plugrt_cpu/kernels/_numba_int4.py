@@ -30,7 +30,6 @@ without numba or with ``PLUGRT_NUMBA=0``). Compiled code is cached on disk
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -41,6 +40,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._host_cpu import host_features
 from ._int4_layout import ROWS, pack
 from ._numba_parallel import ALONE, float32_pointer, int8_pointer, int32_pointer, int64_pointer
 
@@ -80,21 +80,11 @@ _H16 = ir.VectorType(_I16, 16)
 _H32 = ir.VectorType(_I32, 8)
 
 
-@functools.cache
-def _features() -> dict[str, bool]:
-    import llvmlite.binding as llvm
-
-    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):  # a portable cache: no host-specific code
-        return {}
-    try:
-        return dict(llvm.get_host_cpu_features())
-    except RuntimeError:
-        return {}
 
 
 def bodies() -> tuple[str, ...]:
     """The int8 bodies this host runs, fastest first (``portable`` always)."""
-    features = _features()
+    features = host_features()
     found = []
     if all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni")):
         found.append("vnni")
