@@ -459,90 +459,72 @@ def _window_gang(width: int, stride: int) -> int:
     return _WINDOW_GANGS[(width, stride)] if _wide_registers() else 4
 
 
-def _window_codegen(width: int, stride: int):  # type: ignore[no-untyped-def]
+def _window_body(builder, dst, src, w, kh, row_step, n, width, stride, bias):  # type: ignore[no-untyped-def]
+    """The code of one windowed sum (see :func:`_windowed`) for a kernel ``width`` taps wide
+    at column stride ``stride``; returns the positions it summed (its whole gangs)."""
     gang = _window_gang(width, stride)
     span = (gang - 1) * stride + width
+    vector = ir.VectorType(ir.FloatType(), LANES)
+    pointer = vector.as_pointer()
+    i64 = ir.IntType(64)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+
+    def at(address):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(address, pointer)
+
+    first = builder.load(at(bias), align=4)
+    totals = [cgutils.alloca_once(builder, vector) for _ in range(gang)]
+    gangs = builder.sdiv(n, ir.Constant(i64, gang))
+    with cgutils.for_range(builder, gangs) as outer:
+        start = builder.mul(outer.index, ir.Constant(i64, gang))
+        window = builder.add(src, builder.mul(start, ir.Constant(i64, stride * LANES * 4)))
+        for g in range(gang):
+            builder.store(first, totals[g])
+        with cgutils.for_range(builder, kh) as inner:
+            row = builder.add(window, builder.mul(inner.index, row_step))
+            values = [builder.load(at(builder.add(row, ir.Constant(i64, i * LANES * 4))), align=4) for i in range(span)]
+            weights = builder.add(w, builder.mul(inner.index, ir.Constant(i64, width * LANES * 4)))
+            sums = [builder.load(totals[g]) for g in range(gang)]
+            for kx in range(width):
+                weight = builder.load(at(builder.add(weights, ir.Constant(i64, kx * LANES * 4))), align=4)
+                sums = [builder.call(fma, [values[g * stride + kx], weight, sums[g]]) for g in range(gang)]
+            for g in range(gang):
+                builder.store(sums[g], totals[g])
+        for g in range(gang):
+            target = builder.add(dst, builder.mul(builder.add(start, ir.Constant(i64, g)), ir.Constant(i64, LANES * 4)))
+            builder.store(builder.load(totals[g]), at(target), align=4)
+    return builder.mul(gangs, ir.Constant(i64, gang))
+
+
+@intrinsic
+def _windowed(typingctx, dst, src, w, kh, kw, sx, dx, row_step, n, bias):  # type: ignore[no-untyped-def]
+    """:func:`_sum_taps` of the first ``n`` positions of an output row, their whole gangs,
+    where the kernel is 3, 5 or 7 taps wide (``kw``) with dilation 1 (``dx``) at column
+    stride 1 or 2 (``sx``): returns how many positions it summed (0 for other kernels; the
+    caller sums the rest). ``w`` holds ``kh`` rows of ``kw`` taps; ``row_step`` bytes from
+    one tap row's window to the next."""
+    signature = types.int64(*([types.int64] * 10))
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        dst, src, w, kh, row_step, n, bias = args
-        vector = ir.VectorType(ir.FloatType(), LANES)
-        pointer = vector.as_pointer()
+        dst, src, w, kh, kw, sx, dx, row_step, n, bias = args
         i64 = ir.IntType(64)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+        done = cgutils.alloca_once_value(builder, ir.Constant(i64, 0))
+        unit = builder.icmp_signed("==", dx, ir.Constant(i64, 1))
+        for width, stride in _WINDOW_GANGS:
+            chosen = builder.and_(unit, builder.and_(builder.icmp_signed("==", kw, ir.Constant(i64, width)),
+                                                     builder.icmp_signed("==", sx, ir.Constant(i64, stride))))
+            with builder.if_then(chosen):
+                builder.store(_window_body(builder, dst, src, w, kh, row_step, n, width, stride, bias), done)
+        return builder.load(done)
 
-        def at(address):  # type: ignore[no-untyped-def]
-            return builder.inttoptr(address, pointer)
-
-        first = builder.load(at(bias), align=4)
-        totals = [cgutils.alloca_once(builder, vector) for _ in range(gang)]
-        gangs = builder.sdiv(n, ir.Constant(i64, gang))
-        with cgutils.for_range(builder, gangs) as outer:
-            start = builder.mul(outer.index, ir.Constant(i64, gang))
-            window = builder.add(src, builder.mul(start, ir.Constant(i64, stride * LANES * 4)))
-            for g in range(gang):
-                builder.store(first, totals[g])
-            with cgutils.for_range(builder, kh) as inner:
-                row = builder.add(window, builder.mul(inner.index, row_step))
-                values = [builder.load(at(builder.add(row, ir.Constant(i64, i * LANES * 4))), align=4) for i in range(span)]
-                weights = builder.add(w, builder.mul(inner.index, ir.Constant(i64, width * LANES * 4)))
-                sums = [builder.load(totals[g]) for g in range(gang)]
-                for kx in range(width):
-                    weight = builder.load(at(builder.add(weights, ir.Constant(i64, kx * LANES * 4))), align=4)
-                    sums = [builder.call(fma, [values[g * stride + kx], weight, sums[g]]) for g in range(gang)]
-                for g in range(gang):
-                    builder.store(sums[g], totals[g])
-            for g in range(gang):
-                target = builder.add(dst, builder.mul(builder.add(start, ir.Constant(i64, g)), ir.Constant(i64, LANES * 4)))
-                builder.store(builder.load(totals[g]), at(target), align=4)
-
-    return codegen
-
-
-def _window(width: int, stride: int):  # type: ignore[no-untyped-def]
-    @intrinsic
-    def window(typingctx, dst, src, w, kh, row_step, n, bias):  # type: ignore[no-untyped-def]
-        """:func:`_sum_taps` for a kernel ``width`` taps wide (dilation 1) at column stride
-        ``stride``: the whole gangs of the first ``n`` positions (the rest is left to the
-        caller). ``w`` holds ``kh`` rows of ``width`` taps; ``row_step`` bytes from one tap
-        row's window to the next."""
-        return types.void(*([types.int64] * 7)), _window_codegen(width, stride)
-
-    return window
-
-
-_window_3_1, _window_5_1, _window_7_1, _window_3_2, _window_5_2, _window_7_2 = (
-    _window(3, 1), _window(5, 1), _window(7, 1), _window(3, 2), _window(5, 2), _window(7, 2)
-)
-_GANG_3_1, _GANG_5_1, _GANG_7_1, _GANG_3_2, _GANG_5_2, _GANG_7_2 = (
-    _window_gang(3, 1), _window_gang(5, 1), _window_gang(7, 1), _window_gang(3, 2), _window_gang(5, 2), _window_gang(7, 2)
-)
+    return signature, codegen
 
 
 @_compiled
 def _sum_row(dst, src, w, offsets, kh, kw, dx, sx, row_step, n, bias):  # pragma: no cover  (compiled; inlined)
     """One output row of a block's sums: :func:`_sum_taps`, its whole gangs by a windowed
     sum where the kernel is 3, 5 or 7 taps wide (dilation 1) at column stride 1 or 2."""
-    done = 0
-    if dx == 1 and sx == 1:
-        if kw == 3:
-            _window_3_1(dst, src, w, kh, row_step, n, bias)
-            done = n // _GANG_3_1 * _GANG_3_1
-        elif kw == 5:
-            _window_5_1(dst, src, w, kh, row_step, n, bias)
-            done = n // _GANG_5_1 * _GANG_5_1
-        elif kw == 7:
-            _window_7_1(dst, src, w, kh, row_step, n, bias)
-            done = n // _GANG_7_1 * _GANG_7_1
-    elif dx == 1 and sx == 2:
-        if kw == 3:
-            _window_3_2(dst, src, w, kh, row_step, n, bias)
-            done = n // _GANG_3_2 * _GANG_3_2
-        elif kw == 5:
-            _window_5_2(dst, src, w, kh, row_step, n, bias)
-            done = n // _GANG_5_2 * _GANG_5_2
-        elif kw == 7:
-            _window_7_2(dst, src, w, kh, row_step, n, bias)
-            done = n // _GANG_7_2 * _GANG_7_2
+    done = _windowed(dst, src, w, kh, kw, sx, dx, row_step, n, bias)
     if done < n:
         _sum_taps(dst + done * LANES * 4, src + done * sx * LANES * 4, w, offsets, kh * kw, n - done, sx * LANES, bias)
 
