@@ -68,6 +68,20 @@ def _tile_step(builder, left, weights, row_at, panel_at, rows, panels):  # type:
     return step
 
 
+def _clamped(builder, count, used, scale):  # type: ignore[no-untyped-def]
+    """``min(i, used - 1) * scale`` for ``i`` in ``range(count)``: the offsets of a tile's
+    rows (or panels), those past the ``used`` ones reading the last used one again (their
+    sums are not stored)."""
+    last = builder.sub(used, _c(1))
+    return [builder.mul(builder.select(builder.icmp_signed("<", _c(i), used), _c(i), last), scale) for i in range(count)]
+
+
+def _column_masks(builder, columns):  # type: ignore[no-untyped-def]
+    """(all lanes, the lanes below ``columns``): a whole panel's store and the last one's."""
+    lanes = ir.Constant(_VI64, list(range(_VW)))
+    return ir.Constant(_VMASK, [1] * _VW), builder.icmp_signed("<", lanes, _splat(builder, columns, _VI64))
+
+
 def _panel_codegen(panels: int):  # type: ignore[no-untyped-def]
     """The code of ``_panel_tile{panels}``."""
 
@@ -76,14 +90,10 @@ def _panel_codegen(panels: int):  # type: ignore[no-untyped-def]
         _, masked_load, masked_store = _vector_functions(builder.module)
         four = ir.Constant(ir.IntType(32), 4)
         zero = ir.Constant(_V, [0.0] * _VW)
-        lanes = ir.Constant(_VI64, list(range(_VW)))
-        full = ir.Constant(_VMASK, [1] * _VW)
-        last = builder.icmp_signed("<", lanes, _splat(builder, columns, _VI64))
+        full, last = _column_masks(builder, columns)
         masks = [full] * (panels - 1) + [last]
         left, weights = _floats(builder, a), _floats(builder, x)
-        # rows past ``rows`` read the last row again (their sums are not stored)
-        row_at = [builder.mul(builder.select(builder.icmp_signed("<", _c(r), rows), _c(r), builder.sub(rows, _c(1))), lda)
-                  for r in range(ROWS)]
+        row_at = _clamped(builder, ROWS, rows, lda)
 
         step = _tile_step(builder, left, weights, row_at, [builder.mul(stride, _c(p)) for p in range(panels)], ROWS, panels)
         sums = _k_loop(builder, k, ROWS * panels, step)
@@ -218,17 +228,9 @@ def _few_codegen(rows: int, panels: int):  # type: ignore[no-untyped-def]
         _, masked_load, masked_store = _vector_functions(builder.module)
         four = ir.Constant(ir.IntType(32), 4)
         zero = ir.Constant(_V, [0.0] * _VW)
-        lanes = ir.Constant(_VI64, list(range(_VW)))
-        full = ir.Constant(_VMASK, [1] * _VW)
-        last = builder.icmp_signed("<", lanes, _splat(builder, columns, _VI64))
+        full, last = _column_masks(builder, columns)
         left, weights = _floats(builder, a), _floats(builder, x)
-        # rows and panels past the used ones read the last used one again (their sums are not stored)
-        row_at = [builder.mul(builder.select(builder.icmp_signed("<", _c(r), used_rows), _c(r), builder.sub(used_rows, _c(1))), lda)
-                  for r in range(rows)]
-        panel_at = [
-            builder.mul(builder.select(builder.icmp_signed("<", _c(p), count), _c(p), builder.sub(count, _c(1))), stride)
-            for p in range(panels)
-        ]
+        row_at, panel_at = _clamped(builder, rows, used_rows, lda), _clamped(builder, panels, count, stride)
 
         sums = _k_loop(builder, k, rows * panels, _tile_step(builder, left, weights, row_at, panel_at, rows, panels))
         out, shift = _floats(builder, c), _floats(builder, bias)
