@@ -520,11 +520,6 @@ def _conv_step(node: ir.Node | None) -> TypeIs[ir.Node]:
     return node.op_type == "FusedConv" and node.domain == DOMAIN and "activation" in node.attributes
 
 
-def _ints(node: ir.Node, name: str, default: list[int]) -> list[int]:
-    attribute = node.attributes.get(name)
-    return default if attribute is None else [int(v) for v in attribute.as_ints()]
-
-
 def _float32_weight(node: ir.Node) -> np.ndarray | None:
     """The 4-D weight of a Conv step when it and the bias (if any) are float32 constants."""
     weight = constant_array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
@@ -550,7 +545,8 @@ class FuseExpandDepthwisePass(_NodePass):
         expand = _float32_weight(node)
         if expand is None or expand.shape[2:] != (1, 1):
             return False
-        if any(v != 1 for v in _ints(node, "strides", [1, 1]) + _ints(node, "dilations", [1, 1])) or any(_ints(node, "pads", [0] * 4)):
+        ones = (*node.attributes.get_ints("strides", [1, 1]), *node.attributes.get_ints("dilations", [1, 1]))
+        if any(v != 1 for v in ones) or any(node.attributes.get_ints("pads", [0] * 4)):
             return False
         depthwise = _sole_reader(node.outputs[0])
         if not _conv_step(depthwise) or depthwise.inputs[0] is not node.outputs[0] or depthwise.attributes.get("auto_pad") is not None:
@@ -560,13 +556,12 @@ class FuseExpandDepthwisePass(_NodePass):
         if taps is None or taps.shape[:2] != (m, 1) or depthwise.attributes.get_int("group", 1) != m:
             return False
         kernel = list(taps.shape[2:])
-        if _ints(depthwise, "kernel_shape", kernel) != kernel:
+        if list(depthwise.attributes.get_ints("kernel_shape", kernel)) != kernel:
             return False
+        ints = depthwise.attributes.get_ints
         attributes = [
-            ir.AttrInt64s("kernel_shape", kernel), ir.AttrInt64("group", m),
-            ir.AttrInt64s("strides", _ints(depthwise, "strides", [1, 1])),
-            ir.AttrInt64s("dilations", _ints(depthwise, "dilations", [1, 1])),
-            ir.AttrInt64s("pads", _ints(depthwise, "pads", [0] * 4)),
+            ir.AttrInt64s("kernel_shape", kernel), ir.AttrInt64("group", m), ir.AttrInt64s("strides", list(ints("strides", [1, 1]))),
+            ir.AttrInt64s("dilations", list(ints("dilations", [1, 1]))), ir.AttrInt64s("pads", list(ints("pads", [0] * 4))),
         ]
         for step, prefix in ((node, EXPAND_PREFIX), (depthwise, "")):
             activation, params = step.attributes.get("activation"), step.attributes.get("activation_params")

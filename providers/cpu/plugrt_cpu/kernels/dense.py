@@ -39,7 +39,7 @@ import numpy as np
 from plugrt.threads import blas_threads, parallel_for, parallel_threads
 
 from ._compiled import compiled_module
-from ._gemm import matmul
+from ._gemm import _STREAMED_WEIGHT_COST, matmul
 from ._compiled_parallel import compiled_pool
 from .normalization import zero_vector
 
@@ -321,11 +321,6 @@ def dense_product(
     return False
 
 
-#: A product of few rows reads each weight float for few multiply-adds: its split over
-#: threads counts it as this many rows (``_gemm._STREAMED_WEIGHT_COST``'s rule).
-_STREAMED_WEIGHT_ROWS = 8
-
-
 def _few_rows(loops: Any, out: np.ndarray, a: np.ndarray, panels: np.ndarray, bias: np.ndarray | None, gelu: bool) -> bool:
     """``out = a @ w + bias`` (then the GELU) for ``a`` of fewer rows than a packed row
     tile, its rows contiguous: the weight's panels streamed once, split over the threads
@@ -336,7 +331,7 @@ def _few_rows(loops: Any, out: np.ndarray, a: np.ndarray, panels: np.ndarray, bi
     shift = bias if fused and bias is not None else zero_vector(n)
     activate = gelu and fused  # the GELU comes after the bias: in the loops only with it
     pool = compiled_pool()
-    threads = min(tiles, parallel_threads(max(m, _STREAMED_WEIGHT_ROWS) * n * k)) if pool is not None else 1
+    threads = min(tiles, parallel_threads(max(m, _STREAMED_WEIGHT_COST) * n * k))  # a weight read, not its few multiply-adds if pool is not None else 1
     lda = a.strides[0] // a.itemsize
     if threads <= 1 or pool is None:
         loops.few_rows_product(a.ctypes.data, lda, m, panels, out, shift, activate, 0, tiles)

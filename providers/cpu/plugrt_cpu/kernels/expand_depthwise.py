@@ -38,7 +38,6 @@ __all__ = ["EXPAND_PREFIX", "build_expand_depthwise"]
 EXPAND_PREFIX = "expand_"
 
 _F32 = np.dtype(np.float32)
-_LANES = 16  # channels a block (``_numba_depthwise.LANES``)
 
 
 def _activation(attributes: dict[str, Any], prefix: str) -> tuple[str | None, list[float]]:
