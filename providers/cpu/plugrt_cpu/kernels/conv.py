@@ -65,6 +65,7 @@ _DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 pl
 _DEPTHWISE_COMPILED_COST = 3
 _DEPTHWISE_COMPILED_GRAIN = 8  # planes per parallel_for chunk at least: each costs a call (~5 us)
 _LANES = 16  # channels a block of the channel-blocked depthwise loops (``_numba_depthwise.LANES``)
+_GROUP_WIDTHS = (2, 4, 8, 16)  # channels a group their grouped sums take (``_numba_depthwise.GROUP_WIDTHS``)
 # Rows at least this many floats wide are split into their stride phases (``_DepthwiseLayout``):
 # two 16-float vectors a row for the fill's loops.
 _DEPTHWISE_ROW_PHASES_MIN_PITCH = 32
@@ -133,6 +134,7 @@ class _DepthwiseLayout:
         out: list[int],
         images: int,
         channels: int,
+        per_group: int = 1,
     ) -> None:
         (height, width), (kh, kw), (sy, sx), (dy, dx) = spatial, kernel, strides, dilations
         out_h, out_w = out
@@ -166,16 +168,18 @@ class _DepthwiseLayout:
         three_by_three = (kh, kw) == (3, 3) and shifts[1] == 0  # the middle column needs no mask
         self.layout = np.array([ry, sx, pitch, front, block, int(three_by_three), top, apart, *offsets], dtype=np.int64)
         self.work_size = ry * sx * block + (length if apart != out_w else 0)
-        self.work = images * channels * out_h * out_w * kh * kw * _DEPTHWISE_COMPILED_COST
+        self.work = images * channels * out_h * out_w * kh * kw * per_group * _DEPTHWISE_COMPILED_COST
         self.no_bias = np.zeros(channels, dtype=np.float32)
         # the channel-blocked loops (``_numba_depthwise.blocked_depthwise``): the geometry,
-        # a thread's work floats, and whether they beat the planes' (timed on the first call)
-        self.geometry = np.array([kh, kw, sy, sx, dy, dx, pb[0], pb[1], 0], dtype=np.int64)
+        # a thread's work floats, and whether they beat the planes' (timed on the first call);
+        # for a grouped Conv (``per_group`` channels a group in and out), the loops' grouped sums
+        self.geometry = np.array([kh, kw, sy, sx, dy, dx, pb[0], pb[1], 0, per_group], dtype=np.int64)
         self.geometry_last = self.geometry.copy()  # the same for a channels-last input
         self.geometry_last[8] = 1
         spanned = ((out_h - 1) * sy + (kh - 1) * dy + 1) * ((out_w - 1) * sx + (kw - 1) * dx + 1)
         self.blocked_floats = (spanned + out_h * out_w) * _LANES
         self.blocked_wins: bool | None = None
+        self.bias_lanes: np.ndarray | None = None  # a grouped Conv's bias index for each lane of the blocks
         for array in (self.masks, self.layout, self.no_bias, self.geometry, self.geometry_last):
             array.flags.writeable = False
 
@@ -186,6 +190,7 @@ class _ConvPlan:
     def __init__(self, conv: "_Convolution", x_shape: tuple[int, ...], w_shape: tuple[int, ...], itemsize: int):
         self.units: dict[tuple[Any, ...], Any] = {}  # the compiled units' prepared contexts (conv_units)
         self.gather: tuple[int, ...] | None = None
+        self.grouped: _DepthwiseLayout | None = None
         n, c = x_shape[:2]
         spatial = list(x_shape[2:])
         rank = len(spatial)
@@ -224,6 +229,10 @@ class _ConvPlan:
         self._plan_blocks(c // group * ksize, m // group, itemsize)
         self.grid = grid_plan(x_shape, w_shape, strides, dilations, pb, out, group)
         self.winograd = winograd_plan(x_shape, w_shape, strides, dilations, pb, out, group)
+        # A 2-D Conv of 2 to 16 channels a group in and out (RegNet's, ResNeXt's): the
+        # channel-blocked loops' grouped sums, where its first call finds them faster.
+        if rank == 2 and 1 < group and m == c and w_shape[1] in _GROUP_WIDTHS:
+            self.grouped = _DepthwiseLayout(spatial, kernel, strides, dilations, pb, out, n, m, w_shape[1])
 
     def _plan_columns(
         self,
@@ -442,13 +451,14 @@ class _ConvWeight:
         return packed[0]
 
     def blocked(self, loops: ModuleType) -> np.ndarray | None:
-        """A constant depthwise weight as the channel-blocked loops read it (``loops.block_weights``:
-        (ceil(M / 16), taps, 16)), made once; None for a weight fed at run time."""
+        """A constant depthwise (or grouped) weight as the channel-blocked loops read it
+        (``loops.block_weights``: (ceil(M / 16), taps * C/group, 16)), made once; None for a
+        weight fed at run time."""
         if not self.constant:
             return None
         if self._blocked is None:
             m = self.shape[0]
-            self._blocked = loops.block_weights(self.gemm.reshape(m, -1), np.zeros(m, np.float32))[0]
+            self._blocked = loops.block_weights(self.gemm.reshape(m, -1), np.zeros(m, np.float32), self.shape[1])[0]
         return self._blocked
 
     def taps_in(self, order: tuple[int, ...]) -> np.ndarray:
@@ -524,13 +534,83 @@ class _Convolution:
             y = self._depthwise_product(x, weight.taps_in(plan.tap_order), plan, bias, y)
         elif plan.kind == "depthwise":
             y = self._depthwise_taps(x, wg, plan, bias, y)
-        elif (done := self._winograd(x, weight, bias, y, plan)) is not None:
-            y = done
-        elif plan.grid is not None and available(x.dtype) and not self._gathers(x, plan):
-            y = plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(n, m, *plan.out))
+        elif plan.grouped is None or (done := self._grouped(x, weight, bias, y, plan, applied)) is None:
+            y = self._general(x, weight, bias, y, plan, applied)
         else:
-            y = self._im2col(x, wg, plan, bias, y, packed=weight.packed(), applied=applied)
+            y = done
         return y.reshape(n, m, *plan.out)
+
+    def _general(
+        self,
+        x: np.ndarray,
+        weight: "_ConvWeight",
+        bias: np.ndarray | None,
+        y: np.ndarray | None,
+        plan: _ConvPlan,
+        applied: list | None,
+    ) -> np.ndarray:
+        """A Conv that is neither pointwise nor depthwise: Winograd, the compiled units'
+        grid, or im2col and products."""
+        if (done := self._winograd(x, weight, bias, y, plan)) is not None:
+            return done
+        if plan.grid is not None and available(x.dtype) and not self._gathers(x, plan):
+            return plan.grid(x, weight, bias, self.relu, None if y is None else y.reshape(x.shape[0], plan.m, *plan.out))
+        return self._im2col(x, weight.gemm, plan, bias, y, packed=weight.packed(), applied=applied)
+
+    def _grouped(
+        self,
+        x: np.ndarray,
+        weight: "_ConvWeight",
+        bias: np.ndarray | None,
+        y: np.ndarray | None,
+        plan: _ConvPlan,
+        applied: list | None,
+    ) -> np.ndarray | None:
+        """A 2-D float32 Conv of 2 to 16 channels a group in and out by the channel-blocked
+        loops (``_numba_depthwise.blocked_depthwise``'s grouped sums: each block of 16
+        channels holds its groups side by side, and an input channel of every group is one
+        broadcast load a multiply-add of 16 outputs), as one job on the compiled pool. Its
+        first call times them against :meth:`_general` and keeps the faster (the blocks
+        copy the input padded, which a few wide groups on large planes may not repay).
+        None where they cannot run: not float32, no numba or pool, a weight fed at run
+        time, an empty output, or the general way chosen."""
+        layout = plan.grouped
+        assert layout is not None  # checked by the dispatch
+        if layout.blocked_wins is False or x.dtype != np.float32 or plan.out_size == 0 or x.shape[0] == 0:
+            return None
+        loops = depthwise_loops()
+        pool = compiled_pool()
+        if loops is None or pool is None or (blocked := weight.blocked(loops)) is None:
+            return None
+        n, m = x.shape[0], plan.m
+        y = np.empty((n, m, *plan.out), dtype=x.dtype) if y is None else y.reshape(n, m, *plan.out)
+        if not x.flags.c_contiguous:
+            x = _copy_to_workspace("depthwise-input", x)
+        b = layout.no_bias if bias is None else bias.reshape(m)
+        activation = self.activation if applied is not None else (0, 0.0, 0.0)
+
+        def blocked_run() -> None:
+            self._depthwise_blocked(loops, pool, x, False, blocked, b, layout, self.relu, activation, y)
+
+        if layout.blocked_wins is None:  # the first call times both; each writes all of y, the general way last
+            general_applied: list | None = None if applied is None else []
+
+            def general_run() -> None:
+                if general_applied is not None:
+                    general_applied.clear()
+                self._general(x, weight, bias, y, plan, general_applied)
+
+            layout.blocked_wins = _faster(blocked_run, general_run)
+            if not layout.blocked_wins:
+                if applied is not None and general_applied:
+                    applied.extend(general_applied)
+                return y
+            blocked_run()  # every call's output is the chosen way's, bitwise
+        else:
+            blocked_run()
+        if activation[0]:
+            applied.append(True)  # type: ignore[union-attr]
+        return y
 
     def _winograd(
         self, x: np.ndarray, weight: "_ConvWeight", bias: np.ndarray | None, y: np.ndarray | None, plan: _ConvPlan
@@ -616,7 +696,15 @@ class _Convolution:
         m, height, width = (x.shape[3], x.shape[1], x.shape[2]) if channels_last else x.shape[1:]
         blocks = blocked.shape[0]
         code, low, high = activation
-        if m % _LANES:  # the bias padded to whole blocks (zeros past M)
+        per_group = int(layout.geometry[9])
+        if per_group > 1:  # the bias in the blocks' lane order (lanes past M are never written)
+            if layout.bias_lanes is None:
+                lanes = (np.arange(blocks)[:, None] * _LANES + loops.lane_channels(per_group)).reshape(-1)
+                layout.bias_lanes = np.minimum(lanes, m - 1)
+            padded, _ = _workspace("depthwise-blocked-bias", (blocks * _LANES,), np.dtype(np.float32))
+            np.take(b, layout.bias_lanes, out=padded)
+            b = padded
+        elif m % _LANES:  # the bias padded to whole blocks (zeros past M)
             padded, _ = _workspace("depthwise-blocked-bias", (blocks * _LANES,), np.dtype(np.float32))
             padded[m:] = 0.0
             padded[:m] = b
