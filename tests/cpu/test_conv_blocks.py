@@ -41,6 +41,9 @@ _IM2COL = {
     "direct-grouped-strided": ((1, 32, 15, 15), (32, 16, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2], "group": 2}),
     "direct-pads-wider-than-the-kernel": ((1, 4, 9, 8), (18, 4, 5, 5), {"pads": [6, 5, 6, 5]}),
     "direct-deep-sliced": ((1, 130, 9, 9), (17, 130, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    # tiles of 7 output positions that run on from one output row into the next (8 x 8, 10 x 5)
+    "direct-rows-run-on": ((2, 24, 8, 8), (40, 24, 3, 3), {"pads": [1, 1, 1, 1]}),
+    "direct-rows-run-on-strided": ((1, 12, 20, 9), (20, 12, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
     "1d": ((2, 4, 37), (9, 4, 5), {"pads": [2, 1], "strides": [2]}),
     "3d": ((1, 3, 7, 9, 8), (5, 3, 3, 3, 2), {"pads": [1, 1, 0, 1, 1, 1], "strides": [1, 2, 1]}),
 }
@@ -241,7 +244,9 @@ def test_a_weight_fed_at_run_time_is_read_afresh_each_call(units, monkeypatch):
         assert len(compiled[0].units) == 1  # one context, replaced for each new weight
 
 
-@pytest.mark.parametrize("case", ["direct-strided-dilated-batch", "direct-deep-sliced", "direct-grouped-strided", "stride-2"])
+@pytest.mark.parametrize(
+    "case", ["direct-strided-dilated-batch", "direct-deep-sliced", "direct-grouped-strided", "direct-rows-run-on", "stride-2"]
+)
 def test_im2col_convs_of_64_taps_or_more_read_the_padded_input(monkeypatch, case):
     """With the packed-weight GEMM, an im2col Conv of 64 taps or more reads its columns
     from the zero-padded input (READ_DIRECT); fewer taps keep the gathered blocks."""
