@@ -44,6 +44,10 @@ _IM2COL = {
     # tiles of 7 output positions that run on from one output row into the next (8 x 8, 10 x 5)
     "direct-rows-run-on": ((2, 24, 8, 8), (40, 24, 3, 3), {"pads": [1, 1, 1, 1]}),
     "direct-rows-run-on-strided": ((1, 12, 20, 9), (20, 12, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    # fewer taps at column stride 1 or 2: read by tiles of 16 positions of a row (a stem's 27 taps)
+    "rows-shallow-stride-2": ((2, 3, 23, 37), (20, 3, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    "rows-shallow-stride-1-dilated": ((1, 4, 19, 35), (33, 4, 3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}),
+    "rows-shallow-stride-2x1-asymmetric": ((1, 2, 17, 18), (16, 2, 5, 3), {"pads": [2, 0, 1, 3], "strides": [2, 1]}),
     "1d": ((2, 4, 37), (9, 4, 5), {"pads": [2, 1], "strides": [2]}),
     "3d": ((1, 3, 7, 9, 8), (5, 3, 3, 3, 2), {"pads": [1, 1, 0, 1, 1, 1], "strides": [1, 2, 1]}),
 }
@@ -245,11 +249,16 @@ def test_a_weight_fed_at_run_time_is_read_afresh_each_call(units, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "case", ["direct-strided-dilated-batch", "direct-deep-sliced", "direct-grouped-strided", "direct-rows-run-on", "stride-2"]
+    "case",
+    [
+        "direct-strided-dilated-batch", "direct-deep-sliced", "direct-grouped-strided", "direct-rows-run-on", "stride-2",
+        "rows-shallow-stride-2", "rows-shallow-stride-1-dilated", "rows-shallow-stride-2x1-asymmetric", "stride-3-dilation-2-pads",
+    ],
 )
-def test_im2col_convs_of_64_taps_or_more_read_the_padded_input(monkeypatch, case):
-    """With the packed-weight GEMM, an im2col Conv of 64 taps or more reads its columns
-    from the zero-padded input (READ_DIRECT); fewer taps keep the gathered blocks."""
+def test_im2col_convs_read_the_padded_input_when_deep_or_at_column_stride_1_or_2(monkeypatch, case):
+    """With the packed-weight GEMM, an im2col Conv of 64 taps or more, or of fewer at
+    column stride 1 or 2, reads its columns from the zero-padded input (READ_DIRECT); a
+    shallow one at another column stride keeps the gathered blocks."""
     if conv_units.packing() is None:
         pytest.skip("needs numba and AVX-512 (the packed-weight GEMM)")
     modes = []
@@ -263,5 +272,14 @@ def test_im2col_convs_of_64_taps_or_more_read_the_padded_input(monkeypatch, case
     monkeypatch.setattr(conv_units, "_prepare", recording)
     _compare(_IM2COL[case], relu=True)
     loops = conv_units._loops()
-    direct = case.startswith("direct")
+    direct = case != "stride-3-dilation-2-pads"
     assert modes and all((mode == loops.READ_DIRECT) == direct for mode in modes)
+
+
+def test_the_shallow_read_threshold_is_the_gemms():
+    """conv_units sends a shallow Conv to READ_DIRECT only at column stride 1 or 2, which
+    the GEMM's row tiles take below the same depth."""
+    gemm = conv_units.packing()
+    if gemm is None:
+        pytest.skip("needs numba and AVX-512 (the packed-weight GEMM)")
+    assert conv_units._READ_DIRECT_MIN_DEPTH == gemm.READ_ROWS_MAX_DEPTH

@@ -20,7 +20,7 @@ import numba
 from numba import types
 
 from ._numba_epilogue import activation_rows, bias_relu_rows, bias_residual_relu_rows
-from ._numba_gemm import MR, gathered_product, packed_product
+from ._numba_gemm import MR, READ_ROWS_MAX_DEPTH, gathered_product, packed_product, read_product
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm32, sgemm64
 
 __all__ = ["CONTEXT_WORDS", "addresses", "conv_units", "gather_all", "pad_planes"]
@@ -176,7 +176,9 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
             first = context[WORKSPACE] + (
                 (image * groups + group) * (depth // taps) * plane + r0 * context[STRIDE_H] * context[PADDED_W]
             ) * _FLOAT
-            gathered_product(
+            shallow = depth < READ_ROWS_MAX_DEPTH and context[STRIDE_W] <= 2  # conv_units reads no other shallow Conv directly
+            product = read_product if shallow else gathered_product
+            product(
                 weight,
                 first,
                 context[TAPS],

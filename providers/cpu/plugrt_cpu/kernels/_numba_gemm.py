@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from ._host_cpu import host_features
 
-__all__ = ["MR", "available", "gathered_product", "pack_weight", "packed_product"]
+__all__ = ["MR", "READ_ROWS_MAX_DEPTH", "available", "gathered_product", "pack_weight", "packed_product", "read_product"]
 
 MR = 16  # rows of C (output channels) per tile
 NB = 7  # columns of a narrow product's tiles (``_column_tile``): 7x7, 14x14, 28x28 outputs
@@ -201,26 +201,40 @@ def _ahead(address, size, part, parts):  # pragma: no cover  (compiled)
         _prefetch(address + line * 64)
 
 
-@intrinsic
-def _tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
-    """One tile: ``C[r, :columns] = epilogue(sum_k W[k][r] * X[k, :columns])`` for rows
-    ``r < rows`` (at most MR), ``columns`` at most 16. Addresses: ``w`` the tile's packed
-    rows, ``x`` row 0 of its columns (row step ``ldx`` floats), ``c`` and ``residual``
-    (0: none) row 0 of the tile (row step ``ldc``), ``bias`` the tile's first row's (0:
-    none); ``relu`` non-zero clamps."""
-    signature = types.void(*([types.int64] * 11))
+def _tile_codegen(stride):  # type: ignore[no-untyped-def]
+    """The code of ``_tile`` (``stride`` 0), or of ``_read_tile`` at column stride 1 or 2."""
+    strided = stride > 0
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu = args
+        if strided:
+            w, x, table, k, c, ldc, columns, rows, bias, residual, relu = args
+            offsets = builder.inttoptr(table, _I64.as_pointer())
+        else:
+            w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu = args
         fma, masked_load, masked_store = _vector_functions(builder.module)
         four = ir.Constant(_I32, 4)
         zero = ir.Constant(_V, [0.0] * _VW)
         lanes = ir.Constant(_VI64, list(range(_VW)))
         mask = builder.icmp_signed("<", lanes, _splat(builder, columns, _VI64))
         weights, xs = _floats(builder, w), _floats(builder, x)
+        if stride == 2:  # the 2 * columns - 1 floats a row's columns span, in two vectors: their even lanes
+            span = _splat(builder, builder.sub(builder.mul(columns, _c(2)), _c(1)), _VI64)
+            low = builder.icmp_signed("<", lanes, span)
+            high = builder.icmp_signed("<", builder.add(lanes, _splat(builder, _c(_VW), _VI64)), span)
+            even = ir.Constant(ir.VectorType(_I32, _VW), [2 * j for j in range(_VW)])
+
+        def load_row(index):  # type: ignore[no-untyped-def]
+            if not strided:
+                return builder.call(masked_load, [_vector_at(builder, xs, builder.mul(index, ldx)), four, mask, zero])
+            start = builder.gep(xs, [builder.load(builder.gep(offsets, [index]))])
+            if stride == 1:
+                return builder.call(masked_load, [builder.bitcast(start, _V.as_pointer()), four, mask, zero])
+            first = builder.call(masked_load, [builder.bitcast(start, _V.as_pointer()), four, low, zero])
+            second = builder.call(masked_load, [builder.bitcast(builder.gep(start, [_c(_VW)]), _V.as_pointer()), four, high, zero])
+            return builder.shuffle_vector(first, second, even)
 
         def step(index, accumulators):  # type: ignore[no-untyped-def]
-            row = builder.call(masked_load, [_vector_at(builder, xs, builder.mul(index, ldx)), four, mask, zero])
+            row = load_row(index)
             first = builder.mul(index, _c(MR))
             return [
                 builder.call(fma, [_splat(builder, builder.load(builder.gep(weights, [builder.add(first, _c(r))])), _V), row, a])
@@ -253,7 +267,36 @@ def _tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):
                 negative = builder.and_(builder.fcmp_ordered("<", result, zero), clamp)
                 builder.call(masked_store, [builder.select(negative, zero, result), _vector_at(builder, out, offset), four, mask])
 
-    return signature, codegen
+    return codegen
+
+
+@intrinsic
+def _tile(typingctx, w, x, ldx, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """One tile: ``C[r, :columns] = epilogue(sum_k W[k][r] * X[k, :columns])`` for rows
+    ``r < rows`` (at most MR), ``columns`` at most 16. Addresses: ``w`` the tile's packed
+    rows, ``x`` row 0 of its columns (row step ``ldx`` floats), ``c`` and ``residual``
+    (0: none) row 0 of the tile (row step ``ldc``), ``bias`` the tile's first row's (0:
+    none); ``relu`` non-zero clamps."""
+    signature = types.void(*([types.int64] * 11))
+    return signature, _tile_codegen(0)
+
+
+@intrinsic
+def _read_tile(typingctx, w, x, table, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """``_tile`` reading its columns straight from a Conv's zero-padded input: step
+    ``k``'s column ``j`` is the float at ``x + table[k] + j``, one masked vector load
+    (16 output positions of one output row), so a shallow Conv needs no im2col block and
+    stores whole vectors."""
+    signature = types.void(*([types.int64] * 11))
+    return signature, _tile_codegen(1)
+
+
+@intrinsic
+def _read_tile2(typingctx, w, x, table, k, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """``_read_tile`` at column stride 2: column ``j`` at ``x + table[k] + 2 j``, two
+    masked vector loads a step and their even lanes (a stem's 3x3/2 on 224 x 224)."""
+    signature = types.void(*([types.int64] * 11))
+    return signature, _tile_codegen(2)
 
 
 
@@ -481,3 +524,30 @@ def gathered_product(w, x, table, k, stride, row_step, c, ldc, m, out_rows, out_
                 else:
                     _gathered_tile(weights, x, taps, p0, out_w, row_step, stride, depth, c + offset, ldc,
                                    min(NB, total - p0), rows, row_bias, into, relu if final else 0)
+
+
+#: Taps below which a Conv read from its padded input goes by 16-position row tiles
+#: (``read_product``) rather than the 7-position ones of ``gathered_product``: a deep
+#: product's scalar stores are few against its steps; a shallow one's are not.
+READ_ROWS_MAX_DEPTH = 64
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def read_product(w, x, table, k, stride, row_step, c, ldc, m, out_rows, out_w, bias, residual, relu):  # pragma: no cover  (compiled)
+    """:func:`gathered_product` for a shallow Conv (``k`` under ``READ_ROWS_MAX_DEPTH``,
+    one slice) at column stride 1 or 2: tiles of MR channels by 16 positions of one
+    output row (``_read_tile``), each step one vector of the row's windows (two and a
+    shuffle at stride 2), stored as vectors. Same arguments as :func:`gathered_product`."""
+    for r0 in range(0, m, MR):
+        rows = min(MR, m - r0)
+        weights = w + r0 * k * _FLOAT
+        row_bias = bias + r0 * _FLOAT if bias != 0 else 0
+        for i in range(out_rows):
+            for j0 in range(0, out_w, _VW):
+                offset = (r0 * ldc + i * out_w + j0) * _FLOAT
+                at = x + (i * row_step + j0 * stride) * _FLOAT
+                into = residual + offset if residual != 0 else 0
+                if stride == 1:
+                    _read_tile(weights, at, table, k, c + offset, ldc, min(_VW, out_w - j0), rows, row_bias, into, relu)
+                else:
+                    _read_tile2(weights, at, table, k, c + offset, ldc, min(_VW, out_w - j0), rows, row_bias, into, relu)

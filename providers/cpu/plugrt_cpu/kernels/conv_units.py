@@ -32,10 +32,12 @@ _CHANNEL_GRAIN = 16
 _CHANNEL_BLOCKS_PER_THREAD = 1
 _GATHER_UNITS_PER_THREAD = 2  # units of input channels (planes) per thread of a gather (a pad) job
 # With the packed-weight GEMM, a 2-D im2col Conv of this many taps or more reads its
-# columns from the zero-padded input (READ_DIRECT) instead of gathering blocks of them;
-# below, a tile's scalar stores cost too much against its few steps (SqueezeNet's first
-# Conv, 27 taps, ran 5% slower read directly).
-_READ_DIRECT_MIN_DEPTH = 64
+# columns from the zero-padded input (READ_DIRECT) instead of gathering blocks of them, by
+# tiles of 7 positions stored a float at a time; below, it does so only at column stride
+# 1 or 2, by tiles of 16 positions of a row stored as vectors (``_numba_gemm.read_product``):
+# the 7-position tiles' scalar stores cost too much against few steps (SqueezeNet's first
+# Conv, 27 taps, ran 5% slower by them).
+_READ_DIRECT_MIN_DEPTH = 64  # ``_numba_gemm.READ_ROWS_MAX_DEPTH`` (a test checks they agree)
 
 
 def _loops() -> ModuleType | None:
@@ -186,7 +188,7 @@ def _prepare(
     gather_units = 0
     taps = None
     padded_h = padded_w = 0
-    if geometry is not None and packed is not None and depth >= _READ_DIRECT_MIN_DEPTH:
+    if geometry is not None and packed is not None and (depth >= _READ_DIRECT_MIN_DEPTH or geometry[5] in (1, 2)):
         # the packed-weight GEMM reads the columns from the zero-padded input itself
         mode = loops.READ_DIRECT
         height, width, kh, kw, sh, sw, dh, dw, top, left = geometry
