@@ -246,3 +246,25 @@ def test_layer_norm_of_a_strided_input_takes_the_compiled_rows(graph, width, pat
     for feeds in (first, second, first):
         for a, b in zip(session.replay(feeds).values(), session.run(feeds).values()):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("width", [1, 5, 16, 17, 63, 64, 65, 130, 197])
+def test_the_row_maximum_finds_the_largest_value_wherever_it_lies(width):
+    """The softmax's row maximum (vector maxima, the last vector masked): with the largest
+    value at every position of the row, in its masked tail too, and a NaN ignored."""
+    pytest.importorskip("numba")
+    loops = softmax.compiled_loops()
+    if loops is None:
+        pytest.skip("the compiled loops are off")
+    x = -np.abs(_random(width, width)) - 1  # every value below -1
+    x[np.arange(width), np.arange(width)] = np.arange(width, dtype=np.float32)  # row r's largest at column r
+    out = np.empty_like(x)
+    loops.subtract_row_max(x, out)
+    np.testing.assert_array_equal(out, x - np.arange(width, dtype=np.float32)[:, None])
+    if width > 1:
+        x[:, -1] = np.nan
+        x[-1, -1] = np.nan  # the row whose largest was there: now the one before it is
+        loops.subtract_row_max(x, out)
+        peaks = np.nanmax(x, axis=1)
+        np.testing.assert_array_equal(out[:, :-1], x[:, :-1] - peaks[:, None])
+        assert np.isnan(out[:, -1]).all()
