@@ -177,3 +177,41 @@ def test_the_activation_codes_are_the_compiled_loops():
     assert (conv_activation.SILU, conv_activation.HARD_SWISH, conv_activation.CLIP) == (
         loops.ACT_SILU, loops.ACT_HARD_SWISH, loops.ACT_CLIP
     )
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in-place"])
+@pytest.mark.parametrize("activation", ["SiLU", "HardSwish", "Clip"])
+def test_an_activation_shared_out_on_the_pool_gives_the_formula(activation, in_place, monkeypatch):
+    """A whole tensor's activation as one job on the compiled pool (a standalone SiLU, or a
+    Conv's activation its path did not apply): every value, the ragged last unit's too,
+    against the formula in float64; NaN stays NaN, infinities as the formula gives them."""
+    from plugrt_cpu.kernels import _compiled_parallel, conv_activation
+
+    if _gemm.epilogue_loops() is None or _compiled_parallel.compiled_pool() is None:
+        pytest.skip("needs numba's compiled loops and their pool")
+    monkeypatch.setattr(conv_activation, "parallel_threads", lambda work: 2)
+    x = np.random.default_rng(0).standard_normal((3, 70, 317)).astype(np.float32) * 8
+    x.flat[[0, 500, 66569]] = [np.nan, np.inf, -np.inf]
+    code, low, high = {"SiLU": (conv_activation.SILU, 0.0, 0.0), "HardSwish": (conv_activation.HARD_SWISH, 0.0, 0.0),
+                       "Clip": (conv_activation.CLIP, -1.5, 2.0)}[activation]
+    wide = x.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = {"SiLU": wide / (1 + np.exp(-wide)), "HardSwish": wide * np.clip(wide / 6 + 0.5, 0, 1),
+                    "Clip": np.clip(wide, low, high)}[activation]
+    source = x.copy()
+    target = source if in_place else np.full_like(x, 7.0)
+    assert conv_activation.pooled(target, source, code, low, high)
+    np.testing.assert_array_equal(np.isnan(target), np.isnan(expected))
+    np.testing.assert_allclose(target, expected.astype(np.float32), rtol=2e-6, atol=1e-6)
+    if not in_place:
+        np.testing.assert_array_equal(source, x)  # read, not written
+
+
+def test_a_small_or_strided_activation_is_not_shared_out(monkeypatch):
+    from plugrt_cpu.kernels import conv_activation
+
+    monkeypatch.setattr(conv_activation, "parallel_threads", lambda work: 2)
+    small = np.ones(1000, np.float32)
+    strided = np.ones((400, 400), np.float32).T
+    assert not conv_activation.pooled(small, small, conv_activation.SILU)
+    assert not conv_activation.pooled(strided, strided, conv_activation.SILU)

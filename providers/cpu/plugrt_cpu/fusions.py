@@ -728,6 +728,8 @@ def _silu_into(out: np.ndarray, g: np.ndarray) -> None:
     """out = g * sigmoid(g): a copy of ``g``, then the fused Conv's in-place SiLU (one
     compiled pass where numba is, numpy passes through a work array kept with ``out``)."""
     assert _SILU_IN_PLACE is not None  # None only for the Relu
+    if conv_activation.pooled(out, g, conv_activation.SILU):  # on the pool's threads, copied a unit at a time
+        return
     if out is not g:
         np.copyto(out, g)
     _SILU_IN_PLACE(out, out)

@@ -27,7 +27,7 @@ from ._numba_parallel import float32_pointer, int64_pointer
 
 __all__ = [
     "bias_relu_rows", "bias_residual_relu_rows", "clip_in_place", "hard_swish_in_place", "scale_shift_relu_rows",
-    "silu_in_place", "silu_mul", "silu_mul_step", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP", "squeeze_excite",
+    "silu_in_place", "silu_mul", "silu_mul_step", "activation_job", "activation_rows", "ACT_NONE", "ACT_SILU", "ACT_HARD_SWISH", "ACT_CLIP", "squeeze_excite",
     "SE_RELU", "SE_SILU", "SE_HARD_SWISH", "SE_SIGMOID", "SE_HARD_SIGMOID",
 ]
 
@@ -286,6 +286,41 @@ def activation_rows(c, r0, r1, j0, j1, code, low, high):  # pragma: no cover  (c
                 v = row[j]
                 v = low if v < low else v
                 row[j] = high if v > high else v
+
+
+# -- an activation over a whole tensor, shared out on the compiled pool ----------------------
+
+# activation_job's context: source, target (addresses; the same for in place), length,
+# values a unit, the activation (ACT_*), Clip's bounds (float32 bits in the low half)
+ACTIVATION_SOURCE, ACTIVATION_TARGET, ACTIVATION_LENGTH, ACTIVATION_PER_UNIT, ACTIVATION_CODE = range(5)
+ACTIVATION_LOW, ACTIVATION_HIGH = 5, 6
+ACTIVATION_WORDS = 7
+
+
+@numba.njit(fastmath=_FAST, nogil=True, boundscheck=False, error_model="numpy", cache=True)
+def _copy_run(source, target):  # pragma: no cover  (compiled)
+    for j in range(target.shape[0]):
+        target[j] = source[j]
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def activation_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of ``target = activation(source)`` over a flat float32 run on
+    the compiled pool, ``ACTIVATION_PER_UNIT`` values a unit: each unit's values copied
+    (unless in place), then ``activation_rows``'s loop over them while they are in cache.
+    A standalone SiLU (``plugrt.cpu::Silu``) or a Conv's activation the Conv did not apply."""
+    context = numba.carray(int64_pointer(c), ACTIVATION_WORDS)
+    length, per_unit = context[ACTIVATION_LENGTH], context[ACTIVATION_PER_UNIT]
+    target = numba.carray(float32_pointer(context[ACTIVATION_TARGET]), (1, length))
+    source = numba.carray(float32_pointer(context[ACTIVATION_SOURCE]), (1, length))
+    bounds = numba.carray(float32_pointer(c + ACTIVATION_LOW * 8), 3)  # low, (its high half), high
+    j0 = start * per_unit
+    j1 = min(length, stop * per_unit)
+    if j0 >= j1:
+        return
+    if context[ACTIVATION_SOURCE] != context[ACTIVATION_TARGET]:
+        _copy_run(source[0, j0:j1], target[0, j0:j1])
+    activation_rows(target, 0, 1, j0, j1, context[ACTIVATION_CODE], bounds[0], bounds[2])
 
 
 # -- squeeze-excitation in one call ----------------------------------------------------------
