@@ -486,7 +486,10 @@ def _window_gang(width: int, stride: int) -> int:
 
 def _window_body(builder, dst, src, w, kh, row_step, n, width, stride, bias):  # type: ignore[no-untyped-def]
     """The code of one windowed sum (see :func:`_windowed`) for a kernel ``width`` taps wide
-    at column stride ``stride``; returns the positions it summed (its whole gangs)."""
+    at column stride ``stride``: whole gangs, then the rest as one more gang that stores
+    only its first positions (a 7-position row is one gang, not seven sums a position at
+    a time; its reads run up to ``WINDOW_SLACK`` floats past the row, which the work arrays
+    leave room for). Returns the positions it summed: all ``n``."""
     gang = _window_gang(width, stride)
     span = (gang - 1) * stride + width
     vector = ir.VectorType(ir.FloatType(), LANES)
@@ -499,9 +502,9 @@ def _window_body(builder, dst, src, w, kh, row_step, n, width, stride, bias):  #
 
     first = builder.load(at(bias), align=4)
     totals = [cgutils.alloca_once(builder, vector) for _ in range(gang)]
-    gangs = builder.sdiv(n, ir.Constant(i64, gang))
-    with cgutils.for_range(builder, gangs) as outer:
-        start = builder.mul(outer.index, ir.Constant(i64, gang))
+
+    def sums_from(start, count):  # type: ignore[no-untyped-def]
+        """A gang's sums from position ``start``, the first ``count`` stored (None: all)."""
         window = builder.add(src, builder.mul(start, ir.Constant(i64, stride * LANES * 4)))
         for g in range(gang):
             builder.store(first, totals[g])
@@ -517,16 +520,34 @@ def _window_body(builder, dst, src, w, kh, row_step, n, width, stride, bias):  #
                 builder.store(sums[g], totals[g])
         for g in range(gang):
             target = builder.add(dst, builder.mul(builder.add(start, ir.Constant(i64, g)), ir.Constant(i64, LANES * 4)))
-            builder.store(builder.load(totals[g]), at(target), align=4)
-    return builder.mul(gangs, ir.Constant(i64, gang))
+            if count is None:
+                builder.store(builder.load(totals[g]), at(target), align=4)
+            else:
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, g), count)):
+                    builder.store(builder.load(totals[g]), at(target), align=4)
+
+    gangs = builder.sdiv(n, ir.Constant(i64, gang))
+    with cgutils.for_range(builder, gangs) as outer:
+        sums_from(builder.mul(outer.index, ir.Constant(i64, gang)), None)
+    done = builder.mul(gangs, ir.Constant(i64, gang))
+    rest = builder.sub(n, done)
+    with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(i64, 0))):
+        sums_from(done, rest)
+    return n
+
+
+#: Floats past a padded block's last row that a windowed sum's last gang may read (its
+#: positions past the row's: at most 7, two columns apart, of LANES floats); the work
+#: arrays leave this much room after every padded block.
+WINDOW_SLACK = 16 * LANES
 
 
 @intrinsic
 def _windowed(typingctx, dst, src, w, kh, kw, sx, dx, row_step, n, bias):  # type: ignore[no-untyped-def]
-    """:func:`_sum_taps` of the first ``n`` positions of an output row, their whole gangs,
-    where the kernel is 3, 5 or 7 taps wide (``kw``) with dilation 1 (``dx``) at column
-    stride 1 or 2 (``sx``): returns how many positions it summed (0 for other kernels; the
-    caller sums the rest). ``w`` holds ``kh`` rows of ``kw`` taps; ``row_step`` bytes from
+    """:func:`_sum_taps` of the first ``n`` positions of an output row, where the kernel
+    is 3, 5 or 7 taps wide (``kw``) with dilation 1 (``dx``) at column stride 1 or 2
+    (``sx``): returns how many positions it summed (``n``; 0 for other kernels, which the
+    caller sums). ``w`` holds ``kh`` rows of ``kw`` taps; ``row_step`` bytes from
     one tap row's window to the next."""
     signature = types.int64(*([types.int64] * 10))
 
@@ -547,8 +568,8 @@ def _windowed(typingctx, dst, src, w, kh, kw, sx, dx, row_step, n, bias):  # typ
 
 @_compiled
 def _sum_row(dst, src, w, offsets, kh, kw, dx, sx, row_step, n, bias):  # pragma: no cover  (compiled; inlined)
-    """One output row of a block's sums: :func:`_sum_taps`, its whole gangs by a windowed
-    sum where the kernel is 3, 5 or 7 taps wide (dilation 1) at column stride 1 or 2."""
+    """One output row of a block's sums: by a windowed sum where the kernel is 3, 5 or 7
+    taps wide (dilation 1) at column stride 1 or 2, else :func:`_sum_taps`."""
     done = _windowed(dst, src, w, kh, kw, sx, dx, row_step, n, bias)
     if done < n:
         _sum_taps(dst + done * LANES * 4, src + done * sx * LANES * 4, w, offsets, kh * kw, n - done, sx * LANES, bias)
@@ -900,7 +921,7 @@ def blocked_work(geometry: np.ndarray, out_h: int, out_w: int) -> int:
     kh, kw, sy, sx, dy, dx = (int(v) for v in geometry[:6])
     rows = (out_h - 1) * sy + (kh - 1) * dy + 1
     cols = (out_w - 1) * sx + (kw - 1) * dx + 1
-    return (rows * cols + out_h * out_w) * LANES
+    return (rows * cols + out_h * out_w) * LANES + WINDOW_SLACK
 
 
 @numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
@@ -1116,7 +1137,7 @@ def expand_geometry(kernel: tuple[int, int], strides: tuple[int, int], dilations
     geometry = np.array([kh, kw, sy, sx, dy, dx, top, left, rows, cols], np.int64)
     r, c = np.divmod(np.arange(height * width, dtype=np.int64), width)
     table = ((r + top) * cols + c + left) * (LANES * 4)
-    return geometry, table, (rows * cols + out_w) * LANES
+    return geometry, table, (rows * cols + out_w) * LANES + WINDOW_SLACK
 
 
 # The context of ``expand_job`` (int64 words; see ``expand_depthwise.ExpandDepthwise``).

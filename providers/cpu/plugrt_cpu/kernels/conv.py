@@ -65,6 +65,7 @@ _DEPTHWISE_BLOCK_BYTES = 1 << 20  # depthwise columns per block (measured: 32 pl
 _DEPTHWISE_COMPILED_COST = 3
 _DEPTHWISE_COMPILED_GRAIN = 8  # planes per parallel_for chunk at least: each costs a call (~5 us)
 _LANES = 16  # channels a block of the channel-blocked depthwise loops (``_numba_depthwise.LANES``)
+_WINDOW_SLACK = 16 * _LANES  # floats after a padded block its windowed sums may read (``_numba_depthwise.WINDOW_SLACK``)
 _GROUP_WIDTHS = (2, 4, 8, 16)  # channels a group their grouped sums take (``_numba_depthwise.GROUP_WIDTHS``)
 # Rows at least this many floats wide are split into their stride phases (``_DepthwiseLayout``):
 # two 16-float vectors a row for the fill's loops.
@@ -177,7 +178,7 @@ class _DepthwiseLayout:
         self.geometry_last = self.geometry.copy()  # the same for a channels-last input
         self.geometry_last[8] = 1
         spanned = ((out_h - 1) * sy + (kh - 1) * dy + 1) * ((out_w - 1) * sx + (kw - 1) * dx + 1)
-        self.blocked_floats = (spanned + out_h * out_w) * _LANES
+        self.blocked_floats = (spanned + out_h * out_w) * _LANES + _WINDOW_SLACK
         self.blocked_wins: bool | None = None
         self.bias_lanes: np.ndarray | None = None  # a grouped Conv's bias index for each lane of the blocks
         for array in (self.masks, self.layout, self.no_bias, self.geometry, self.geometry_last):
