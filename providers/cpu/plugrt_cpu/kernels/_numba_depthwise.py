@@ -987,26 +987,26 @@ def _expand(typingctx, dst, table, src, w, k, plane, start, n, bias, low, high):
         step = builder.mul(plane, four)
         totals = [cgutils.alloca_once(builder, vector) for _ in range(_EXPAND_GANG)]
 
-        def positions(p0, count):  # type: ignore[no-untyped-def]
-            """``count`` (1 to _EXPAND_GANG; None: all) positions from ``p0``, their sums side
-            by side: the lanes past ``count`` read the last position again and store nothing."""
+        def positions(p0, count, gang):  # type: ignore[no-untyped-def]
+            """``count`` (1 to ``gang``; None: all) positions from ``p0``, their sums side by
+            side: the lanes past ``count`` read the last position again and store nothing."""
             base = builder.add(src, builder.mul(p0, four))
             if count is None:  # a whole gang
-                count = ir.Constant(i64, _EXPAND_GANG)
-                reads = [ir.Constant(i64, 4 * g) for g in range(_EXPAND_GANG)]
+                count = ir.Constant(i64, gang)
+                reads = [ir.Constant(i64, 4 * g) for g in range(gang)]
             else:
                 last = builder.sub(count, ir.Constant(i64, 1))
                 reads = [builder.mul(builder.select(builder.icmp_signed("<", ir.Constant(i64, g), count), ir.Constant(i64, g), last), four)
-                         for g in range(_EXPAND_GANG)]
-            for g in range(_EXPAND_GANG):
+                         for g in range(gang)]
+            for g in range(gang):
                 builder.store(first, totals[g])
             with cgutils.for_range(builder, k) as inner:
                 row = builder.add(base, builder.mul(inner.index, step))
                 weight = builder.load(builder.inttoptr(builder.add(w, builder.mul(inner.index, ir.Constant(i64, LANES * 4))), pointer), align=4)
-                for g in range(_EXPAND_GANG):
+                for g in range(gang):
                     value = builder.load(builder.inttoptr(builder.add(row, reads[g]), ir.FloatType().as_pointer()), align=4)
                     builder.store(builder.call(fma, [splat(value), weight, builder.load(totals[g])]), totals[g])
-            for g in range(_EXPAND_GANG):
+            for g in range(gang):
                 with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, g), count), likely=True):
                     value = builder.load(totals[g])
                     value = builder.select(builder.fcmp_ordered("<", value, floor), floor, value)
@@ -1017,11 +1017,16 @@ def _expand(typingctx, dst, table, src, w, k, plane, start, n, bias, low, high):
         gang = ir.Constant(i64, _EXPAND_GANG)
         gangs = builder.sdiv(n, gang)
         with cgutils.for_range(builder, gangs) as outer:
-            positions(builder.add(start, builder.mul(outer.index, gang)), None)
+            positions(builder.add(start, builder.mul(outer.index, gang)), None, _EXPAND_GANG)
         done = builder.mul(gangs, gang)
         rest = builder.sub(n, done)
-        with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(i64, 0))):
-            positions(builder.add(start, done), rest)
+        half = _EXPAND_GANG // 2  # a short rest (49 positions: 48 and 1) as a half gang, half the steps' work
+        with builder.if_else(builder.icmp_signed(">", rest, ir.Constant(i64, half))) as (longer, shorter):
+            with longer:
+                positions(builder.add(start, done), rest, _EXPAND_GANG)
+            with shorter:
+                with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(i64, 0))):
+                    positions(builder.add(start, done), rest, half)
 
     return signature, codegen
 
