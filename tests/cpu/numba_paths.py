@@ -56,3 +56,18 @@ def compiled_or_skip(loops: Callable[[], Any]) -> Any:
     if found is None:
         pytest.skip("the compiled loops are off here")
     return found
+
+
+def record_faster(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[bool]:
+    """The answers of ``module._faster`` (a first call's timed choice between two ways of
+    a step), recorded as it gives them: the list fills as the choices are made."""
+    asked: list[bool] = []
+    original = module._faster
+
+    def recorded(first: Callable[[], None], second: Callable[[], None], rounds: int = 2) -> bool:
+        asked.append(original(first, second, rounds))
+        return asked[-1]
+
+    monkeypatch.setattr(module, "_faster", recorded)
+    return asked
+

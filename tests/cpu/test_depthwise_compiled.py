@@ -17,7 +17,7 @@ from plugrt.capture import Captured
 from plugrt_cpu.kernels import _compiled
 from plugrt_cpu.kernels import conv as convolution
 
-from cpu.numba_paths import PATHS, numba_or_numpy
+from cpu.numba_paths import PATHS, numba_or_numpy, record_faster
 from cpu.test_into import REPLAY_BYTES, _same, check_captured, one_node, replay_bytes
 
 pytest.importorskip("numba")
@@ -395,14 +395,7 @@ def test_the_first_call_times_both_ways_and_keeps_the_faster(monkeypatch):
     output) and the later calls only the one ``_faster`` chose."""
     if convolution.depthwise_loops() is None or convolution.compiled_pool() is None:
         pytest.skip("needs the compiled loops and their pool")
-    asked: list[bool] = []
-    original = convolution._faster
-
-    def recorded(first, second, rounds=2):
-        asked.append(original(first, second, rounds))
-        return asked[-1]
-
-    monkeypatch.setattr(convolution, "_faster", recorded)
+    asked = record_faster(monkeypatch, convolution)
     calls = {"blocked": 0, "planes": 0}
     for name, attribute in (("blocked", "_depthwise_blocked"), ("planes", "_depthwise_planes")):
         function = getattr(convolution._Convolution, attribute)

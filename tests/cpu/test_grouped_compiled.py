@@ -16,7 +16,7 @@ from onnx import numpy_helper
 import plugrt
 from plugrt_cpu.kernels import conv as convolution
 
-from cpu.numba_paths import PATHS, numba_or_numpy
+from cpu.numba_paths import PATHS, numba_or_numpy, record_faster
 from cpu.test_into import check_captured, one_node
 
 pytest.importorskip("numba")
@@ -160,14 +160,7 @@ def test_the_first_call_times_both_ways_and_keeps_the_faster(monkeypatch, blocke
     output) and the later calls only the one ``_faster`` chose."""
     if convolution.depthwise_loops() is None or convolution.compiled_pool() is None:
         pytest.skip("needs the compiled loops and their pool")
-    asked: list[bool] = []
-    original_faster = convolution._faster
-
-    def recorded(first, second, rounds=2):
-        asked.append(original_faster(first, second, rounds))
-        return asked[-1]
-
-    monkeypatch.setattr(convolution, "_faster", recorded)
+    asked = record_faster(monkeypatch, convolution)
     general: list[int] = []
     original_general = convolution._Convolution._general
 
