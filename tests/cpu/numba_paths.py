@@ -71,3 +71,31 @@ def record_faster(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[bool]:
     monkeypatch.setattr(module, "_faster", recorded)
     return asked
 
+
+def choose_faster(monkeypatch: pytest.MonkeyPatch, module: Any, first_wins: bool) -> None:
+    """``module._faster`` answering ``first_wins`` without timing: it runs the second way
+    once, as the real one runs it last, so that the first call's output is the chosen
+    way's either way (the first way runs again when it wins)."""
+
+    def choose(first: Callable[[], None], second: Callable[[], None], rounds: int = 2) -> bool:
+        second()
+        return first_wins
+
+    monkeypatch.setattr(module, "_faster", choose)
+
+
+def count_blocked_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The channel-blocked depthwise (or grouped) jobs a test runs, by their blocks of 16
+    channels (``conv._Convolution._depthwise_blocked``'s weight)."""
+    from plugrt_cpu.kernels import conv
+
+    runs: list[int] = []
+    original = conv._Convolution._depthwise_blocked
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        runs.append(args[4].shape[0])  # the blocked weight's blocks
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(conv._Convolution, "_depthwise_blocked", staticmethod(counted))
+    return runs
+

@@ -17,7 +17,7 @@ from plugrt.capture import Captured
 from plugrt_cpu.kernels import _compiled
 from plugrt_cpu.kernels import conv as convolution
 
-from cpu.numba_paths import PATHS, numba_or_numpy, record_faster
+from cpu.numba_paths import PATHS, choose_faster, count_blocked_runs, numba_or_numpy, record_faster
 from cpu.test_into import REPLAY_BYTES, _same, check_captured, one_node, replay_bytes
 
 pytest.importorskip("numba")
@@ -331,20 +331,8 @@ def way(request, monkeypatch) -> tuple[str, list[int]]:
     channel-blocked jobs run, by unit count."""
     if convolution.depthwise_loops() is None or convolution.compiled_pool() is None:
         pytest.skip("needs the compiled loops and their pool")
-    def choose(first, second, rounds=2):  # ``first`` is the blocked run: the other one runs, untimed
-        second()
-        return request.param == "blocked"
-
-    monkeypatch.setattr(convolution, "_faster", choose)
-    units: list[int] = []
-    original = convolution._Convolution._depthwise_blocked
-
-    def counted(*args, **kwargs):
-        units.append(args[4].shape[0])  # the blocked weight's blocks
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(convolution._Convolution, "_depthwise_blocked", staticmethod(counted))
-    return request.param, units
+    choose_faster(monkeypatch, convolution, request.param == "blocked")
+    return request.param, count_blocked_runs(monkeypatch)
 
 
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])

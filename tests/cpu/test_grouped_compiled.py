@@ -16,7 +16,7 @@ from onnx import numpy_helper
 import plugrt
 from plugrt_cpu.kernels import conv as convolution
 
-from cpu.numba_paths import PATHS, numba_or_numpy, record_faster
+from cpu.numba_paths import PATHS, choose_faster, count_blocked_runs, numba_or_numpy, record_faster
 from cpu.test_into import check_captured, one_node
 
 pytest.importorskip("numba")
@@ -82,29 +82,16 @@ def _onnxruntime(model: bytes, x: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def blocked_runs(monkeypatch) -> list[int]:
     """The channel-blocked jobs run, by their blocks of 16 channels."""
-    runs: list[int] = []
-    original = convolution._Convolution._depthwise_blocked
-
-    def counted(*args, **kwargs):
-        runs.append(args[4].shape[0])  # the blocked weight's blocks
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(convolution._Convolution, "_depthwise_blocked", staticmethod(counted))
-    return runs
+    return count_blocked_runs(monkeypatch)
 
 
 @pytest.fixture(params=["grouped", "general"])
 def way(request, monkeypatch, blocked_runs) -> tuple[str, list[int]]:
-    """The first call's choice made for it (``conv._faster`` runs the general way, untimed,
-    as its last run), and the channel-blocked jobs run."""
+    """The first call's choice made for it (the general way runs, untimed, as its last
+    run), and the channel-blocked jobs run."""
     if convolution.depthwise_loops() is None or convolution.compiled_pool() is None:
         pytest.skip("needs the compiled loops and their pool")
-
-    def choose(first, second, rounds=2):  # ``first`` is the grouped run: the other one runs, untimed
-        second()
-        return request.param == "grouped"
-
-    monkeypatch.setattr(convolution, "_faster", choose)
+    choose_faster(monkeypatch, convolution, request.param == "grouped")
     return request.param, blocked_runs
 
 
