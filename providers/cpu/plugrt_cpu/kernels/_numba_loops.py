@@ -18,10 +18,6 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 __all__ = [
     "bias_gelu_rows",
@@ -40,6 +36,11 @@ _compiled = numba.njit(**_FLAGS)
 
 # After numba's first use above: a numba that cannot set up (no writable cache, say) fails
 # there, with its own error, before these modules' imports of llvmlite could.
+from llvmlite import ir  # noqa: E402
+from numba import types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
 from ._numba_epilogue import _exp  # noqa: E402
 from ._numba_parallel import float32_pointer, int64_pointer  # noqa: E402
 
