@@ -222,11 +222,12 @@ def test_the_numpy_path_matches_onnxruntime_under_plugrt_numba_0(path, blocked_r
         assert blocked_runs == []
 
 
-def test_the_group_widths_agree_with_the_compiled_loops():
+def test_the_group_widths_and_the_window_slack_agree_with_the_compiled_loops():
     loops = convolution.depthwise_loops()
     if loops is None:
         pytest.skip("needs the compiled loops")
     assert convolution._GROUP_WIDTHS == loops.GROUP_WIDTHS
+    assert convolution._WINDOW_SLACK == loops.WINDOW_SLACK  # the room conv.py leaves after a padded block
     # each lane's channel: every channel of the block once, a group's input channel j side by side
     for per_group in (1, *loops.GROUP_WIDTHS):
         lanes = loops.lane_channels(per_group)

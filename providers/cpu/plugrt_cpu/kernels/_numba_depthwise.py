@@ -54,7 +54,7 @@ from ._numba_parallel import float32_pointer, int64_pointer
 
 __all__ = [
     "BLOCKED_WORDS", "EXPAND_WORDS", "GROUP_WIDTHS", "JOB_WORDS", "LANES", "block_weights", "blocked_depthwise", "blocked_job", "blocked_work",
-    "depthwise_conv2d", "depthwise_job", "expand_depthwise", "expand_geometry", "expand_job", "lane_channels",
+    "WINDOW_SLACK", "depthwise_conv2d", "depthwise_job", "expand_depthwise", "expand_geometry", "expand_job", "lane_channels",
 ]
 
 _compiled = numba.njit(
@@ -417,6 +417,20 @@ _BLOCKED = numba.void(
 )
 
 
+def _lane_vectors(builder):  # type: ignore[no-untyped-def]
+    """What the sums' code uses: the LANES-float vector type, int64, LLVM's fused
+    multiply-add of two vectors into a third, and ``at(address)``, an int64 address as a
+    vector pointer."""
+    vector = ir.VectorType(ir.FloatType(), LANES)
+    pointer = vector.as_pointer()
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+
+    def at(address):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(address, pointer)
+
+    return vector, ir.IntType(64), fma, at
+
+
 @intrinsic
 def _sum_taps(typingctx, dst, src, w, offsets, taps, n, step, bias):  # type: ignore[no-untyped-def]
     """``n`` output positions of a block: ``dst[j] = bias + sum_t src[j * step + offsets[t]]
@@ -429,14 +443,7 @@ def _sum_taps(typingctx, dst, src, w, offsets, taps, n, step, bias):  # type: ig
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         dst, src, w, offsets, taps, n, step, bias = args
-        vector = ir.VectorType(ir.FloatType(), LANES)
-        pointer = vector.as_pointer()
-        i64 = ir.IntType(64)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
-
-        def at(address):  # type: ignore[no-untyped-def]
-            return builder.inttoptr(address, pointer)
-
+        vector, i64, fma, at = _lane_vectors(builder)
         table = builder.inttoptr(offsets, i64.as_pointer())
         four = ir.Constant(i64, 4)
         first = builder.load(at(bias), align=4)
@@ -492,14 +499,7 @@ def _window_body(builder, dst, src, w, kh, row_step, n, width, stride, bias):  #
     leave room for). Returns the positions it summed: all ``n``."""
     gang = _window_gang(width, stride)
     span = (gang - 1) * stride + width
-    vector = ir.VectorType(ir.FloatType(), LANES)
-    pointer = vector.as_pointer()
-    i64 = ir.IntType(64)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
-
-    def at(address):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(address, pointer)
-
+    vector, i64, fma, at = _lane_vectors(builder)
     first = builder.load(at(bias), align=4)
     totals = [cgutils.alloca_once(builder, vector) for _ in range(gang)]
 
@@ -585,15 +585,9 @@ GROUP_WIDTHS = (2, 4, 8, 16)  # channels a group the grouped sums take (1 is the
 def _grouped_body(builder, dst, src, w, offsets, taps, n, step, bias, per_group):  # type: ignore[no-untyped-def]
     """The code of :func:`_grouped_taps` for groups of ``per_group`` (a Python int) channels."""
     share = LANES // per_group
-    vector = ir.VectorType(ir.FloatType(), LANES)
-    pointer = vector.as_pointer()
-    i64 = ir.IntType(64)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+    vector, i64, fma, at = _lane_vectors(builder)
     narrow = ir.VectorType(ir.FloatType(), share)
     spread = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [lane % share for lane in range(LANES)])
-
-    def at(address):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(address, pointer)
 
     def broadcast(address):  # type: ignore[no-untyped-def]
         """The ``share`` floats at ``address`` repeated over the lanes (one broadcast load)."""

@@ -606,9 +606,7 @@ class _Convolution:
                 if applied is not None and general_applied:
                     applied.extend(general_applied)
                 return y
-            blocked_run()  # every call's output is the chosen way's, bitwise
-        else:
-            blocked_run()
+        blocked_run()  # on the first call too: every call's output is the chosen way's, bitwise
         if activation[0]:
             applied.append(True)  # type: ignore[union-attr]
         return y
