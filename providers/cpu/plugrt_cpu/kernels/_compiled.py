@@ -74,6 +74,7 @@ MODULES: dict[str, str] = {
     "_numba_depthwise": "depthwise Conv",
     "_numba_pool": "MaxPool and AveragePool",
     "_numba_winograd": "Winograd transforms",
+    "_numba_transpose": "transposed copies",
 }
 #: The compiled modules each one imports (loaded before it: a module asked for later is
 #: then ready at once, as the thread pool's loops under the 4-bit kernels must be).
@@ -87,6 +88,7 @@ IMPORTS: dict[str, tuple[str, ...]] = {
     "_numba_int4": ("_numba_parallel",),
     "_numba_pool": ("_numba_parallel",),
     "_numba_winograd": ("_numba_parallel", "_numba_gemm"),
+    "_numba_transpose": ("_numba_parallel",),
 }
 _PACKAGE = "plugrt_cpu.kernels"
 
@@ -95,6 +97,7 @@ CONV_LOOPS = ("_numba_conv", "_numba_depthwise", "_numba_winograd")
 DENSE_LOOPS = ("_numba_dense",)
 ROW_LOOPS = ("_numba_loops",)
 POOL_LOOPS = ("_numba_pool",)
+TRANSPOSE_LOOPS = ("_numba_transpose",)
 
 Progress = Callable[[int, int, str], None]  # (modules done, modules in all, the one starting)
 

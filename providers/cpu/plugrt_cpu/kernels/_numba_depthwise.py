@@ -50,7 +50,7 @@ from numba.extending import intrinsic
 
 from ._host_cpu import host_features
 from ._numba_epilogue import ACT_CLIP, activation_rows
-from ._numba_parallel import float32_pointer, int64_pointer
+from ._numba_parallel import float32_pointer, int64_pointer, transpose_vectors
 
 __all__ = [
     "BLOCKED_WORDS", "EXPAND_WORDS", "GROUP_WIDTHS", "JOB_WORDS", "LANES", "block_weights", "blocked_depthwise", "blocked_job", "blocked_work",
@@ -663,25 +663,6 @@ def _grouped_taps(typingctx, dst, src, w, offsets, taps, n, step, bias, per_grou
     return signature, codegen
 
 
-def _transpose(builder, rows):  # type: ignore[no-untyped-def]
-    """The LANES x LANES matrix of ``rows`` (LANES vectors) transposed: at each level
-    ``s`` (1, 2, 4, 8) rows ``i`` and ``i + s`` swap their off-diagonal s x s blocks, two
-    two-vector shuffles a pair (64 in all)."""
-    rows = list(rows)
-    s = 1
-    while s < LANES:
-        for i in range(LANES):
-            if i & s:
-                continue
-            a, b = rows[i], rows[i + s]
-            low = [j if not j & s else LANES + j - s for j in range(LANES)]
-            high = [j + s if not j & s else LANES + j for j in range(LANES)]
-            rows[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), LANES), low))
-            rows[i + s] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), LANES), high))
-        s *= 2
-    return rows
-
-
 def _lane_mask(builder, count):  # type: ignore[no-untyped-def]
     """Lanes below ``count`` (an int64)."""
     lanes = ir.Constant(ir.VectorType(ir.IntType(64), LANES), list(range(LANES)))
@@ -733,7 +714,7 @@ def _interleave(typingctx, dst, src, plane, n, count, per_group):  # type: ignor
             keep = builder.and_(within, _splat_bool(builder, builder.icmp_signed("<", channel, count)))
             address = builder.add(src, builder.mul(builder.mul(plane, channel), ir.Constant(i64, 4)))
             rows.append(builder.call(load, [builder.inttoptr(address, vector.as_pointer()), four, keep, zero]))
-        columns = _transpose(builder, rows)
+        columns = transpose_vectors(builder, rows)
         for p in range(LANES):
             with builder.if_then(builder.icmp_signed("<", ir.Constant(i64, p), n)):
                 target = builder.inttoptr(builder.add(dst, ir.Constant(i64, p * LANES * 4)), vector.as_pointer())
@@ -761,7 +742,7 @@ def _deinterleave(typingctx, dst, src, plane, n, count, relu, per_group):  # typ
             keep = _splat_bool(builder, builder.icmp_signed("<", ir.Constant(i64, p), n))
             address = builder.add(src, ir.Constant(i64, p * LANES * 4))
             positions.append(builder.call(load, [builder.inttoptr(address, vector.as_pointer()), four, keep, zero]))
-        rows = _transpose(builder, positions)
+        rows = transpose_vectors(builder, positions)
         clamp = _splat_bool(builder, builder.icmp_signed("!=", relu, ir.Constant(i64, 0)))
         for c in range(LANES):
             channel = _lane_channel(builder, c, per_group)

@@ -41,6 +41,7 @@ __all__ = [
     "publish",
     "run_alone",
     "run_program",
+    "transpose_vectors",
     "wait",
 ]
 
@@ -435,3 +436,24 @@ def run_program(program, start, state, threads, spin, workers, patience, yield_a
             return i
         participate(state, load(state + _SEQUENCE * _W), body, context, units, patience, yield_address)
     return program.shape[0]
+
+
+def transpose_vectors(builder, rows):  # type: ignore[no-untyped-def]
+    """The square matrix of ``rows`` (n vectors of n lanes, n a power of two) transposed
+    in registers: at each level ``s`` (1, 2, 4, ...) rows ``i`` and ``i + s`` swap their
+    off-diagonal s x s blocks, two two-vector shuffles a pair."""
+    rows = list(rows)
+    lanes = len(rows)
+    order = ir.VectorType(ir.IntType(32), lanes)
+    s = 1
+    while s < lanes:
+        for i in range(lanes):
+            if i & s:
+                continue
+            a, b = rows[i], rows[i + s]
+            low = [j if not j & s else lanes + j - s for j in range(lanes)]
+            high = [j + s if not j & s else lanes + j for j in range(lanes)]
+            rows[i] = builder.shuffle_vector(a, b, ir.Constant(order, low))
+            rows[i + s] = builder.shuffle_vector(a, b, ir.Constant(order, high))
+        s *= 2
+    return rows

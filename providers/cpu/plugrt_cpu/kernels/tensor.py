@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from .._registry import KernelContext, kernel, kernel_builder, declare_into
+from ._compiled import TRANSPOSE_LOOPS, compiled_module
 from .elementwise import scratch, with_small_buffers
 
 # ---------------------------------------------------------------------------
@@ -99,42 +100,202 @@ def _view_into(kernel_fn):
     return into
 
 
+# A view whose last axis is not contiguous (a transposition) is copied by tiles
+# transposed in registers (``kernels._numba_transpose``) where the compiled loops are
+# ready: numpy reads such a view a value at a time (~1-3 ns a value against ~0.2-0.5).
+
+#: views smaller than this many values are left to numpy (its fixed cost is lower)
+TRANSPOSED_COPY_MIN = 1024
+_PLANS: dict[tuple, tuple | None] = {}
+_PLANS_KEPT = 512  # distinct view layouts remembered (a model has a few dozen)
+
+
+def transposition_plan(shape: tuple[int, ...], strides: tuple[int, ...], size: int) -> tuple | None:
+    """How :mod:`._numba_transpose` copies a view of ``shape`` and ``strides`` (bytes) of
+    ``size``-byte values in C order: (value size it moves, geometry, row offsets, column
+    offsets; see its ``GEOMETRY``), or None where the
+    view is not a transposition it takes (its last axis contiguous, no contiguous axis,
+    negative strides, more than three other axes)."""
+    axes: list[list[int]] = []  # [extent, source stride], axes merged where the source allows
+    for n, stride in zip(shape, strides):
+        if n == 1:
+            continue
+        if stride < 0:
+            return None
+        if axes and axes[-1][1] == stride * n:
+            axes[-1] = [axes[-1][0] * n, stride]
+        else:
+            axes.append([n, stride])
+    if size == 4 and len(axes) >= 2 and axes[-1] == [2, 4]:
+        axes.pop()  # pairs of 4-byte values that stay together move as 8-byte values
+        size = 8
+    if size not in (4, 8) or len(axes) < 2 or axes[-1][1] == size:
+        return None
+    last = len(axes) - 1
+    inner = next((a for a in range(last) if axes[a][1] == size), None)
+    if inner is None:
+        return None
+    lanes = 16 if size == 4 else 8
+    output = [0] * len(axes)
+    step = size
+    for a in range(last, -1, -1):
+        output[a] = step
+        step *= axes[a][0]
+    # rows: the output's last axis, with the one before it when short; columns: the
+    # source's contiguous axis, with the one after it in the source when short. An axis
+    # both could take goes to the side whose shorter space it lengthens more.
+    row_outer = last - 1 if axes[last][0] < lanes and last - 1 != inner else None
+    column_outer = next((a for a in range(len(axes)) if a not in (inner, last) and axes[a][1] == axes[inner][0] * size), None)
+    if axes[inner][0] >= lanes:
+        column_outer = None
+    if row_outer is not None and row_outer == column_outer:
+        with_rows = min(axes[last][0] * axes[row_outer][0], axes[inner][0])
+        with_columns = min(axes[last][0], axes[inner][0] * axes[column_outer][0])
+        if with_rows >= with_columns:
+            column_outer = None
+        else:
+            row_outer = None
+    row_outer_n, row_outer_stride = (axes[row_outer][0], axes[row_outer][1]) if row_outer is not None else (1, 0)
+    column_outer_n, column_outer_stride = (axes[column_outer][0], output[column_outer]) if column_outer is not None else (1, 0)
+    rows = _offsets(axes[last][0], axes[last][1], row_outer_n, row_outer_stride, lanes)
+    columns = _offsets(axes[inner][0], output[inner], column_outer_n, column_outer_stride, lanes)
+    batch = [a for a in range(len(axes)) if a not in (inner, last, row_outer, column_outer)]
+    if len(batch) > 3:
+        return None
+    geometry = [axes[last][0] * row_outer_n, axes[inner][0] * column_outer_n] + [1, 0, 0] * (3 - len(batch))
+    for a in batch:
+        geometry += [axes[a][0], axes[a][1], output[a]]
+    return size, np.array(geometry, np.int64), rows, columns
+
+
+def _offsets(inner_n: int, inner_stride: int, outer_n: int, outer_stride: int, lanes: int) -> np.ndarray:
+    """The byte offsets of an index space of ``outer_n`` x ``inner_n`` (strides in bytes),
+    padded with zeros to a whole number of tiles."""
+    n = outer_n * inner_n
+    index = np.arange(-(-n // lanes) * lanes, dtype=np.int64)
+    table = (index // inner_n) * outer_stride + (index % inner_n) * inner_stride
+    table[n:] = 0
+    return table
+
+
+def _plan(view: np.ndarray) -> tuple | None:
+    """:func:`transposition_plan` for ``view``, remembered by its layout."""
+    key = (view.shape, view.strides, view.itemsize)
+    try:
+        return _PLANS[key]
+    except KeyError:
+        plan = transposition_plan(view.shape, view.strides, view.itemsize)
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.clear()
+        _PLANS[key] = plan
+        return plan
+
+
+def transposed_copy(view: np.ndarray, out: np.ndarray) -> bool:
+    """Copy ``view`` into ``out`` (C-contiguous, its shape and dtype) by transposed tiles
+    and return True; False, with nothing written, where the compiled loops are not ready
+    or the view is not a transposition they take (the caller copies with numpy)."""
+    if view.size < TRANSPOSED_COPY_MIN or view.dtype.kind not in "fiuc" or not out.flags.c_contiguous:
+        return False
+    loops = compiled_module("_numba_transpose")
+    plan = _plan(view) if loops is not None else None
+    if plan is None:
+        return False
+    size, geometry, rows, columns = plan
+    loops.transposed(view.ctypes.data, out.ctypes.data, geometry, rows, columns, size)
+    return True
+
+
+def contiguous(data: np.ndarray) -> np.ndarray:
+    """``data`` in C order: itself when it is, else a copy (by transposed tiles where
+    :func:`transposed_copy` takes it)."""
+    if data.flags.c_contiguous:
+        return data
+    out = np.empty(data.shape, data.dtype)
+    if not transposed_copy(data, out):
+        np.copyto(out, data)
+    return out
+
+
+def _copy_into(out: np.ndarray, view: np.ndarray) -> None:
+    if not transposed_copy(view, out):
+        np.copyto(out, view)
+
+
 def _reshaped_into(out: np.ndarray, data: np.ndarray, *_inputs, **_attributes) -> None:
     if out.flags.c_contiguous:
-        np.copyto(out.reshape(data.shape), data)
+        _copy_into(out.reshape(data.shape), data)
     else:
         np.copyto(out, data.reshape(out.shape))
-
 
 
 def _reshape(data: np.ndarray, dims: list[int], allowzero: int) -> np.ndarray:
     if not allowzero and 0 in dims:
         in_shape = data.shape
         dims = [in_shape[i] if d == 0 else d for i, d in enumerate(dims)]
+    if not data.flags.c_contiguous and data.size >= TRANSPOSED_COPY_MIN and data.dtype.kind in "fiuc" and _plan(data) is not None:
+        data = contiguous(data)  # a transposed view: numpy's reshape would copy it a value at a time
     return data.reshape(dims)
 
 
-@kernel("Reshape", 1)
+@kernel("Reshape", 1, compiled=TRANSPOSE_LOOPS)
 def reshape_1(data, *, shape=None):
     if shape is None:
         raise ValueError("Reshape-1 needs its 'shape' attribute")
     return _reshape(data, list(shape), 0)
 
 
-@kernel("Reshape", 5, 14)
+@kernel("Reshape", 5, 14, compiled=TRANSPOSE_LOOPS)
 def reshape(data, shape, *, allowzero=0):
     return _reshape(data, shape.tolist(), allowzero)
 
 
 declare_into(_reshaped_into, reshape_1, reshape)
 
+#: ops that read a transposed matrix (the last two axes swapped) as it is: BLAS takes it
+#: with a transpose flag
+_MATRIX_READERS = frozenset({"MatMul", "Gemm", "FusedMatMul", "FusedMatMulGelu"})
+#: ops that take any transposed view their own way: a depthwise Conv reads a channels-last
+#: input as it lies (ConvNeXt's), others copy what they need
+_VIEW_READERS = frozenset({"Conv", "FusedConv"})
 
-@kernel("Transpose", 1)
-def transpose(data, *, perm=None):
-    return data.transpose(perm)
+
+def _readers(node) -> frozenset[str]:
+    """The op types reading ``node``'s output (an onnx_ir node's); empty when unknown or
+    when the output is also a graph output."""
+    value = next(iter(getattr(node, "outputs", None) or ()), None)
+    if value is None or not hasattr(value, "uses") or value.is_graph_output():
+        return frozenset()
+    return frozenset(use.node.op_type for use in value.uses())
 
 
-declare_into(_view_into(transpose), transpose)
+@kernel_builder("Transpose", 1, compiled=TRANSPOSE_LOOPS)
+def transpose(ctx: KernelContext):
+    """A view where the last axis stays contiguous, where only Convs read it, or where only
+    Convs and matrix products read a swap of the last two axes; otherwise the values in C
+    order, copied by transposed tiles (every reader then streams them, where a view would
+    be read a value at a time). The numpy path (no compiled loops) returns the view."""
+    perm = ctx.attributes.get("perm")
+    perm = None if perm is None else tuple(perm)
+    readers = _readers(ctx.node)
+    views = bool(readers) and readers <= _VIEW_READERS
+    matrices = bool(readers) and readers <= _VIEW_READERS | _MATRIX_READERS
+
+    def run(data):
+        view = data.transpose(perm)
+        strides = view.strides
+        if views or view.ndim < 2 or strides[-1] == view.itemsize or view.size < TRANSPOSED_COPY_MIN:
+            return view
+        if matrices and strides[-2] == view.itemsize:
+            return view
+        out = np.empty(view.shape, view.dtype)
+        return out if transposed_copy(view, out) else view
+
+    def run_into(out, data):
+        _copy_into(out, data.transpose(perm))
+
+    declare_into(run_into, run)
+    return run
 
 
 # Squeeze treats empty axes like absent ones (every size-1 axis goes), as onnxruntime does.
