@@ -106,6 +106,16 @@ def test_every_permutation_of_a_small_4d_tensor(loops):
     assert taken >= 18  # every order that moves the last axis (18 of 24)
 
 
+def test_a_broadcast_view(loops):
+    """An Expand's view (a zero stride) transposed: the repeated rows read as they lie."""
+    x = _values((8, 1, 40), np.float32)
+    for perm in [(2, 0, 1), (2, 1, 0), (1, 2, 0)]:
+        view = np.broadcast_to(x, (8, 6, 40)).transpose(perm)
+        out = np.zeros(view.shape, np.float32)
+        assert tensor.transposed_copy(view, out)
+        np.testing.assert_array_equal(out, view)
+
+
 def test_bits_move_unchanged(loops):
     x = np.zeros((48, 40), np.float32)
     bits = x.view(np.uint32)

@@ -113,9 +113,9 @@ _PLANS_KEPT = 512  # distinct view layouts remembered (a model has a few dozen)
 def transposition_plan(shape: tuple[int, ...], strides: tuple[int, ...], size: int) -> tuple | None:
     """How :mod:`._numba_transpose` copies a view of ``shape`` and ``strides`` (bytes) of
     ``size``-byte values in C order: (value size it moves, geometry, row offsets, column
-    offsets; see its ``GEOMETRY``), or None where the
-    view is not a transposition it takes (its last axis contiguous, no contiguous axis,
-    negative strides, more than three other axes)."""
+    offsets; see its ``GEOMETRY``), or None where the view is not a transposition it takes
+    (its last axis contiguous, no contiguous axis, negative strides, more than three other
+    axes)."""
     axes: list[list[int]] = []  # [extent, source stride], axes merged where the source allows
     for n, stride in zip(shape, strides):
         if n == 1:
@@ -198,7 +198,9 @@ def transposed_copy(view: np.ndarray, out: np.ndarray) -> bool:
     if view.size < TRANSPOSED_COPY_MIN or view.dtype.kind not in "fiuc" or not out.flags.c_contiguous:
         return False
     loops = compiled_module("_numba_transpose")
-    plan = _plan(view) if loops is not None else None
+    if loops is None:
+        return False
+    plan = _plan(view)
     if plan is None:
         return False
     size, geometry, rows, columns = plan
