@@ -27,7 +27,7 @@ from numba.extending import intrinsic
 
 from ._numba_parallel import transpose_vectors
 
-__all__ = ["GEOMETRY", "LANES", "transposed"]
+__all__ = ["LANES", "transposed"]
 
 _FLAGS: dict[str, Any] = dict(nogil=True, boundscheck=False, error_model="numpy", cache=True)
 
@@ -35,16 +35,11 @@ _FLAGS: dict[str, Any] = dict(nogil=True, boundscheck=False, error_model="numpy"
 LANES = {4: 16, 8: 8}
 LANES_4, LANES_8 = LANES[4], LANES[8]
 
-#: The geometry array's fields (int64): the tile rows and columns in all, then up to
-#: three batch axes (size, source stride, output stride in bytes each). Two tables give
-#: each row's offset in the source and each column's in the output (bytes; padded with
-#: zeros to a whole tile): a row is consecutive values in the output, a column in the source.
-GEOMETRY = (
-    "rows_n", "columns_n",
-    "batch0_n", "batch0_source", "batch0_output",
-    "batch1_n", "batch1_source", "batch1_output",
-    "batch2_n", "batch2_source", "batch2_output",
-)
+# The geometry array (int64): the tile rows and columns in all (rows_n, columns_n), then
+# three batch axes (size, source stride, output stride in bytes each; size 1 where there
+# are fewer). Two tables give each row's offset in the source and each column's in the
+# output (bytes; padded with zeros to a whole tile): a row is consecutive values in the
+# output, a column in the source.
 
 
 def _splat(builder, value, vector_type):  # type: ignore[no-untyped-def]
@@ -112,10 +107,10 @@ _tile8 = _tile_intrinsic(8)
 
 @numba.njit(types.void(types.int64, types.int64, types.int64[::1], types.int64[::1], types.int64[::1], types.int64), **_FLAGS)
 def transposed(src, dst, geometry, row_table, column_table, size):  # pragma: no cover  (compiled)
-    """The view at ``src`` of ``size``-byte values (4 or 8) in C order at ``dst``, as
-    :data:`GEOMETRY` and the tables describe it. The batch loops run inside the tile
-    loops: a batch axis is typically a short step in the source (a patch's next column),
-    so that consecutive tiles share cache lines."""
+    """The view at ``src`` of ``size``-byte values (4 or 8) in C order at ``dst``, as the
+    geometry array and the tables describe it (see above). The batch loops run inside the
+    tile loops: a batch axis is typically a short step in the source (a patch's next
+    column), so that consecutive tiles share cache lines."""
     lanes = LANES_4 if size == 4 else LANES_8
     rows_n, columns_n = geometry[0], geometry[1]
     n0, s0, d0 = geometry[2], geometry[3], geometry[4]

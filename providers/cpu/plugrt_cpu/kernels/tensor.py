@@ -113,9 +113,9 @@ _PLANS_KEPT = 512  # distinct view layouts remembered (a model has a few dozen)
 def transposition_plan(shape: tuple[int, ...], strides: tuple[int, ...], size: int) -> tuple | None:
     """How :mod:`._numba_transpose` copies a view of ``shape`` and ``strides`` (bytes) of
     ``size``-byte values in C order: (value size it moves, geometry, row offsets, column
-    offsets; see its ``GEOMETRY``), or None where the view is not a transposition it takes
-    (its last axis contiguous, no contiguous axis, negative strides, more than three other
-    axes)."""
+    offsets; see its geometry array), or None where the view is not a transposition it
+    takes (its last axis contiguous, no contiguous axis, negative strides, more than
+    three other axes)."""
     axes: list[list[int]] = []  # [extent, source stride], axes merged where the source allows
     for n, stride in zip(shape, strides):
         if n == 1:
