@@ -38,7 +38,7 @@ _kernels_loaded = False
 def _load_kernels() -> None:
     global _kernels_loaded
     if not _kernels_loaded:
-        from . import fusions, fusions_transformer, kernels  # noqa: F401  (registers every kernel, fused ones too)
+        from . import fusions, fusions_linear_attention, fusions_transformer, kernels  # noqa: F401  (registers every kernel, fused ones too)
 
         _kernels_loaded = True
 
@@ -137,9 +137,12 @@ class CPUProvider:
 
         Importing ``fusions`` registers the kernels of the ``plugrt.cpu`` nodes they write.
         """
-        from . import fusions, fusions_transformer
+        from . import fusions, fusions_linear_attention, fusions_transformer
 
-        return [*fusions.fusion_passes(), *fusions_transformer.transformer_passes()]
+        return [
+            *fusions.fusion_passes(), *fusions_transformer.transformer_passes(),
+            fusions_linear_attention.FuseReluLinearAttentionPass(),
+        ]
 
     def compile(self, partition: Partition) -> CompiledPartition:
         _load_kernels()
