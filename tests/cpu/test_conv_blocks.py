@@ -283,3 +283,53 @@ def test_the_shallow_read_threshold_is_the_gemms():
     if gemm is None:
         pytest.skip("needs numba and AVX-512 (the packed-weight GEMM)")
     assert conv_units._READ_DIRECT_MIN_DEPTH == gemm.READ_ROWS_MAX_DEPTH
+
+
+@pytest.mark.parametrize("row_tiles", [True, False], ids=["row-tiles", "7-position-tiles"])
+@pytest.mark.parametrize("case", ["direct-grouped-strided", "direct-rows-run-on", "direct-rows-run-on-strided", "stride-7x7-2-stem"])
+def test_deep_convs_at_column_stride_1_or_2_match_the_reference_by_either_tiles(monkeypatch, case, row_tiles):
+    """A Conv of 64 to 1024 taps read from its padded input at column stride 1 or 2 may go
+    by 16-position row tiles or by 7-position tiles: the first call of its shape times both
+    and keeps the faster. Each, forced, gives the reference's values (with Relu, bias and
+    a batch of two)."""
+    if conv_units.packing() is None:
+        pytest.skip("needs numba and AVX-512 (the packed-weight GEMM)")
+    chosen = []
+
+    def forced(run, context, word):
+        chosen.append(row_tiles)
+        return row_tiles
+
+    monkeypatch.setattr(conv_units, "_choose_row_tiles", forced)
+    cases = dict(_IM2COL, **{"stride-7x7-2-stem": ((2, 3, 38, 41), (20, 3, 7, 7), {"pads": [3, 3, 3, 3], "strides": [2, 2]})})
+    _compare(cases[case], relu=True)
+    assert chosen == [row_tiles]  # once, at the shape's first call
+
+
+def test_the_first_call_of_a_deep_strided_conv_times_both_tiles_once_per_shape(monkeypatch):
+    """The choice is timed at the first call of a shape (both ways run on the call's own
+    arrays) and kept on the plan: later calls and runs do not time again; a shallow Conv
+    (under 64 taps) and one deeper than 1024 taps are not timed."""
+    if conv_units.packing() is None:
+        pytest.skip("needs numba and AVX-512 (the packed-weight GEMM)")
+    timed = []
+    choose = conv_units._choose_row_tiles
+
+    def recording(run, context, word):
+        timed.append(context.copy())
+        return choose(run, context, word)
+
+    monkeypatch.setattr(conv_units, "_choose_row_tiles", recording)
+    for x_shape, w_shape, expected in [
+        ((1, 3, 40, 40), (16, 3, 7, 7), 1),  # 147 taps
+        ((1, 3, 40, 40), (16, 3, 3, 3), 0),  # 27 taps: the row tiles, untimed
+        ((1, 120, 12, 12), (16, 120, 3, 3), 0),  # 1080 taps: the 7-position tiles' slices
+    ]:
+        timed.clear()
+        x, w = _random(*x_shape, seed=1), _random(*w_shape, seed=2)
+        model = _conv_model(x_shape, w, None, {"pads": [1, 1, 1, 1], "strides": [2, 2]}, True, np.float32)
+        session = plugrt.load(model, device="cpu")
+        reference = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})[0]
+        for _ in range(3):
+            np.testing.assert_allclose(session.run({"x": x})["y"], reference, rtol=1e-4, atol=1e-4)
+        assert len(timed) == expected
