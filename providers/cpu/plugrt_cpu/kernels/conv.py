@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -35,6 +34,7 @@ from ._window import (
 from ._gemm import available, epilogue, gemm, split_gemm, splits_columns
 from .conv_gemm import grid_plan
 from ._compiled_parallel import compiled_pool
+from ._first_call import faster as _faster
 from .conv_units import compiled_units, packed_weight, run_units
 from .winograd import winograd_loops, winograd_plan
 from ._relu import relu_into
@@ -98,24 +98,6 @@ def depthwise_loops() -> ModuleType | None:
     return compiled_module("_numba_depthwise")
 
 
-# How much faster a new way must run than the one it would replace to be chosen: a margin
-# over the noise of two timed runs on a shared machine (the ways it decides between differ
-# by 1.5-3x where one clearly fits the shape).
-_CLEARLY_FASTER = 0.9
-
-
-def _faster(first: Callable[[], None], second: Callable[[], None], rounds: int = 2) -> bool:
-    """Whether ``first`` runs clearly faster than ``second`` (the way it would replace):
-    each run ``rounds`` times, alternating, the best time of each compared, ``first``'s
-    under ``_CLEARLY_FASTER`` of ``second``'s (a choice between two ways of one step made
-    on this machine, on the step's own shape, where no rule fits every CPU)."""
-    best = [math.inf, math.inf]
-    for _ in range(rounds):
-        for index, run in enumerate((first, second)):
-            started = time.perf_counter()
-            run()
-            best[index] = min(best[index], time.perf_counter() - started)
-    return best[0] < _CLEARLY_FASTER * best[1]
 
 
 class _DepthwiseLayout:

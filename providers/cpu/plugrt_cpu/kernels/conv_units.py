@@ -19,6 +19,7 @@ import numpy as np
 
 from ._compiled import compiled_module
 from ._compiled_parallel import CompiledPool, compiled_pool
+from ._first_call import faster
 from ._gemm import sgemm_address
 from ._window import _workspace
 
@@ -176,8 +177,6 @@ def _choose_row_tiles(run: Any, context: np.ndarray, word: int) -> bool:
     """Whether the 16-position row tiles (``context[word]`` 1) run this Conv clearly faster
     than the 7-position tiles (0), each timed on the call's own arrays (every run writes
     the whole output)."""
-    from .conv import _faster  # (conv imports this module)
-
     def tiles(value: int) -> Any:
         def timed() -> None:
             context[word] = value
@@ -185,7 +184,7 @@ def _choose_row_tiles(run: Any, context: np.ndarray, word: int) -> bool:
 
         return timed
 
-    return _faster(tiles(1), tiles(0))
+    return faster(tiles(1), tiles(0))
 
 
 def _prepare(
