@@ -59,6 +59,8 @@ _I1 = ir.IntType(1)
 _V = ir.VectorType(_F32, _VW)
 _VMASK = ir.VectorType(_I1, _VW)
 _VI64 = ir.VectorType(_I64, _VW)
+_V8 = ir.VectorType(_F32, 8)  # a row of a narrow tile: NB columns and one spare
+_VMASK8 = ir.VectorType(_I1, 8)
 
 
 @functools.cache
@@ -300,6 +302,90 @@ def _read_tile2(typingctx, w, x, table, k, c, ldc, columns, rows, bias, residual
 
 
 
+def _transposed_rows(builder, columns_):  # type: ignore[no-untyped-def]
+    """The ``NB`` (<= 8) column vectors of a tile (lane ``r``: row ``r`` of 16) as 8 vectors
+    of two rows each (lanes 0-7: row ``2q``'s columns, lanes 8-15: row ``2q + 1``'s): three
+    rounds of two-source shuffles (24 ``vpermt2ps``), where extracting the 112 floats one
+    at a time cost ~5 cycles a float (a 16-column tile's vector stores do not need it)."""
+    zero = ir.Constant(_V, [0.0] * _VW)
+    vectors = list(columns_) + [zero] * (8 - len(columns_))
+
+    def shuffle(a, b, lanes):  # type: ignore[no-untyped-def]
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, _VW), lanes))
+
+    # 1: pairs of columns interleaved, rows 0-7 (low) and 8-15 (high): lane 2 r + e
+    low = [shuffle(vectors[2 * p], vectors[2 * p + 1], [i // 2 + 16 * (i % 2) for i in range(16)]) for p in range(4)]
+    high = [shuffle(vectors[2 * p], vectors[2 * p + 1], [8 + i // 2 + 16 * (i % 2) for i in range(16)]) for p in range(4)]
+    rows_ = []
+    for half in (low, high):
+        # 2: four columns of four rows: lane 4 r + e, from pairs (0, 1) (columns 0-3) and (2, 3) (4-7)
+        quads = []
+        for first, second in ((half[0], half[1]), (half[2], half[3])):
+            for group in range(2):  # rows 0-3, rows 4-7 of this half
+                lanes = [2 * (4 * group + i // 4) + (i % 4 % 2) + 16 * (i % 4 // 2) for i in range(16)]
+                quads.append(shuffle(first, second, lanes))
+        # quads: [cols 0-3 rows 0-3, cols 0-3 rows 4-7, cols 4-7 rows 0-3, cols 4-7 rows 4-7]
+        for group in range(2):
+            left, right = quads[group], quads[2 + group]
+            for pair in range(2):  # rows 2 pair, 2 pair + 1 of the four
+                lanes = [8 * pair + 4 * (i // 8) + (i % 4) + 16 * (i % 8 // 4) for i in range(16)]
+                rows_.append(shuffle(left, right, lanes))
+    return rows_
+
+
+def _store_columns(builder, columns_, first_row, c, ldc, columns, rows, bias, residual, relu):  # type: ignore[no-untyped-def]
+    """The epilogue of a narrow tile (``_column_codegen``'s ``NB`` column vectors of 16
+    rows, the tile's rows ``first_row`` on): row ``r < rows`` gets ``(value + residual) +
+    bias``, then ``< 0 -> 0`` where ``relu`` (NaN stays NaN), stored as one masked vector of
+    its ``columns`` floats."""
+    masked_load = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V8, [_V8.as_pointer(), _I32, _VMASK8, _V8]), "llvm.masked.load.v8f32.p0"
+    )
+    masked_store = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_V8, _V8.as_pointer(), _I32, _VMASK8]), "llvm.masked.store.v8f32.p0"
+    )
+    four = ir.Constant(_I32, 4)
+    zero8 = ir.Constant(_V8, [0.0] * 8)
+    lanes8 = ir.Constant(ir.VectorType(_I64, 8), list(range(8)))
+    splat8 = builder.shuffle_vector(
+        builder.insert_element(ir.Constant(ir.VectorType(_I64, 8), ir.Undefined), columns, ir.Constant(_I32, 0)),
+        ir.Constant(ir.VectorType(_I64, 8), ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [0] * 8),
+    )
+    mask = builder.icmp_signed("<", lanes8, splat8)
+    out, others, biases = _floats(builder, c), _floats(builder, residual), _floats(builder, bias)
+    has_residual = builder.icmp_signed("!=", residual, _c(0))
+    has_bias = builder.icmp_signed("!=", bias, _c(0))
+    clamp = builder.icmp_signed("!=", relu, _c(0))
+    pairs = _transposed_rows(builder, columns_)
+    for r in range(MR):
+        row = first_row + r
+        with builder.if_then(builder.icmp_signed("<", _c(row), rows)):
+            offset = builder.mul(_c(row), ldc)
+            value = builder.shuffle_vector(
+                pairs[r // 2], ir.Constant(_V, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [8 * (r % 2) + i for i in range(8)])
+            )
+            target = builder.bitcast(builder.gep(out, [offset]), _V8.as_pointer())
+            before = builder.block
+            with builder.if_then(has_residual):
+                source = builder.bitcast(builder.gep(others, [offset]), _V8.as_pointer())
+                added = builder.fadd(value, builder.call(masked_load, [source, four, mask, zero8]))
+                added_end = builder.block
+            summed = builder.phi(_V8)
+            summed.add_incoming(added, added_end)
+            summed.add_incoming(value, before)
+            before = builder.block
+            with builder.if_then(has_bias):
+                loaded = builder.load(builder.gep(biases, [_c(row)]))
+                one = builder.insert_element(ir.Constant(_V8, ir.Undefined), loaded, ir.Constant(_I32, 0))
+                biased = builder.fadd(summed, builder.shuffle_vector(one, ir.Constant(_V8, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [0] * 8)))
+                biased_end = builder.block
+            result = builder.phi(_V8)
+            result.add_incoming(biased, biased_end)
+            result.add_incoming(summed, before)
+            negative = builder.and_(builder.fcmp_ordered("<", result, zero8), builder.select(clamp, ir.Constant(_VMASK8, [1] * 8), ir.Constant(_VMASK8, [0] * 8)))
+            builder.call(masked_store, [builder.select(negative, zero8, result), target, four, mask])
+
+
 def _column_codegen(indirect, tiles=1):  # type: ignore[no-untyped-def]
     """The code of ``_column_tile`` (``indirect``: of ``_gathered_tile``); with ``tiles``
     2, of ``_column_pair`` (``_gathered_pair``): two row tiles, whose packed weights are
@@ -333,35 +419,8 @@ def _column_codegen(indirect, tiles=1):  # type: ignore[no-untyped-def]
             return sums
 
         sums = _k_loop(builder, k, tiles * NB, step)
-        out, others, biases = _floats(builder, c), _floats(builder, residual), _floats(builder, bias)
-        has_residual = builder.icmp_signed("!=", residual, _c(0))
-        has_bias = builder.icmp_signed("!=", bias, _c(0))
-        clamp = builder.icmp_signed("!=", relu, _c(0))
-        zero = ir.Constant(_F32, 0.0)
-        for r in range(tiles * MR):  # element by element: the tile is a column of C per vector
-            with builder.if_then(builder.icmp_signed("<", _c(r), rows)):
-                row_at = builder.mul(_c(r), ldc)
-                before = builder.block
-                with builder.if_then(has_bias):
-                    loaded = builder.load(builder.gep(biases, [_c(r)]))
-                    loaded_end = builder.block
-                row_bias = builder.phi(_F32)
-                row_bias.add_incoming(loaded, loaded_end)
-                row_bias.add_incoming(zero, before)
-                for j in range(NB):
-                    with builder.if_then(builder.icmp_signed("<", _c(j), columns)):
-                        offset = builder.add(row_at, _c(j))
-                        value = builder.extract_element(sums[(r // MR) * NB + j], ir.Constant(_I32, r % MR))
-                        before = builder.block
-                        with builder.if_then(has_residual):
-                            added = builder.fadd(value, builder.load(builder.gep(others, [offset])))
-                            added_end = builder.block
-                        summed = builder.phi(_F32)
-                        summed.add_incoming(added, added_end)
-                        summed.add_incoming(value, before)
-                        result = builder.select(has_bias, builder.fadd(summed, row_bias), summed)
-                        negative = builder.and_(builder.fcmp_ordered("<", result, zero), clamp)
-                        builder.store(builder.select(negative, zero, result), builder.gep(out, [offset]))
+        for t in range(tiles):
+            _store_columns(builder, sums[t * NB : (t + 1) * NB], t * MR, c, ldc, columns, rows, bias, residual, relu)
 
     return codegen
 
