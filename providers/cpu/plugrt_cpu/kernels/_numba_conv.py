@@ -20,7 +20,7 @@ import numba
 from numba import types
 
 from ._numba_epilogue import activation_rows, bias_relu_rows, bias_residual_relu_rows
-from ._numba_gemm import MR, gathered_product, packed_product, read_product
+from ._numba_gemm import MR, READ_ROWS_MAX_DEPTH, gathered_product, packed_product, read_product
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm32, sgemm64
 
 __all__ = ["CONTEXT_WORDS", "addresses", "conv_units", "gather_all", "pad_planes"]
@@ -39,10 +39,7 @@ PADDED_H, PADDED_W, TAPS = 35, 36, 37
 # a fused activation each unit applies to its block (``_numba_epilogue.ACT_*``, 0: none),
 # and Clip's bounds: float32 bits in the low half of each word
 ACTIVATION, ACTIVATION_LOW, ACTIVATION_HIGH = 38, 39, 40
-# READ_DIRECT: non-zero reads by 16-position row tiles (``read_product``), else by 7-position
-# tiles (``gathered_product``); set by ``conv_units`` (at column stride 1 or 2 only).
-ROW_TILES = 41
-CONTEXT_WORDS = 42
+CONTEXT_WORDS = 41
 # MODE: where a unit's columns are
 POINTWISE = 0  # the source itself: (images, channels, positions)
 GATHER = 1  # gathered per unit from the input into the slot's workspace
@@ -179,7 +176,8 @@ def conv_units(c, start, stop, slot):  # pragma: no cover  (compiled)
             first = context[WORKSPACE] + (
                 (image * groups + group) * (depth // taps) * plane + r0 * context[STRIDE_H] * context[PADDED_W]
             ) * _FLOAT
-            product = read_product if context[ROW_TILES] != 0 else gathered_product
+            shallow = depth < READ_ROWS_MAX_DEPTH and context[STRIDE_W] <= 2  # conv_units reads no other shallow Conv directly
+            product = read_product if shallow else gathered_product
             product(
                 weight,
                 first,

@@ -585,17 +585,16 @@ def gathered_product(w, x, table, k, stride, row_step, c, ldc, m, out_rows, out_
                                    min(NB, total - p0), rows, row_bias, into, relu if final else 0)
 
 
-#: Taps below which a Conv read from its padded input at column stride 1 or 2 always goes
-#: by 16-position row tiles (``read_product``): a shallow product's scalar stores in the
-#: 7-position tiles of ``gathered_product`` cost too much against its steps. Deeper ones
-#: (to ``conv_units._ROW_TILES_MAX_DEPTH`` taps) take whichever their first call timed faster.
+#: Taps below which a Conv read from its padded input goes by 16-position row tiles
+#: (``read_product``) rather than the 7-position ones of ``gathered_product``: a deep
+#: product's scalar stores are few against its steps; a shallow one's are not.
 READ_ROWS_MAX_DEPTH = 64
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def read_product(w, x, table, k, stride, row_step, c, ldc, m, out_rows, out_w, bias, residual, relu):  # pragma: no cover  (compiled)
-    """:func:`gathered_product` at column stride 1 or 2, ``k`` in one slice (a shallow
-    Conv's, or a deeper one's its first call timed faster so): tiles of MR channels by 16 positions of one
+    """:func:`gathered_product` for a shallow Conv (``k`` under ``READ_ROWS_MAX_DEPTH``,
+    one slice) at column stride 1 or 2: tiles of MR channels by 16 positions of one
     output row (``_read_tile``), each step one vector of the row's windows (two and a
     shuffle at stride 2), stored as vectors. Same arguments as :func:`gathered_product`."""
     for r0 in range(0, m, MR):

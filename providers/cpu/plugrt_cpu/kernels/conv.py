@@ -172,7 +172,6 @@ class _ConvPlan:
 
     def __init__(self, conv: "_Convolution", x_shape: tuple[int, ...], w_shape: tuple[int, ...], itemsize: int):
         self.units: dict[tuple[Any, ...], Any] = {}  # the compiled units' prepared contexts (conv_units)
-        self.row_tiles: bool | None = None  # conv_units: which tiles read this shape from its padded input
         self.gather: tuple[int, ...] | None = None
         self.grouped: _DepthwiseLayout | None = None
         n, c = x_shape[:2]

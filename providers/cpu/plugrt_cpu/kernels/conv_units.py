@@ -19,7 +19,6 @@ import numpy as np
 
 from ._compiled import compiled_module
 from ._compiled_parallel import CompiledPool, compiled_pool
-from ._first_call import faster
 from ._gemm import sgemm_address
 from ._window import _workspace
 
@@ -39,14 +38,6 @@ _GATHER_UNITS_PER_THREAD = 2  # units of input channels (planes) per thread of a
 # the 7-position tiles' scalar stores cost too much against few steps (SqueezeNet's first
 # Conv, 27 taps, ran 5% slower by them).
 _READ_DIRECT_MIN_DEPTH = 64  # ``_numba_gemm.READ_ROWS_MAX_DEPTH`` (a test checks they agree)
-# Deeper Convs at column stride 1 or 2, up to this many taps, may go by either tiles: the
-# 16-position row tiles store whole vectors but compute a row's last tile whole (a 35-wide
-# output: 48 columns), the 7-position tiles store a float at a time. Which is faster
-# depends on the shape and the CPU (on a Zen 4, ResNet's 7x7/2 stem, 147 taps: 2.2 against
-# 3.1 ms on one thread; Inception v3's 3x3 on 35 x 35, 864 taps: 2.5 against 1.9), so the
-# first call of each shape times both (``_choose_row_tiles``). Deeper ones take the 7-position
-# tiles, whose product runs in slices of taps that keep its columns in cache.
-_ROW_TILES_MAX_DEPTH = 1024
 
 
 def _loops() -> ModuleType | None:
@@ -87,9 +78,7 @@ class _Prepared:
     compiled call (~0.5 us) instead of building 34 words and reading six addresses
     through ``ndarray.ctypes`` (~9 us, on Convs that take 20-100 us)."""
 
-    __slots__ = (
-        "wg", "bias", "packed", "taps", "padding", "context", "address", "count", "mode", "size", "gather_units", "choose",
-    )
+    __slots__ = ("wg", "bias", "packed", "taps", "padding", "context", "address", "count", "mode", "size", "gather_units")
 
     def __init__(
         self,
@@ -103,10 +92,8 @@ class _Prepared:
         size: int,
         gather_units: int,
         padding: tuple[int, ...] = (),
-        choose: bool = False,
     ):
         self.wg, self.bias, self.packed, self.taps = wg, bias, packed, taps  # kept: the context holds their addresses
-        self.choose = choose  # READ_DIRECT by either tiles: the plan's first call times both
         self.padding = padding  # READ_DIRECT: the padded input's layout (a buffer whose border stays zero)
         self.context, self.count, self.mode, self.size, self.gather_units = context, count, mode, size, gather_units
         self.address = int(context.ctypes.data)
@@ -165,26 +152,7 @@ def run_units(
         pool.run(loops.gather_all.address, prepared.address, prepared.gather_units, threads)
     elif prepared.mode == loops.READ_DIRECT:  # the padded input first, shared out by planes
         pool.run(loops.pad_planes.address, prepared.address, prepared.gather_units, threads)
-    if prepared.choose:
-        if plan.row_tiles is None:
-            plan.row_tiles = _choose_row_tiles(lambda: pool.run(loops.conv_units.address, prepared.address, prepared.count, threads),
-                                               context, loops.ROW_TILES)
-        context[loops.ROW_TILES] = int(plan.row_tiles)
     pool.run(loops.conv_units.address, prepared.address, prepared.count, threads)
-
-
-def _choose_row_tiles(run: Any, context: np.ndarray, word: int) -> bool:
-    """Whether the 16-position row tiles (``context[word]`` 1) run this Conv clearly faster
-    than the 7-position tiles (0), each timed on the call's own arrays (every run writes
-    the whole output)."""
-    def tiles(value: int) -> Any:
-        def timed() -> None:
-            context[word] = value
-            run()
-
-        return timed
-
-    return faster(tiles(1), tiles(0))
 
 
 def _prepare(
@@ -281,14 +249,8 @@ def _prepare(
             0 if taps is None else taps.ctypes.data,
             activation[0],
             *(int(np.float32(bound).view(np.uint32)) for bound in activation[1:]),
-            0,  # ROW_TILES: set below
         ],
         np.int64,
     )
     padding = (*geometry, padded_h, padded_w) if taps is not None and geometry is not None else ()
-    row_tiles = choose = False
-    if mode == loops.READ_DIRECT and geometry is not None and geometry[5] <= 2:
-        row_tiles = depth < _READ_DIRECT_MIN_DEPTH  # few taps: the row tiles, whose stores are vectors
-        choose = not row_tiles and depth <= _ROW_TILES_MAX_DEPTH
-    context[loops.ROW_TILES] = int(row_tiles)
-    return _Prepared(wg, bias, packed, taps, context, count, mode, size, gather_units, padding, choose)
+    return _Prepared(wg, bias, packed, taps, context, count, mode, size, gather_units, padding)
