@@ -14,6 +14,10 @@ intermediate value is read inside the pattern alone and is not a graph output.
   statistics outputs nobody reads: ``plugrt.cpu::SkipLayerNormalization``.
 - :class:`FuseBiasGeluPass`: an erf GELU of a MatMul + bias:
   ``plugrt.cpu::FusedMatMulGelu`` (bias and GELU in one pass over the product).
+- :class:`FuseAddSoftmaxPass`: ``Softmax(scores + mask)`` over the last axis, and the
+  guard exporters put after it (``Where(IsNaN(p), 0, p)``, for rows every key of which is
+  masked) where there is one: ``plugrt.cpu::AddSoftmax`` (the mask's row added, the
+  softmax taken and the NaNs zeroed in one pass a row).
 """
 
 from __future__ import annotations
@@ -30,19 +34,19 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, thread
 
 from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
-from .kernels import dense, elementwise, normalization
+from .kernels import dense, elementwise, normalization, softmax
 from .kernels._compiled import DENSE_LOOPS, ROW_LOOPS
 from .kernels._gemm import matmul
 from .kernels.elementwise import compiled_loops, scratch, with_small_buffers
 
-__all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass"]
+__all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass", "FuseAddSoftmaxPass"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def transformer_passes() -> list[_NodePass]:
     """The transformer fusions, in order (both after FuseMatMulBiasPass and FuseLayerNormPass)."""
-    return [FuseSelfAttentionPass(), FuseSkipLayerNormPass(), FuseBiasGeluPass()]
+    return [FuseSelfAttentionPass(), FuseSkipLayerNormPass(), FuseBiasGeluPass(), FuseAddSoftmaxPass()]
 
 
 def _is_ours(node: ir.Node | None, op_type: str) -> bool:
@@ -491,6 +495,73 @@ def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
             biased = scratch(out, "biased", out.shape, out.dtype)
             np.copyto(biased, out)
             gelu_into(out, biased)
+
+    declare_into(run_into, run)
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# (4) Softmax of a sum, and its NaN guard
+
+
+def _nan_guard(probabilities: ir.Value) -> list[ir.Node] | None:
+    """[IsNaN, Where] where ``probabilities`` is read by ``Where(IsNaN(p), 0, p)`` and
+    nothing else (the IsNaN read by that Where alone); else None."""
+    uses = [use.node for use in probabilities.uses()]
+    if probabilities.is_graph_output() or len(uses) != 2:
+        return None
+    isnan = next((n for n in uses if _is(n, "IsNaN")), None)
+    where = next((n for n in uses if _is(n, "Where")), None)
+    if isnan is None or where is None or len(where.inputs) != 3 or _sole_reader(isnan.outputs[0]) is not where:
+        return None
+    condition, zero, value = where.inputs
+    if condition is not isnan.outputs[0] or value is not probabilities or _scalar(zero) != 0.0:
+        return None
+    return [isnan, where]
+
+
+class FuseAddSoftmaxPass(_NodePass):
+    """``Softmax(Add(x, mask))`` over the last axis (opset 13 and later), float32 or
+    float64, the mask broadcast onto x with x's last axis, the sum read by the Softmax
+    alone: ``plugrt.cpu::AddSoftmax(x, mask)``, taking the NaN guard after it along
+    (``zero_nan``)."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "Softmax") or model.opset_imports.get("", 0) < 13 or node.inputs[0] is None:
+            return False
+        summed = node.inputs[0]
+        add = summed.producer()
+        shape = summed.shape
+        if not _is(add, "Add") or len(add.inputs) != 2 or _sole_reader(summed) is not node or shape is None:
+            return False
+        if summed.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or node.attributes.get_int("axis", -1) not in (-1, len(shape) - 1):
+            return False
+        for x, mask in (add.inputs, add.inputs[::-1]):
+            if x is None or mask is None or x.shape is None or mask.shape is None or x.dtype != mask.dtype:
+                continue
+            if tuple(x.shape) != tuple(shape) or len(mask.shape) > len(shape) or not mask.shape or mask.shape[-1] != shape[-1]:
+                continue
+            if not isinstance(shape[-1], int):
+                continue
+            guard = _nan_guard(node.outputs[0])
+            attributes = [ir.AttrInt64("zero_nan", int(guard is not None))]
+            fused = _private_node(model, "AddSoftmax", [x, mask], node.name or "add_softmax", attributes)
+            _replace(model.graph, [add, node, *(guard or [])], fused)
+            return True
+        return False
+
+
+@kernel_builder("AddSoftmax", DOMAIN_VERSION, domain=DOMAIN, compiled=ROW_LOOPS)
+def add_softmax(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """``softmax(x + mask)`` over the last axis, NaN -> 0 where ``zero_nan``
+    (``kernels.softmax.add_softmax``)."""
+    zero_nan = bool(ctx.attributes.get("zero_nan", 0))
+
+    def run(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return softmax.add_softmax(x, mask, zero_nan)
+
+    def run_into(out: np.ndarray, x: np.ndarray, mask: np.ndarray) -> None:
+        softmax.add_softmax(x, mask, zero_nan, out)
 
     declare_into(run_into, run)
     return run

@@ -306,20 +306,40 @@ def _softmax_row(source, row):  # pragma: no cover  (compiled; inlined)
         row[j] *= inverse
 
 
-# The context of ``softmax_job`` (int64 words; see ``softmax._compiled_softmax``).
-SOFTMAX_X, SOFTMAX_Y, SOFTMAX_ROWS, SOFTMAX_WIDTH, SOFTMAX_PER_UNIT = range(5)
-SOFTMAX_WORDS = 5
+# The context of ``softmax_job`` (int64 words; see ``softmax._compiled_softmax``): with an
+# addend (``SOFTMAX_ADDEND`` non-zero), row ``r`` is ``x[r] + addend[table[r]]`` (the
+# addend's rows, ``SOFTMAX_TABLE`` int64 row indices: its broadcast); ``SOFTMAX_ZERO_NAN``
+# non-zero writes 0 where the softmax gave NaN (a row of -inf scores: a query every key of
+# which is masked).
+SOFTMAX_X, SOFTMAX_Y, SOFTMAX_ROWS, SOFTMAX_WIDTH, SOFTMAX_PER_UNIT, SOFTMAX_ADDEND, SOFTMAX_TABLE, SOFTMAX_ZERO_NAN = range(8)
+SOFTMAX_WORDS = 8
 
 
 @numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
 def softmax_job(c, start, stop, slot):  # pragma: no cover  (compiled)
     """Units [start, stop) of a softmax over the rows of a C-contiguous float32 (rows,
     width) on the compiled pool, ``SOFTMAX_PER_UNIT`` rows a unit: each row's softmax
-    read from the input into the output (which may be the input)."""
+    read from the input into the output (which may be the input), the addend's row added
+    first where there is one."""
     context = numba.carray(int64_pointer(c), SOFTMAX_WORDS)
     rows, width = context[SOFTMAX_ROWS], context[SOFTMAX_WIDTH]
     x = numba.carray(float32_pointer(context[SOFTMAX_X]), (rows, width))
     y = numba.carray(float32_pointer(context[SOFTMAX_Y]), (rows, width))
     group = context[SOFTMAX_PER_UNIT]
+    addend = context[SOFTMAX_ADDEND]
+    zero_nan = context[SOFTMAX_ZERO_NAN] != 0
     for r in range(start * group, min(rows, stop * group)):
-        _softmax_row(x[r], y[r])
+        if addend == 0:
+            _softmax_row(x[r], y[r])
+        else:
+            index = numba.carray(int64_pointer(context[SOFTMAX_TABLE] + r * 8), 1)[0]
+            added = numba.carray(float32_pointer(addend + index * width * 4), width)
+            row, source = y[r], x[r]
+            for j in range(width):
+                row[j] = source[j] + added[j]
+            _softmax_row(row, row)
+        if zero_nan:
+            row = y[r]
+            for j in range(width):
+                value = row[j]
+                row[j] = value if value == value else _F(0.0)

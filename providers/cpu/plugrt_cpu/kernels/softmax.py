@@ -73,12 +73,60 @@ def _compiled_softmax(x: np.ndarray, axis: int, out: np.ndarray | None) -> np.nd
         # one thread, the job runs alone (``CompiledPool.run``)
         count = rows.shape[0]
         per_unit = max(1, count // (threads * _SOFTMAX_UNITS_PER_THREAD)) if threads > 1 else count
-        context = np.array([rows.ctypes.data, target.ctypes.data, count, rows.shape[1], per_unit], np.int64)
+        context = np.array([rows.ctypes.data, target.ctypes.data, count, rows.shape[1], per_unit, 0, 0, 0], np.int64)
         pool.run(loops.softmax_job.address, context, -(-count // per_unit), threads)
         return y
     loops.subtract_row_max(rows, target)
     np.exp(target, out=target)
     loops.normalize_rows(target)
+    return y
+
+
+_ROW_TABLES: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
+
+
+def _row_table(shape: tuple[int, ...], addend_shape: tuple[int, ...]) -> np.ndarray:
+    """For each row of ``shape`` (its last axis the row), the index of the row of an
+    addend of ``addend_shape`` (the same last axis) that broadcasts onto it; made once
+    per pair of shapes."""
+    key = (shape, addend_shape)
+    table = _ROW_TABLES.get(key)
+    if table is None:
+        rows = np.arange(math.prod(addend_shape[:-1]), dtype=np.int64).reshape(addend_shape[:-1])
+        table = np.ascontiguousarray(np.broadcast_to(rows, shape[:-1]).reshape(-1))
+        if len(_ROW_TABLES) < 64:
+            _ROW_TABLES[key] = table
+    return table
+
+
+def add_softmax(x: np.ndarray, addend: np.ndarray, zero_nan: bool, out: np.ndarray | None = None) -> np.ndarray:
+    """``softmax(x + addend)`` over the last axis, ``addend`` broadcast onto ``x`` (its last
+    axis as long), and 0 where that gives NaN when ``zero_nan`` (exporters guard an
+    attention's fully masked rows so). Float32 C-order arrays in one compiled pass a row
+    (the addend's row added in cache), else numpy's Add, then the softmax, then the guard."""
+    y = np.empty(np.broadcast_shapes(x.shape, addend.shape), np.result_type(x, addend)) if out is None else out
+    loops = compiled_loops()
+    pool = compiled_pool() if loops is not None else None
+    threads = parallel_threads(x.size * _SOFTMAX_COST) if x.size >= _POOL_MIN_VALUES else 1
+    if (
+        pool is not None and y.shape == x.shape and addend.ndim <= x.ndim and x.ndim >= 1 and addend.shape[-1:] == x.shape[-1:]
+        and x.size and all(a.dtype == np.float32 and a.flags.c_contiguous for a in (x, addend, y))
+        and (threads > 1 or x.shape[-1] >= _ONE_PASS_MIN_WIDTH)  # else the three passes around numpy's exp, as Softmax
+    ):
+        width = x.shape[-1]
+        table = _row_table(x.shape, (1,) * (x.ndim - addend.ndim) + addend.shape)
+        count = table.shape[0]
+        per_unit = max(1, count // (threads * _SOFTMAX_UNITS_PER_THREAD)) if threads > 1 else count
+        context = np.array(
+            [x.ctypes.data, y.ctypes.data, count, width, per_unit, addend.ctypes.data, table.ctypes.data, int(zero_nan)], np.int64
+        )
+        pool.run(loops.softmax_job.address, context, -(-count // per_unit), threads)
+        return y
+    np.add(x, addend, out=y)
+    _softmax_axis(y, -1, y)
+    if zero_nan:
+        nan = np.isnan(y, out=None if out is None else scratch(out, "nan", y.shape, np.bool_))
+        np.copyto(y, 0, where=nan)
     return y
 
 
