@@ -92,7 +92,34 @@ def _c(value: int) -> ir.Constant:
 def _splat(builder, value, vector_type):  # type: ignore[no-untyped-def]
     undefined = ir.Constant(vector_type, ir.Undefined)
     one = builder.insert_element(undefined, value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undefined, ir.Constant(ir.VectorType(_I32, _VW), [0] * _VW))
+    return builder.shuffle_vector(one, undefined, ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
+
+
+def _store_row(builder, value, masked, mask, target, residual_at, bias_at, has_residual, has_bias, relu):  # type: ignore[no-untyped-def]
+    """Store one row of a tile, ``value`` (a vector of its columns), at ``target`` under
+    ``mask``: ``(value + residual) + bias`` (the residual's row at ``residual_at`` where
+    ``has_residual``, the row's bias at ``bias_at`` where ``has_bias``), then ``< 0 -> 0``
+    where ``relu`` (NaN stays NaN). ``masked``: the masked load and store for its type."""
+    masked_load, masked_store = masked
+    kind = value.type
+    four = ir.Constant(_I32, 4)
+    zero = ir.Constant(kind, [0.0] * kind.count)
+    before = builder.block
+    with builder.if_then(has_residual):
+        added = builder.fadd(value, builder.call(masked_load, [residual_at, four, mask, zero]))
+        added_end = builder.block
+    summed = builder.phi(kind)
+    summed.add_incoming(added, added_end)
+    summed.add_incoming(value, before)
+    before = builder.block
+    with builder.if_then(has_bias):
+        biased = builder.fadd(summed, _splat(builder, builder.load(bias_at), kind))
+        biased_end = builder.block
+    result = builder.phi(kind)
+    result.add_incoming(biased, biased_end)
+    result.add_incoming(summed, before)
+    negative = builder.and_(builder.fcmp_ordered("<", result, zero), _splat(builder, relu, ir.VectorType(_I1, kind.count)))
+    builder.call(masked_store, [builder.select(negative, zero, result), target, four, mask])
 
 
 def _floats(builder, address):  # type: ignore[no-untyped-def]
@@ -247,27 +274,14 @@ def _tile_codegen(stride):  # type: ignore[no-untyped-def]
         out, others, biases = _floats(builder, c), _floats(builder, residual), _floats(builder, bias)
         has_residual = builder.icmp_signed("!=", residual, _c(0))
         has_bias = builder.icmp_signed("!=", bias, _c(0))
-        clamp = _splat(builder, builder.icmp_signed("!=", relu, _c(0)), _VMASK)
+        clamp = builder.icmp_signed("!=", relu, _c(0))
         for r in range(MR):
             with builder.if_then(builder.icmp_signed("<", _c(r), rows)):
                 offset = builder.mul(_c(r), ldc)
-                value = sums[r]
-                before = builder.block
-                with builder.if_then(has_residual):
-                    added = builder.fadd(value, builder.call(masked_load, [_vector_at(builder, others, offset), four, mask, zero]))
-                    added_end = builder.block
-                summed = builder.phi(_V)
-                summed.add_incoming(added, added_end)
-                summed.add_incoming(value, before)
-                before = builder.block
-                with builder.if_then(has_bias):
-                    biased = builder.fadd(summed, _splat(builder, builder.load(builder.gep(biases, [_c(r)])), _V))
-                    biased_end = builder.block
-                result = builder.phi(_V)
-                result.add_incoming(biased, biased_end)
-                result.add_incoming(summed, before)
-                negative = builder.and_(builder.fcmp_ordered("<", result, zero), clamp)
-                builder.call(masked_store, [builder.select(negative, zero, result), _vector_at(builder, out, offset), four, mask])
+                _store_row(
+                    builder, sums[r], (masked_load, masked_store), mask, _vector_at(builder, out, offset),
+                    _vector_at(builder, others, offset), builder.gep(biases, [_c(r)]), has_residual, has_bias, clamp,
+                )
 
     return codegen
 
@@ -344,14 +358,8 @@ def _store_columns(builder, columns_, first_row, c, ldc, columns, rows, bias, re
     masked_store = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [_V8, _V8.as_pointer(), _I32, _VMASK8]), "llvm.masked.store.v8f32.p0"
     )
-    four = ir.Constant(_I32, 4)
-    zero8 = ir.Constant(_V8, [0.0] * 8)
     lanes8 = ir.Constant(ir.VectorType(_I64, 8), list(range(8)))
-    splat8 = builder.shuffle_vector(
-        builder.insert_element(ir.Constant(ir.VectorType(_I64, 8), ir.Undefined), columns, ir.Constant(_I32, 0)),
-        ir.Constant(ir.VectorType(_I64, 8), ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [0] * 8),
-    )
-    mask = builder.icmp_signed("<", lanes8, splat8)
+    mask = builder.icmp_signed("<", lanes8, _splat(builder, columns, ir.VectorType(_I64, 8)))
     out, others, biases = _floats(builder, c), _floats(builder, residual), _floats(builder, bias)
     has_residual = builder.icmp_signed("!=", residual, _c(0))
     has_bias = builder.icmp_signed("!=", bias, _c(0))
@@ -364,26 +372,11 @@ def _store_columns(builder, columns_, first_row, c, ldc, columns, rows, bias, re
             value = builder.shuffle_vector(
                 pairs[r // 2], ir.Constant(_V, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [8 * (r % 2) + i for i in range(8)])
             )
-            target = builder.bitcast(builder.gep(out, [offset]), _V8.as_pointer())
-            before = builder.block
-            with builder.if_then(has_residual):
-                source = builder.bitcast(builder.gep(others, [offset]), _V8.as_pointer())
-                added = builder.fadd(value, builder.call(masked_load, [source, four, mask, zero8]))
-                added_end = builder.block
-            summed = builder.phi(_V8)
-            summed.add_incoming(added, added_end)
-            summed.add_incoming(value, before)
-            before = builder.block
-            with builder.if_then(has_bias):
-                loaded = builder.load(builder.gep(biases, [_c(row)]))
-                one = builder.insert_element(ir.Constant(_V8, ir.Undefined), loaded, ir.Constant(_I32, 0))
-                biased = builder.fadd(summed, builder.shuffle_vector(one, ir.Constant(_V8, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [0] * 8)))
-                biased_end = builder.block
-            result = builder.phi(_V8)
-            result.add_incoming(biased, biased_end)
-            result.add_incoming(summed, before)
-            negative = builder.and_(builder.fcmp_ordered("<", result, zero8), builder.select(clamp, ir.Constant(_VMASK8, [1] * 8), ir.Constant(_VMASK8, [0] * 8)))
-            builder.call(masked_store, [builder.select(negative, zero8, result), target, four, mask])
+            _store_row(
+                builder, value, (masked_load, masked_store), mask, builder.bitcast(builder.gep(out, [offset]), _V8.as_pointer()),
+                builder.bitcast(builder.gep(others, [offset]), _V8.as_pointer()), builder.gep(biases, [_c(row)]), has_residual,
+                has_bias, clamp,
+            )
 
 
 def _column_codegen(indirect, tiles=1):  # type: ignore[no-untyped-def]
