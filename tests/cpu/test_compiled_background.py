@@ -310,3 +310,31 @@ def test_numba_still_reads_its_config_file_and_pyyaml_is_otherwise_left_unimport
     assert _printed_after_loading("yaml", lines, cwd=tmp_path) == ["NoneType", "None"]
     (tmp_path / ".numba_config.yaml").write_text("boundscheck: 1\n")
     assert _printed_after_loading("yaml", lines, cwd=tmp_path) == ["module", "1"]
+
+
+def test_a_build_for_changed_sources_forgets_every_compiled_modules_cache_entries(tmp_path, monkeypatch):
+    """numba checks a function's own file only: a build with no stamp for these sources
+    first removes the ``_numba_*`` entries (a unit calling into another module edited since
+    would load its old code), and nothing else in the cache; a build the stamp says is
+    complete removes nothing."""
+    entries = [
+        "_numba_gemm.packed_product-412.py311.nbi", "_numba_gemm.packed_product-412.py311.1.nbc",
+        "_numba_conv.conv_units-140.py311.nbi",
+    ]
+    others = ["other_project.f-1.py311.nbi", "plugrt-numba-0123456789abcdef.ready", "_numba_gemm.py", "plugrt-nrt-0a.pkl"]
+    for name in entries + others:
+        (tmp_path / name).write_text("x")
+    stamp = tmp_path / "plugrt-numba-fedcba9876543210.ready"
+    monkeypatch.setattr(_compiled, "cache_stamp", lambda: str(stamp))
+    monkeypatch.setattr(_compiled, "cache_directory", lambda: str(tmp_path))
+    monkeypatch.setattr(_compiled, "_mode", lambda: "wait")
+
+    class NoModules:
+        names: tuple[str, ...] = ()
+
+    monkeypatch.setattr(_compiled, "_LOADER", NoModules())
+    _compiled.build_all()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == sorted(others + [stamp.name])
+    (tmp_path / entries[0]).write_text("x")  # compiled since, for these sources
+    _compiled.build_all()
+    assert (tmp_path / entries[0]).exists()

@@ -54,6 +54,7 @@ __all__ = [
     "cache_stamp",
     "compiled_enabled",
     "compiled_module",
+    "forget_compiled_entries",
     "generation",
     "pinned",
     "snapshot",
@@ -372,6 +373,8 @@ def build_all(progress: Progress | None = None) -> int:
     names = _LOADER.names
     loaded = 0
     with _cache_lock():  # one build per cache at a time: processes started together wait, then load
+        if not os.path.exists(cache_stamp()):
+            forget_compiled_entries()
         for done, name in enumerate(names):
             if progress is not None:
                 progress(done, len(names), name)
@@ -382,6 +385,27 @@ def build_all(progress: Progress | None = None) -> int:
         if loaded == len(names):
             _write_stamp()
     return loaded
+
+
+def forget_compiled_entries(directory: str | None = None) -> int:
+    """Remove numba's cache entries of the compiled modules (``_numba_*.nbi`` and ``.nbc``
+    in ``directory``, the cache by default) before a build for sources no complete build
+    has seen: numba checks a function's own file only, so a function calling into another
+    ``_numba_*`` module edited since (``_numba_conv``'s units into ``_numba_gemm``'s
+    tiles) would load its old code. Other files there are left alone. Returns how many it
+    removed."""
+    directory = directory or cache_directory()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        if name.startswith("_numba_") and name.endswith((".nbi", ".nbc")):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+                removed += 1
+    return removed
 
 
 @contextlib.contextmanager
