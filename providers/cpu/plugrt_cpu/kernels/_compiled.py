@@ -373,8 +373,11 @@ def build_all(progress: Progress | None = None) -> int:
     names = _LOADER.names
     loaded = 0
     with _cache_lock():  # one build per cache at a time: processes started together wait, then load
-        if not os.path.exists(cache_stamp()):
+        forgotten = cache_stamp()[: -len(".ready")] + ".forgotten"  # once per set of sources, even if a build fails
+        if not os.path.exists(cache_stamp()) and not os.path.exists(forgotten):
             forget_compiled_entries()
+            with contextlib.suppress(OSError), open(forgotten, "w"):
+                pass
         for done, name in enumerate(names):
             if progress is not None:
                 progress(done, len(names), name)
