@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import onnx_ir as ir
 
-from plugrt.ir_utils import constant_array
-
 from ._registry import KernelContext, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _NodePass, _is, _private_node, _replace, _scalar, _sole_reader
+from .fusions_transformer import _ints
 from .kernels._relu import relu_into
 from .kernels.elementwise import scratch
 
@@ -67,13 +66,6 @@ def _forward_casts(value: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
             return value, casts
         casts.append(reader)
         value = reader.outputs[0]
-
-
-def _ints(value: ir.Value | None) -> tuple[int, ...] | None:
-    array = constant_array(value) if value is not None else None
-    if array is None or array.dtype.kind not in "iu" or array.ndim != 1:
-        return None
-    return tuple(int(v) for v in array)
 
 
 def _last_axis_range(node: ir.Node, size: int) -> tuple[int, int] | None:

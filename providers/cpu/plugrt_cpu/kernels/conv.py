@@ -98,8 +98,6 @@ def depthwise_loops() -> ModuleType | None:
     return compiled_module("_numba_depthwise")
 
 
-
-
 class _DepthwiseLayout:
     """Where the compiled depthwise loops put an input plane and read each tap, for one
     2-D shape (see ``_numba_depthwise``): the input split into its column stride phases,
