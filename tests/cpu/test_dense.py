@@ -75,15 +75,21 @@ def body(request, monkeypatch):
     yield counting
 
 
-def _reference(a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, gelu: bool) -> np.ndarray:
+def _reference(a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, gelu: int) -> np.ndarray:
+    """float64 ``a @ w + bias``, then the GELU ``gelu`` names (0 none, 1 erf, 2 tanh)."""
     y = a.astype(np.float64) @ w.astype(np.float64)
     if bias is not None:
         y = y + bias
-    if gelu:
+    if gelu == dense.GELU_ERF:
         from math import erf
 
         y = 0.5 * y * (1 + np.vectorize(erf)(y / np.sqrt(2)))
+    elif gelu == dense.GELU_TANH:
+        y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y**3)))
     return y
+
+
+_GELUS = [dense.GELU_NONE, dense.GELU_ERF, dense.GELU_TANH]
 
 
 # (rows, K, N): the packed body's tiles of 8 rows by up to three 16-column panels, with a
@@ -92,16 +98,16 @@ def _reference(a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, gelu: bool
 @pytest.mark.parametrize(
     "shape", [(16, 3, 5), (37, 150, 50), (64, 64, 16), (200, 96, 130), (45, 450, 20), (23, 700, 130), (17, 400, 48)]
 )
-@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("gelu", _GELUS)
 def test_dense_product_matches_float64(body, shape, gelu):
     m, k, n = shape
     a, w, bias = _random(m, k), _random(k, n, seed=1) * 0.2, _random(n, seed=2)
     out = np.full((m, n), np.nan, np.float32)
     applied = dense.dense_product(out, a, w, bias, panels=dense.WeightPanels(w), gelu=gelu)
-    expected = _reference(a, w, bias, gelu and applied)
+    expected = _reference(a, w, bias, gelu if applied else dense.GELU_NONE)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     if body is not None:
-        assert applied == gelu and body.calls >= 1
+        assert applied == bool(gelu) and body.calls >= 1
     else:
         assert not applied
 
@@ -109,14 +115,14 @@ def test_dense_product_matches_float64(body, shape, gelu):
 # rows under a packed row tile (16): tiles of one, two and four rows (three and five use the
 # four-row tile with rows left over); N 150 takes eight-panel groups and a ragged last panel
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 15])
-@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("gelu", _GELUS)
 def test_fewer_rows_than_a_tile_stream_the_weight_panels(body, rows, gelu):
     a, w, bias = _random(rows, 70), _random(70, 150, seed=1) * 0.2, _random(150, seed=2)
     out = np.full((rows, 150), np.nan, np.float32)
     applied = dense.dense_product(out, a, w, bias, panels=dense.WeightPanels(w), gelu=gelu)
-    np.testing.assert_allclose(out, _reference(a, w, bias, gelu and applied), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out, _reference(a, w, bias, gelu if applied else dense.GELU_NONE), rtol=1e-4, atol=1e-4)
     if body is not None:
-        assert applied == gelu and body.calls >= 1
+        assert applied == bool(gelu) and body.calls >= 1
     else:
         assert not applied
 

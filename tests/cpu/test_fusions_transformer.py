@@ -229,14 +229,16 @@ _MATMUL_GELU = """
 """
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_gelu_of_a_matmul_and_bias_runs_as_one_step(loops, batch):
-    model = _model(_MATMUL_GELU.replace("APPROXIMATE", "none"), w=_random(64, 256) * 0.3, b=_random(256, seed=1))
+def test_gelu_of_a_matmul_and_bias_runs_as_one_step(loops, batch, approximate):
+    model = _model(_MATMUL_GELU.replace("APPROXIMATE", approximate), w=_random(64, 256) * 0.3, b=_random(256, seed=1))
     _assert_fused(model, {"x": _random(batch, 16, 64, seed=2)}, ["FusedMatMulGelu"])
 
 
-def test_tanh_gelu_of_a_matmul_keeps_its_own_step():
-    model = _model(_MATMUL_GELU.replace("APPROXIMATE", "tanh"), w=_random(64, 256) * 0.3, b=_random(256, seed=1))
+def test_gelu_of_a_matmul_whose_product_is_read_elsewhere_keeps_its_own_step():
+    text = _MATMUL_GELU.replace("APPROXIMATE", "tanh").replace("=> (float[N, 16, 256] y)", "=> (float[N, 16, 256] y, float[N, 16, 256] h)")
+    model = _model(text, w=_random(64, 256) * 0.3, b=_random(256, seed=1))
     _assert_fused(model, {"x": _random(2, 16, 64, seed=2)}, ["FusedMatMul", "Gelu"])
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "FuseSiluPass",
     "FuseSqueezeExcitePass",
     "FuseMatMulBiasPass",
+    "FuseReshapedGemmPass",
     "FuseLayerNormPass",
     "FuseGeluPass",
 ]
@@ -76,7 +77,7 @@ def fusion_passes() -> list[InPlacePass]:
     placement, for every provider."""
     return [
         FuseSqueezeExcitePass(), FuseBatchNormReluPass(), FuseConvAddPass(), FuseConvReluPass(),
-        FuseConvActivationPass(), FuseExpandDepthwisePass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(), FuseSiluMulPass(),
+        FuseConvActivationPass(), FuseExpandDepthwisePass(), FuseReshapedGemmPass(), FuseMatMulBiasPass(), FuseLayerNormPass(), FuseGeluPass(), FuseSiluMulPass(),
         FuseSiluPass(),
     ]
 
@@ -385,6 +386,75 @@ class FuseSqueezeExcitePass(_NodePass):
 
 # ---------------------------------------------------------------------------------------
 # (4) MatMul + Add of a constant bias: one FusedMatMul step
+
+
+def _drop_unused_initializers(graph: ir.Graph, values: Sequence[ir.Value]) -> None:
+    """Forget initializers a rewrite left without readers (their arrays live on in the
+    fused constant; keeping both would hold the weights twice)."""
+    for value in values:
+        name = value.name
+        if name is None or name not in graph.initializers or value.is_graph_input():
+            continue
+        if not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(name)
+
+
+def _reshape_target(node: ir.Node) -> list[int] | None:
+    """The shape a Reshape asks for, where it is a constant without zeros (a zero copies an
+    input dimension, or means 0 with allowzero: either way not a plain target); else None."""
+    shape = constant_array(node.inputs[1]) if len(node.inputs) == 2 and node.inputs[1] is not None else None
+    if shape is None or shape.ndim != 1 or shape.dtype.kind not in "iu" or 0 in shape:
+        return None
+    return [int(v) for v in shape]
+
+
+class FuseReshapedGemmPass(_NodePass):
+    """``Reshape(Gemm(Reshape(x, (-1, K)), W, bias), (*lead, N))`` for ``x`` of static shape
+    (*lead, K): a Linear layer on a stack of rows as exporters write it (transformers'
+    GPT-2 ``Conv1D``; torch.export's ``addmm`` of a flattened input).
+    ``plugrt.cpu::FusedMatMul(x, W, bias)`` on ``x`` as it is: one step for three, which the
+    GELU fusion after it then sees as any other Linear layer. ``W`` a constant 2-D weight
+    (laid out transposed once where ``transB``), ``bias`` a constant (N,) or (1, N),
+    alpha = beta = 1 and no ``transA``; the flattened rows read by the Gemm alone and the
+    product by the second Reshape alone."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "Gemm") or len(node.inputs) != 3 or any(v is None for v in node.inputs):
+            return False
+        attributes = node.attributes
+        if attributes.get_int("transA", 0) or attributes.get_float("alpha", 1.0) != 1.0 or attributes.get_float("beta", 1.0) != 1.0:
+            return False
+        rows, weight_value, bias_value = node.inputs
+        assert rows is not None and weight_value is not None and bias_value is not None  # checked above
+        flatten = rows.producer()
+        unflatten = _sole_reader(node.outputs[0])
+        if not (_is(flatten, "Reshape") and _is(unflatten, "Reshape")) or _sole_reader(rows) is not node:
+            return False
+        x = flatten.inputs[0]
+        if x is None or x.shape is None or not x.shape.is_static() or len(x.shape) < 2:
+            return False
+        *lead, k = x.shape.numpy()
+        weight, bias = constant_array(weight_value), constant_array(bias_value)
+        if weight is None or weight.ndim != 2 or weight.dtype not in _FLOATS or bias is None or bias.dtype != weight.dtype:
+            return False
+        transposed = bool(attributes.get_int("transB", 0))
+        if transposed:
+            weight = weight.T
+        n = weight.shape[1]
+        if weight.shape[0] != k or bias.shape not in ((n,), (1, n)):
+            return False
+        if _reshape_target(flatten) not in ([-1, k], [math.prod(lead), k]) or _reshape_target(unflatten) != [*lead, n]:
+            return False
+        graph = model.graph
+        if transposed:
+            weight_value = _add_constant(graph, f"{weight_value.name or 'weight'}_t", weight)
+        if bias.ndim == 2:
+            bias_value = _add_constant(graph, f"{bias_value.name or 'bias'}_row", bias.reshape(n))
+        old_constants = [v for v in node.inputs if v is not None]
+        fused = _private_node(model, "FusedMatMul", [x, weight_value, bias_value], node.name or "matmul", [])
+        _replace(graph, [flatten, node, unflatten], fused)
+        _drop_unused_initializers(graph, old_constants)
+        return True
 
 
 class FuseMatMulBiasPass(_NodePass):

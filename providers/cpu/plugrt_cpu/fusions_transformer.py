@@ -12,7 +12,7 @@ intermediate value is read inside the pattern alone and is not a graph output.
   weights side by side (one GEMM for q, k and v).
 - :class:`FuseSkipLayerNormPass`: ``LayerNormalization(a + b)`` over the last axis whose
   statistics outputs nobody reads: ``plugrt.cpu::SkipLayerNormalization``.
-- :class:`FuseBiasGeluPass`: an erf GELU of a MatMul + bias:
+- :class:`FuseBiasGeluPass`: a GELU (erf or tanh) of a MatMul + bias:
   ``plugrt.cpu::FusedMatMulGelu`` (bias and GELU in one pass over the product).
 - :class:`FuseAddSoftmaxPass`: ``Softmax(scores + mask)`` over the last axis, and the
   guard exporters put after it (``Where(IsNaN(p), 0, p)``, for rows every key of which is
@@ -33,7 +33,7 @@ from plugrt.rewrites import CONTRIB_DOMAIN
 from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, threads_for
 
 from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
-from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
+from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _drop_unused_initializers, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
 from .kernels import dense, elementwise, normalization, softmax
 from .kernels._compiled import DENSE_LOOPS, ROW_LOOPS
 from .kernels._gemm import matmul
@@ -59,17 +59,6 @@ def _ints(value: ir.Value | None) -> tuple[int, ...] | None:
     if array is None or array.dtype.kind not in "iu" or array.ndim != 1:
         return None
     return tuple(int(v) for v in array)
-
-
-def _drop_unused_initializers(graph: ir.Graph, values: list[ir.Value]) -> None:
-    """Forget initializers a rewrite left without readers (their arrays live on in the
-    fused constant; keeping both would hold the weights twice)."""
-    for value in values:
-        name = value.name
-        if name is None or name not in graph.initializers or value.is_graph_input():
-            continue
-        if not value.uses() and not value.is_graph_output():
-            graph.initializers.pop(name)
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,27 +263,33 @@ class FuseSkipLayerNormPass(_NodePass):
 # (3) GELU of a MatMul + bias
 
 
-def _exact_gelu(node: ir.Node | None) -> bool:
-    """Whether ``node`` is an erf GELU: plugrt.cpu::Gelu or ONNX Gelu with approximate="none",
-    or com.microsoft::Gelu (the core's rewrite below opset 20)."""
+def _gelu_approximation(node: ir.Node | None) -> str | None:
+    """"none" where ``node`` is an erf GELU (plugrt.cpu::Gelu or ONNX Gelu with
+    approximate="none", or com.microsoft::Gelu, the core's rewrite below opset 20), "tanh"
+    where it is the tanh form (approximate="tanh": GPT-2's, which ``FuseGeluPass`` wrote
+    for the written-out formula); else None."""
     if node is not None and node.domain == CONTRIB_DOMAIN and node.op_type == "Gelu":
-        return True
+        return "none"
     if not (_is(node, "Gelu") or _is_ours(node, "Gelu")) or node is None:
-        return False
-    return node.attributes.get_string("approximate", "none") == "none"
+        return None
+    approximate = node.attributes.get_string("approximate", "none")
+    return approximate if approximate in ("none", "tanh") else None
 
 
 class FuseBiasGeluPass(_NodePass):
-    """``plugrt.cpu::FusedMatMul`` whose output only an erf GELU reads:
-    ``plugrt.cpu::FusedMatMulGelu`` (the bias added inside the GELU's pass)."""
+    """``plugrt.cpu::FusedMatMul`` whose output only a GELU (erf or tanh) reads:
+    ``plugrt.cpu::FusedMatMulGelu`` (the bias added inside the GELU's pass), with the
+    GELU's ``approximate``."""
 
     def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
         if not _is_ours(node, "FusedMatMul") or len(node.inputs) != 3:
             return False
         gelu = _sole_reader(node.outputs[0])
-        if gelu is None or not _exact_gelu(gelu):
+        approximate = _gelu_approximation(gelu)
+        if gelu is None or approximate is None:
             return False
-        fused = _private_node(model, "FusedMatMulGelu", node.inputs, node.name or "matmul_gelu", [])
+        attributes = [ir.AttrString("approximate", approximate)] if approximate != "none" else []
+        fused = _private_node(model, "FusedMatMulGelu", node.inputs, node.name or "matmul_gelu", attributes)
         _replace(model.graph, [node, gelu], fused)
         return True
 
@@ -451,11 +446,14 @@ def skip_layer_normalization(ctx: KernelContext) -> Callable[..., np.ndarray]:
 
 @kernel_builder("FusedMatMulGelu", DOMAIN_VERSION, domain=DOMAIN, compiled=DENSE_LOOPS)
 def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
-    """GELU(a @ w + bias): the product as one GEMM over a's rows (``kernels.dense``), the
-    bias and GELU on each panel of columns while it is in cache (float32, numba, AVX-512);
-    else BLAS, the bias, and the GELU in one compiled pass (float32 with numba) or numpy's."""
-    gelu = elementwise.gelu(dataclasses.replace(ctx, op_type="Gelu", attributes={"approximate": "none"}))
+    """GELU(a @ w + bias), erf or tanh (``approximate``, as the Gelu op's): the product as
+    one GEMM over a's rows (``kernels.dense``), the bias and GELU on each panel of columns
+    while it is in cache (float32, numba, AVX-512); else BLAS, the bias, and the GELU in
+    one compiled pass (float32 with numba) or numpy's."""
+    approximate = ctx.attributes.get("approximate", "none")
+    gelu = elementwise.gelu(dataclasses.replace(ctx, op_type="Gelu", attributes={"approximate": approximate}))
     gelu_into = capture_variant(gelu)
+    code = dense.GELU_TANH if approximate == "tanh" else dense.GELU_ERF
     panels = dense.WeightPanels(ctx.constant_inputs[1] if len(ctx.constant_inputs) > 1 else None)
 
     def product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray, allocate: dense.Allocate) -> bool:
@@ -464,7 +462,7 @@ def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
         if rows is not None:
             target = out.reshape(-1, w.shape[1])
             return dense.dense_product(
-                target, rows, w, bias, panels=panels, gelu=True, allocate=allocate, gelu_pass=compiled
+                target, rows, w, bias, panels=panels, gelu=code, allocate=allocate, gelu_pass=compiled
             )
         np.matmul(a, w, out=out)
         out += bias
@@ -477,7 +475,7 @@ def fused_matmul_gelu(ctx: KernelContext) -> Callable[..., np.ndarray]:
         if loops is None:
             return False
         flat = out.reshape(-1)
-        loops.gelu_erf(flat, flat)
+        (loops.gelu_tanh if code == dense.GELU_TANH else loops.gelu_erf)(flat, flat)
         return True
 
     def run(a: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:

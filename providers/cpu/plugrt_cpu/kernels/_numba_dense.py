@@ -23,15 +23,18 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._numba_gemm import _V, _VI64, _VMASK, _VW, _ahead, _c, _floats, _k_loop, _splat, _vector_at, _vector_functions
-from ._numba_loops import _gelu
+from ._numba_loops import _gelu, _gelu_tanh
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm_any32, sgemm_any64
 
 __all__ = [
-    "FEW_WORDS", "GEMM_WORDS", "JOB_WORDS", "VECTOR", "bias_columns", "few_rows_job", "few_rows_product", "gemm_job", "panel_job",
+    "FEW_WORDS", "GELU_ERF", "GELU_NONE", "GELU_TANH", "GEMM_WORDS", "JOB_WORDS", "VECTOR", "bias_columns", "few_rows_job", "few_rows_product", "gemm_job", "panel_job",
     "panel_product",
 ]
 
 VECTOR = 16  # columns of one panel of the weight: one vector of the micro-kernel
+#: The epilogue's activation after the bias (the ``gelu`` argument of the products): none,
+#: the erf GELU, or its tanh approximation (GPT-2's).
+GELU_NONE, GELU_ERF, GELU_TANH = 0, 1, 2
 _FLOAT = 4
 
 _FLAGS: dict[str, Any] = dict(fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True)
@@ -133,25 +136,28 @@ def _panel_tile(panels: int):  # type: ignore[no-untyped-def]
 _panel_tile1, _panel_tile2, _panel_tile3 = _panel_tile(1), _panel_tile(2), _panel_tile(3)
 
 
-@numba.njit([numba.void(_MATRIX, _BIAS, numba.int64, numba.int64, numba.boolean)], **_FLAGS)
+@numba.njit([numba.void(_MATRIX, _BIAS, numba.int64, numba.int64, numba.int64)], **_FLAGS)
 def bias_columns(c, bias, j0, j1, gelu):  # pragma: no cover  (compiled)
-    """``c[:, j0:j1] += bias[j0:j1]``, then the erf GELU when ``gelu`` (as
-    ``_numba_loops.bias_gelu_rows`` computes it), in place: the epilogue of one block of
-    columns while it is in cache."""
+    """``c[:, j0:j1] += bias[j0:j1]``, then the GELU ``gelu`` names (``GELU_ERF`` as
+    ``_numba_loops.bias_gelu_rows`` computes it, ``GELU_TANH`` as ``_numba_loops.gelu_tanh``),
+    in place: the epilogue of one block of columns while it is in cache."""
     count = j1 - j0
     shift = bias[j0:j1]
     for i in range(c.shape[0]):
         row = c[i, j0:j1]
-        if gelu:
+        if gelu == GELU_ERF:
             for j in range(count):
                 row[j] = _gelu(row[j] + shift[j])
+        elif gelu == GELU_TANH:
+            for j in range(count):
+                row[j] = _gelu_tanh(row[j] + shift[j])
         else:
             for j in range(count):
                 row[j] = row[j] + shift[j]
 
 
 @numba.njit(
-    [numba.void(numba.int64, numba.int64, _PANELS, _MATRIX, _BIAS, numba.boolean, numba.int64, numba.int64, numba.int64, numba.int64,
+    [numba.void(numba.int64, numba.int64, _PANELS, _MATRIX, _BIAS, numba.int64, numba.int64, numba.int64, numba.int64, numba.int64,
                 numba.int64, numba.int64)],
     **_FLAGS,
 )
@@ -159,7 +165,7 @@ def panel_product(a, lda, panels, c, bias, gelu, t0, t1, depth, r_lo, r_hi, bloc
     """``c[r, j] = epilogue(a @ w)[r, j]`` for rows [r_lo, r_hi) (``r_lo`` a multiple of MR)
     and the columns of panels [t0, t1): ``a`` the address of the activation (M, K), its
     rows ``lda`` floats apart, read where they are; ``panels`` the weight (K, N) as (ceil(N / VECTOR), K, VECTOR) panels, zero past column
-    N; the epilogue adds ``bias`` (N,) and then, when ``gelu``, the erf GELU.
+    N; the epilogue adds ``bias`` (N,) and then the GELU ``gelu`` names (``GELU_*``).
 
     The rows go in blocks of ``block`` rows (a multiple of MR: ``dense.cache_rows``), each
     block through every group of PANELS panels, ROWS rows of ``a`` a tile. Each group runs
@@ -262,13 +268,13 @@ def _few_tile(rows: int, panels: int):  # type: ignore[no-untyped-def]
 _few_tile1, _few_tile2, _few_tile4 = (_few_tile(*shape) for shape in FEW_TILES)
 
 
-@numba.njit([numba.void(numba.int64, numba.int64, numba.int64, _PANELS, _MATRIX, _BIAS, numba.boolean, numba.int64, numba.int64)], **_FLAGS)
+@numba.njit([numba.void(numba.int64, numba.int64, numba.int64, _PANELS, _MATRIX, _BIAS, numba.int64, numba.int64, numba.int64)], **_FLAGS)
 def few_rows_product(a, lda, m, panels, c, bias, gelu, t0, t1):  # pragma: no cover  (compiled)
     """``c[:, j] = epilogue(a @ w)[:, j]`` for the columns of panels [t0, t1): ``a`` the
     address of the first of ``m`` rows (few: under a packed row tile) of K floats, ``lda``
     floats apart, read where they are; ``panels`` the weight (K, N) as (ceil(N / VECTOR),
     K, VECTOR) panels. Every panel is streamed once for up to four rows (``FEW_TILES``).
-    The epilogue adds ``bias`` (N,), then the erf GELU when ``gelu``."""
+    The epilogue adds ``bias`` (N,), then the GELU ``gelu`` names (``GELU_*``)."""
     k = panels.shape[1]
     n = c.shape[1]
     ldc = c.shape[1]
@@ -291,11 +297,16 @@ def few_rows_product(a, lda, m, panels, c, bias, gelu, t0, t1):  # pragma: no co
                 _few_tile2(left, lda, right, stride, k, offset, ldc, rows, count, columns, shift)
             else:
                 _few_tile4(left, lda, right, stride, k, offset, ldc, rows, count, columns, shift)
-    if gelu:
+    if gelu == GELU_ERF:
         for i in range(m):
             row = c[i]
             for j in range(t0 * VECTOR, min(n, t1 * VECTOR)):
                 row[j] = _gelu(row[j])
+    elif gelu == GELU_TANH:
+        for i in range(m):
+            row = c[i]
+            for j in range(t0 * VECTOR, min(n, t1 * VECTOR)):
+                row[j] = _gelu_tanh(row[j])
 
 
 # The context of ``few_rows_job`` (int64 words; see ``kernels.dense.dense_product``): a unit
@@ -314,7 +325,7 @@ def few_rows_job(c, start, stop, slot):  # pragma: no cover  (compiled)
     bias = numba.carray(float32_pointer(context[FEW_BIAS]), n)
     per_unit = context[FEW_PER_UNIT]
     few_rows_product(
-        context[FEW_A], context[FEW_LDA], m, panels, out, bias, context[FEW_GELU] != 0, start * per_unit, min(count, stop * per_unit)
+        context[FEW_A], context[FEW_LDA], m, panels, out, bias, context[FEW_GELU], start * per_unit, min(count, stop * per_unit)
     )
 
 
@@ -348,7 +359,7 @@ def panel_job(c, start, stop, slot):  # pragma: no cover  (compiled)
         r_hi = min(rows, r_lo + block)
         if first < last and r_lo < r_hi:
             panel_product(
-                context[JOB_A], context[JOB_LDA], panels, out, bias, context[JOB_GELU] != 0, first, last, context[JOB_SLICE], r_lo, r_hi,
+                context[JOB_A], context[JOB_LDA], panels, out, bias, context[JOB_GELU], first, last, context[JOB_SLICE], r_lo, r_hi,
                 context[JOB_CACHE_ROWS],
             )
 

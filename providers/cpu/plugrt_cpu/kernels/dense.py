@@ -1,4 +1,4 @@
-"""Dense layers' products: ``a @ w + bias`` (then an erf GELU) for a constant weight, by the packed micro-kernel where the host has it, else BLAS.
+"""Dense layers' products: ``a @ w + bias`` (then a GELU, erf or tanh) for a constant weight, by the packed micro-kernel where the host has it, else BLAS.
 
 A transformer's Linear layer is one GEMM of (tokens, K) by a constant (K, N). Two
 bodies, chosen per call from what the host offers:
@@ -44,7 +44,7 @@ from ._compiled_parallel import compiled_pool
 from .normalization import zero_vector
 
 __all__ = [
-    "Allocate", "WeightPanels", "dense_product", "matrix_rows", "new_array", "packed_kernels", "packs", "preferred_body",
+    "GELU_ERF", "GELU_NONE", "GELU_TANH", "Allocate", "WeightPanels", "dense_product", "matrix_rows", "new_array", "packed_kernels", "packs", "preferred_body",
 ]
 
 _F32 = np.dtype(np.float32)
@@ -60,6 +60,9 @@ _F32 = np.dtype(np.float32)
 PACKED_PARALLEL_MIN_WORK = 1 << 26
 _VECTOR = 16  # columns of a weight panel (_numba_dense.VECTOR)
 _UNITS_PER_THREAD = 4  # units of panels per thread of a compiled-pool job
+#: The GELU after the bias (``dense_product``'s ``gelu``; ``_numba_dense``'s codes): none,
+#: erf (True means this one), or the tanh approximation.
+GELU_NONE, GELU_ERF, GELU_TANH = 0, 1, 2
 Allocate = Callable[[str, tuple[int, ...], Any], np.ndarray]
 
 
@@ -249,13 +252,13 @@ def dense_product(
     bias: np.ndarray | None,
     *,
     panels: WeightPanels | None = None,
-    gelu: bool = False,
+    gelu: int = GELU_NONE,
     allocate: Allocate = new_array,
     gelu_pass: Callable[[np.ndarray], Any] | None = None,
 ) -> bool:
     """``out = a @ w + bias`` for 2-D ``a`` (M, K), ``w`` (K, N), ``out`` (M, N) C-contiguous,
-    then the erf GELU when ``gelu`` and the packed body ran (``panels`` of ``w`` given):
-    returns whether the GELU was applied. ``allocate(slot, shape, dtype)`` gives the work
+    then the GELU ``gelu`` names (``GELU_ERF`` or True, ``GELU_TANH``) when the packed body
+    ran (``panels`` of ``w`` given): returns whether the GELU was applied. ``allocate(slot, shape, dtype)`` gives the work
     array (the packed ``a``). ``gelu_pass(out)``, where given, applies the GELU after a
     BLAS product and says whether it did (so that the two bodies are timed alike)."""
     m, k = a.shape
@@ -277,7 +280,7 @@ def dense_product(
         lda = a.strides[0] // a.itemsize
         fused = bias is None or (bias.dtype == _F32 and bias.flags.c_contiguous)
         shift = bias if fused and bias is not None else zero_vector(n)
-        activate = gelu and fused  # the GELU comes after the bias: in the kernel only with it
+        activate = int(gelu) if fused else GELU_NONE  # the GELU comes after the bias: in the kernel only with it
         depth = slice_depth()
         block_rows = cache_rows(m, k, gemm.MR)
 
@@ -297,7 +300,7 @@ def dense_product(
                 context = np.array(
                     [
                         a.ctypes.data, lda, k, laid_out.ctypes.data, tiles, out.ctypes.data, m, n,
-                        shift.ctypes.data, int(activate), depth, per_unit, row_block, chunks, block_rows,
+                        shift.ctypes.data, activate, depth, per_unit, row_block, chunks, block_rows,
                     ],
                     np.int64,
                 )
@@ -313,23 +316,23 @@ def dense_product(
 
         finished: list[bool] = []
         if preferred_body(
-            (m, k, n, parallel_threads(work), activate), packed_body, lambda: finished.append(blas_body())
+            (m, k, n, parallel_threads(work), bool(activate)), packed_body, lambda: finished.append(blas_body())
         ):
-            return activate
+            return bool(activate)
         return bool(finished and finished[0])
     _blas_product(out, a, w, bias, work)
     return False
 
 
-def _few_rows(loops: Any, out: np.ndarray, a: np.ndarray, panels: np.ndarray, bias: np.ndarray | None, gelu: bool) -> bool:
-    """``out = a @ w + bias`` (then the GELU) for ``a`` of fewer rows than a packed row
+def _few_rows(loops: Any, out: np.ndarray, a: np.ndarray, panels: np.ndarray, bias: np.ndarray | None, gelu: int) -> bool:
+    """``out = a @ w + bias`` (then the GELU ``gelu`` names) for ``a`` of fewer rows than a packed row
     tile, its rows contiguous: the weight's panels streamed once, split over the threads
     by blocks of panels (``_numba_dense.few_rows_job``). Returns whether the GELU ran."""
     m, k = a.shape
     tiles, n = panels.shape[0], out.shape[1]
     fused = bias is None or bias.flags.c_contiguous
     shift = bias if fused and bias is not None else zero_vector(n)
-    activate = gelu and fused  # the GELU comes after the bias: in the loops only with it
+    activate = int(gelu) if fused else GELU_NONE  # the GELU comes after the bias: in the loops only with it
     pool = compiled_pool()
     threads = min(tiles, parallel_threads(max(m, _STREAMED_WEIGHT_COST) * n * k))  # a weight read, not its few multiply-adds if pool is not None else 1
     lda = a.strides[0] // a.itemsize
@@ -338,13 +341,13 @@ def _few_rows(loops: Any, out: np.ndarray, a: np.ndarray, panels: np.ndarray, bi
     else:
         per_unit = -(-tiles // threads)
         context = np.array(
-            [a.ctypes.data, lda, m, k, panels.ctypes.data, tiles, out.ctypes.data, n, shift.ctypes.data, int(activate), per_unit],
+            [a.ctypes.data, lda, m, k, panels.ctypes.data, tiles, out.ctypes.data, n, shift.ctypes.data, activate, per_unit],
             np.int64,
         )
         pool.run(loops.few_rows_job.address, context, -(-tiles // per_unit), threads)
     if bias is not None and not fused:
         np.add(out, bias, out=out)
-    return activate
+    return bool(activate)
 
 
 def _blas_product(out: np.ndarray, a: np.ndarray, w: np.ndarray, bias: np.ndarray | None, work: int) -> None:
