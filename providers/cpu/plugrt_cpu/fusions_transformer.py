@@ -18,6 +18,11 @@ intermediate value is read inside the pattern alone and is not a graph output.
   guard exporters put after it (``Where(IsNaN(p), 0, p)``, for rows every key of which is
   masked) where there is one: ``plugrt.cpu::AddSoftmax`` (the mask's row added, the
   softmax taken and the NaNs zeroed in one pass a row).
+- :class:`FuseScaledDotProductAttentionPass`: ``softmax(q @ k^T * scale (+ mask)) @ v``
+  on four-axis heads, the scale a scalar Mul or Div of q, of k^T or of the scores, and
+  the Transpose of the heads after it where there is one:
+  ``plugrt.cpu::ScaledDotProductAttention`` (each head's scores, softmax and product in
+  cache; ``kernels.sdpa``).
 """
 
 from __future__ import annotations
@@ -34,19 +39,25 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, thread
 
 from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _drop_unused_initializers, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
-from .kernels import dense, elementwise, normalization, softmax
+from .kernels import dense, elementwise, normalization, sdpa, softmax
 from .kernels._compiled import DENSE_LOOPS, ROW_LOOPS
 from .kernels._gemm import matmul
 from .kernels.elementwise import compiled_loops, scratch, with_small_buffers
 
-__all__ = ["transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass", "FuseAddSoftmaxPass"]
+__all__ = [
+    "transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass", "FuseAddSoftmaxPass",
+    "FuseScaledDotProductAttentionPass",
+]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def transformer_passes() -> list[_NodePass]:
     """The transformer fusions, in order (both after FuseMatMulBiasPass and FuseLayerNormPass)."""
-    return [FuseSelfAttentionPass(), FuseSkipLayerNormPass(), FuseBiasGeluPass(), FuseAddSoftmaxPass()]
+    return [
+        FuseSelfAttentionPass(), FuseSkipLayerNormPass(), FuseBiasGeluPass(), FuseAddSoftmaxPass(),
+        FuseScaledDotProductAttentionPass(),
+    ]
 
 
 def _is_ours(node: ir.Node | None, op_type: str) -> bool:
@@ -560,6 +571,111 @@ def add_softmax(ctx: KernelContext) -> Callable[..., np.ndarray]:
 
     def run_into(out: np.ndarray, x: np.ndarray, mask: np.ndarray) -> None:
         softmax.add_softmax(x, mask, zero_nan, out)
+
+    declare_into(run_into, run)
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# (5) Scaled dot-product attention
+
+
+def _scaled(value: ir.Value, reader: ir.Node) -> tuple[ir.Value, float, list[ir.Node]]:
+    """(source, factor, [node]) where ``value`` is ``Mul(source, c)``, ``Mul(c, source)`` or
+    ``Div(source, c)`` for a one-element float constant ``c`` of no more axes than
+    ``source``, read by ``reader`` alone; else (value, 1.0, [])."""
+    node = value.producer()
+    if node is None or _sole_reader(value) is not reader or len(node.inputs) != 2 or not (_is(node, "Mul") or _is(node, "Div")):
+        return value, 1.0, []
+    pairs = [tuple(node.inputs)] if _is(node, "Div") else [tuple(node.inputs), tuple(node.inputs[::-1])]
+    for source, constant in pairs:
+        factor = _scalar(constant)
+        if source is None or constant is None or factor is None or factor == 0.0:
+            continue
+        if source.shape is None or constant.shape is None or len(constant.shape) > len(source.shape):
+            continue
+        return source, (1.0 / factor if _is(node, "Div") else factor), [node]
+    return value, 1.0, []
+
+
+def _heads(value: ir.Value | None) -> bool:
+    """Whether ``value`` is a float32/float64 tensor of four axes (batch, heads, rows, width)."""
+    return value is not None and value.shape is not None and len(value.shape) == 4 and value.dtype in (
+        ir.DataType.FLOAT, ir.DataType.DOUBLE
+    )
+
+
+class FuseScaledDotProductAttentionPass(_NodePass):
+    """``MatMul(softmax(scale * MatMul(q, kt) (+ mask)), v)`` on four-axis operands (batch,
+    heads, rows, width), the softmax a Softmax over the last axis or an ``AddSoftmax``
+    (with its NaN guard), the scale any scalar Mul or Div of q, of kt or of the scores
+    (SDPA exports scale q and k^T by its root each), every intermediate read by the next
+    node alone; and the Transpose of the result, where it is its only reader and keeps the
+    last axis last: ``plugrt.cpu::ScaledDotProductAttention(q, kt, v[, mask])`` with
+    ``scale``, ``zero_nan`` and ``perm``."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is(node, "MatMul") or len(node.inputs) != 2 or None in node.inputs:
+            return False
+        probabilities, v = node.inputs
+        assert probabilities is not None and v is not None
+        norm = probabilities.producer()
+        if norm is None or _sole_reader(probabilities) is not node or not _heads(v):
+            return False
+        mask: ir.Value | None = None
+        zero_nan = 0
+        if _is_ours(norm, "AddSoftmax") and len(norm.inputs) == 2:
+            scores, mask = norm.inputs
+            zero_nan = norm.attributes.get_int("zero_nan", 0)
+        elif _is(norm, "Softmax") and model.opset_imports.get("", 0) >= 13 and norm.attributes.get_int("axis", -1) in (-1, 3):
+            scores = norm.inputs[0]
+        else:
+            return False
+        if scores is None or (mask is not None and (mask.shape is None or len(mask.shape) > 4)):
+            return False
+        raw, after, scaling = _scaled(scores, norm)
+        product = raw.producer()
+        if not _is(product, "MatMul") or len(product.inputs) != 2 or _sole_reader(raw) is not (scaling[0] if scaling else norm):
+            return False
+        q, q_factor, q_scaling = _scaled(product.inputs[0], product)  # type: ignore[arg-type]
+        kt, k_factor, k_scaling = _scaled(product.inputs[1], product)  # type: ignore[arg-type]
+        if not (_heads(q) and _heads(kt)) or len({q.dtype, kt.dtype, v.dtype}) != 1:
+            return False
+        scale = float(np.float64(q_factor) * k_factor * after)
+        if q.dtype == ir.DataType.DOUBLE and float(np.float32(scale)) != scale:
+            return False  # the attribute is a float32: a float64 model keeps its own scaling
+        pattern = [*q_scaling, *k_scaling, product, *scaling, norm, node]
+        perm = [0, 1, 2, 3]
+        transpose = _sole_reader(node.outputs[0])
+        if _is(transpose, "Transpose"):
+            asked = [int(a) for a in transpose.attributes.get_ints("perm", [])]
+            if sorted(asked) == perm and asked[3] == 3:
+                perm = asked
+                pattern.append(transpose)
+        attributes = [
+            ir.AttrFloat32("scale", scale),
+            ir.AttrInt64("zero_nan", zero_nan),
+            ir.AttrInt64s("perm", perm),
+        ]
+        inputs = [q, kt, v, *([mask] if mask is not None else [])]
+        fused = _private_node(model, "ScaledDotProductAttention", inputs, node.name or "attention", attributes)
+        _replace(model.graph, pattern, fused)
+        return True
+
+
+@kernel_builder("ScaledDotProductAttention", DOMAIN_VERSION, domain=DOMAIN, compiled=DENSE_LOOPS + ROW_LOOPS)
+def scaled_dot_product_attention(ctx: KernelContext) -> Callable[..., np.ndarray]:
+    """``softmax(scale * q @ kt + mask) @ v`` per head, NaN -> 0 where ``zero_nan``, the
+    result transposed by ``perm`` (``kernels.sdpa``)."""
+    scale = float(ctx.attributes.get("scale", 1.0))
+    zero_nan = bool(ctx.attributes.get("zero_nan", 0))
+    perm = tuple(int(a) for a in ctx.attributes.get("perm", (0, 1, 2, 3)))
+
+    def run(q: np.ndarray, kt: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        return sdpa.attend(q, kt, v, mask, scale, zero_nan, perm)
+
+    def run_into(out: np.ndarray, q: np.ndarray, kt: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> None:
+        sdpa.attend(q, kt, v, mask, scale, zero_nan, perm, out)
 
     declare_into(run_into, run)
     return run

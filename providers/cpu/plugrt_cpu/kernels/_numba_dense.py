@@ -18,16 +18,17 @@ from __future__ import annotations
 from typing import Any
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 from ._numba_gemm import _V, _VI64, _VMASK, _VW, _ahead, _c, _floats, _k_loop, _splat, _vector_at, _vector_functions
-from ._numba_loops import _gelu, _gelu_tanh
+from ._numba_loops import _gelu, _gelu_tanh, _softmax_row
 from ._numba_parallel import float32_pointer, int64_pointer, sgemm_any32, sgemm_any64
 
 __all__ = [
-    "FEW_WORDS", "GELU_ERF", "GELU_NONE", "GELU_TANH", "GEMM_WORDS", "JOB_WORDS", "VECTOR", "bias_columns", "few_rows_job", "few_rows_product", "gemm_job", "panel_job",
+    "ATTENTION_WORDS", "FEW_WORDS", "GELU_ERF", "GELU_NONE", "GELU_TANH", "GEMM_WORDS", "JOB_WORDS", "VECTOR", "attention_job", "bias_columns", "few_rows_job", "few_rows_product", "gemm_job", "panel_job",
     "panel_product",
 ]
 
@@ -36,6 +37,7 @@ VECTOR = 16  # columns of one panel of the weight: one vector of the micro-kerne
 #: the erf GELU, or its tanh approximation (GPT-2's).
 GELU_NONE, GELU_ERF, GELU_TANH = 0, 1, 2
 _FLOAT = 4
+_F32_ZERO = np.float32(0.0)
 
 _FLAGS: dict[str, Any] = dict(fastmath={"contract", "arcp", "nsz", "afn", "reassoc"}, nogil=True, boundscheck=False, error_model="numpy", cache=True)
 _MATRIX = numba.float32[:, ::1]
@@ -415,3 +417,72 @@ def gemm_job(c, start, stop, slot):  # pragma: no cover  (compiled)
             sgemm_any64(context[GEMM_FUNCTION], trans_a, trans_b, rows, columns, k, a, lda, b, ldb, out, ldc)
         else:
             sgemm_any32(context[GEMM_FUNCTION], trans_a, trans_b, rows, columns, k, a, lda, b, ldb, out, ldc)
+
+
+# The context of ``attention_job`` (int64 words; see ``kernels.attention``): the
+# cblas_sgemm and whether its integers are 64-bit; the heads a batch entry (H), the queries
+# (S), the keys (T), the query/key width (D) and the value width (E); then for each
+# operand its address and its steps in floats from one batch entry and from one head to
+# the next (0 where it is broadcast): q (S, D) rows ``ATT_Q_LD`` apart, its transpose flag;
+# the keys' operand of the scores' product (D, T), as cblas takes it (transpose flag,
+# leading dimension); v (T, E), likewise; the output's (S, E) rows ``ATT_OUT_LD`` apart; the
+# additive mask (0: none), each query's row of T values ``ATT_MASK_LD`` apart (0: one row
+# for every query); the scale (a float32 in the word's low half); whether NaN rows become
+# zeros; the work rows (one (S, T) block per slot of the pool).
+(
+    ATT_FUNCTION, ATT_LONG, ATT_HEADS, ATT_QUERIES, ATT_KEYS, ATT_DEPTH, ATT_WIDTH,
+    ATT_Q, ATT_Q_BATCH, ATT_Q_HEAD, ATT_Q_LD, ATT_Q_TRANS,
+    ATT_K, ATT_K_BATCH, ATT_K_HEAD, ATT_K_LD, ATT_K_TRANS,
+    ATT_V, ATT_V_BATCH, ATT_V_HEAD, ATT_V_LD, ATT_V_TRANS,
+    ATT_OUT, ATT_OUT_BATCH, ATT_OUT_HEAD, ATT_OUT_LD,
+    ATT_MASK, ATT_MASK_BATCH, ATT_MASK_HEAD, ATT_MASK_LD,
+    ATT_SCALE, ATT_ZERO_NAN, ATT_WORK,
+) = range(33)
+ATTENTION_WORDS = 33
+
+
+@numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)
+def attention_job(c, start, stop, slot):  # pragma: no cover  (compiled)
+    """Units [start, stop) of a scaled dot-product attention on the compiled pool, one
+    (batch entry, head) a unit, without the GIL: the scores ``q @ k^T`` by the one-thread
+    cblas_sgemm into this slot's work rows, each row scaled, the mask's row added and its
+    softmax taken while it is in cache (NaN -> 0 where asked), then ``p @ v`` by cblas
+    straight into the output's rows for this head."""
+    context = numba.carray(int64_pointer(c), ATTENTION_WORDS)
+    function, heads = context[ATT_FUNCTION], context[ATT_HEADS]
+    s, t, d, e = context[ATT_QUERIES], context[ATT_KEYS], context[ATT_DEPTH], context[ATT_WIDTH]
+    scale = numba.carray(float32_pointer(c + ATT_SCALE * 8), 1)[0]
+    zero_nan = context[ATT_ZERO_NAN] != 0
+    mask = context[ATT_MASK]
+    scores = context[ATT_WORK] + slot * s * t * _FLOAT
+    rows = numba.carray(float32_pointer(scores), (s, t))
+    for unit in range(start, stop):
+        b = unit // heads
+        h = unit - b * heads
+        q = context[ATT_Q] + (b * context[ATT_Q_BATCH] + h * context[ATT_Q_HEAD]) * _FLOAT
+        k = context[ATT_K] + (b * context[ATT_K_BATCH] + h * context[ATT_K_HEAD]) * _FLOAT
+        v = context[ATT_V] + (b * context[ATT_V_BATCH] + h * context[ATT_V_HEAD]) * _FLOAT
+        out = context[ATT_OUT] + (b * context[ATT_OUT_BATCH] + h * context[ATT_OUT_HEAD]) * _FLOAT
+        if context[ATT_LONG] != 0:
+            sgemm_any64(function, context[ATT_Q_TRANS], context[ATT_K_TRANS], s, t, d, q, context[ATT_Q_LD], k, context[ATT_K_LD], scores, t)
+        else:
+            sgemm_any32(function, context[ATT_Q_TRANS], context[ATT_K_TRANS], s, t, d, q, context[ATT_Q_LD], k, context[ATT_K_LD], scores, t)
+        added = mask + (b * context[ATT_MASK_BATCH] + h * context[ATT_MASK_HEAD]) * _FLOAT
+        for i in range(s):
+            row = rows[i]
+            if mask != 0:
+                values = numba.carray(float32_pointer(added + i * context[ATT_MASK_LD] * _FLOAT), t)
+                for j in range(t):
+                    row[j] = row[j] * scale + values[j]
+            else:
+                for j in range(t):
+                    row[j] = row[j] * scale
+            _softmax_row(row, row)
+            if zero_nan:
+                for j in range(t):
+                    value = row[j]
+                    row[j] = value if value == value else _F32_ZERO
+        if context[ATT_LONG] != 0:
+            sgemm_any64(function, 0, context[ATT_V_TRANS], s, e, t, scores, t, v, context[ATT_V_LD], out, context[ATT_OUT_LD])
+        else:
+            sgemm_any32(function, 0, context[ATT_V_TRANS], s, e, t, scores, t, v, context[ATT_V_LD], out, context[ATT_OUT_LD])

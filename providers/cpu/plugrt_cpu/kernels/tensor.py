@@ -256,7 +256,7 @@ declare_into(_reshaped_into, reshape_1, reshape)
 
 #: ops that read a transposed matrix (the last two axes swapped) as it is: BLAS takes it
 #: with a transpose flag
-_MATRIX_READERS = frozenset({"MatMul", "Gemm", "FusedMatMul", "FusedMatMulGelu"})
+_MATRIX_READERS = frozenset({"MatMul", "Gemm", "FusedMatMul", "FusedMatMulGelu", "ScaledDotProductAttention"})
 #: ops that take any transposed view their own way: a depthwise Conv reads a channels-last
 #: input as it lies (ConvNeXt's), others copy what they need
 _VIEW_READERS = frozenset({"Conv", "FusedConv"})
