@@ -15,6 +15,10 @@ cblas cannot read where they lie) numpy's matmul, the Softmax kernel and the gua
 
 from __future__ import annotations
 
+import dataclasses
+from types import ModuleType
+from typing import Any
+
 import numpy as np
 
 from plugrt.threads import blas_threads, parallel_threads
@@ -82,6 +86,59 @@ def _steps(x: np.ndarray) -> tuple[int, int]:
     return tuple(0 if x.shape[axis] == 1 else x.strides[axis] // item for axis in (0, 1))  # type: ignore[return-value]
 
 
+#: The attention's job takes a second thread from this many multiply-adds on (its two
+#: products; a fourth of the pool's general threshold, as each row's softmax runs in the
+#: same job). GPT-2 prefill's 4 heads of 64 x 64 (2.1 M): 105 us on one thread, 69 on
+#: two; 2 heads of 32 x 32 (0.13 M): 32 on one, 54 on two.
+_PARALLEL_WORK_SCALE = 4
+#: Plans kept (one per shape and layout of the operands); past this, a new one is made
+#: each call.
+_PLAN_LIMIT = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a call of one shape and layout needs but the operands' addresses: the job's
+    context with those left out, its units, threads and work slots."""
+
+    context: np.ndarray
+    units: int
+    threads: int
+    slots: int
+    scores: int  # floats of work per slot
+
+
+_PLANS: dict[tuple, _Plan | None] = {}
+
+
+def _plan(q: np.ndarray, kt: np.ndarray, v: np.ndarray, rows: np.ndarray | None, scale: float, zero_nan: bool,
+          view: np.ndarray, loops: ModuleType, pool: Any, address: tuple[int, bool]) -> _Plan | None:
+    """The plan of a call of these operands' shapes and layouts (None: cblas cannot read
+    one of them where it lies)."""
+    layouts = _layout(q), _layout(kt), _layout(v)
+    if None in layouts:
+        return None
+    batch, heads, s, e = view.shape
+    d, t = kt.shape[-2:]
+    units = batch * heads
+    threads = min(parallel_threads(_PARALLEL_WORK_SCALE * units * s * t * (d + e)), units)
+    (q_trans, q_ld), (k_trans, k_ld), (v_trans, v_ld) = layouts  # type: ignore[misc]
+    item = view.itemsize
+    context = np.zeros(loops.ATTENTION_WORDS, np.int64)
+    context[: loops.ATT_WIDTH + 1] = [address[0], int(address[1]), heads, s, t, d, e]
+    context[loops.ATT_Q_BATCH : loops.ATT_Q_TRANS + 1] = [*_steps(q), q_ld, int(q_trans == _TRANS)]
+    context[loops.ATT_K_BATCH : loops.ATT_K_TRANS + 1] = [*_steps(kt), k_ld, int(k_trans == _TRANS)]
+    context[loops.ATT_V_BATCH : loops.ATT_V_TRANS + 1] = [*_steps(v), v_ld, int(v_trans == _TRANS)]
+    context[loops.ATT_OUT_BATCH : loops.ATT_OUT_LD + 1] = [view.strides[0] // item, view.strides[1] // item, view.strides[2] // item]
+    if rows is not None:
+        context[loops.ATT_MASK_BATCH : loops.ATT_MASK_LD + 1] = [
+            *_steps(rows), 0 if rows.shape[2] == 1 else rows.strides[2] // rows.itemsize
+        ]
+    context[loops.ATT_SCALE] = int(np.float32(scale).view(np.int32)) & 0xFFFFFFFF
+    context[loops.ATT_ZERO_NAN] = int(zero_nan)
+    return _Plan(context, units, threads, pool.slots(units, threads), s * t)
+
+
 def _compiled(
     q: np.ndarray, kt: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float, zero_nan: bool,
     view: np.ndarray, anchor: np.ndarray | None,
@@ -90,49 +147,45 @@ def _compiled(
     not apply (not float32, not four axes, a layout cblas cannot read, no numba or pool)."""
     if view.ndim != 4 or not (q.ndim == kt.ndim == v.ndim == 4) or view.size == 0:
         return False
-    if not all(a.dtype == _F32 for a in (q, kt, v, view)) or (mask is not None and (mask.dtype != _F32 or mask.ndim > 4)):
+    if not (q.dtype == kt.dtype == v.dtype == view.dtype == _F32) or (mask is not None and (mask.dtype != _F32 or not 0 < mask.ndim <= 4)):
         return False
     if view.strides[-1] != view.itemsize or any(s % view.itemsize for s in view.strides):
         return False
     loops = compiled_module("_numba_dense")
     pool = compiled_pool() if loops is not None else None
     address = sgemm_address() if pool is not None else None
-    layouts = _layout(q), _layout(kt), _layout(v)
-    if loops is None or pool is None or address is None or None in layouts:
+    if loops is None or pool is None or address is None:
         return False
-    batch, heads, s, e = view.shape
-    d, t = kt.shape[-2:]
     rows: np.ndarray | None = None  # the mask as four axes
     if mask is not None:
-        if mask.ndim == 0:
-            return False
         padded: tuple[int, ...] = (1,) * (4 - mask.ndim) + tuple(mask.shape)
         rows = mask.reshape(padded)
         steps: tuple[int, ...] = rows.strides
-        if mask.shape[-1] != t or (steps[-1] != rows.itemsize and t > 1) or steps[2] % rows.itemsize:
+        if mask.shape[-1] != kt.shape[-1] or (steps[-1] != rows.itemsize and mask.shape[-1] > 1) or steps[2] % rows.itemsize:
             return False
-    units = batch * heads
-    threads = min(parallel_threads(units * s * t * (d + e)), units)
-    slots = pool.slots(units, threads)
-    work = (np.empty if anchor is None else (lambda shape, dtype: scratch(anchor, "attention-scores", shape, dtype)))(
-        (slots, s * t), _F32
+    key = (
+        q.shape, q.strides, kt.shape, kt.strides, v.shape, v.strides, view.shape, view.strides, scale, zero_nan,
+        None if rows is None else (rows.shape, rows.strides),
     )
-    (q_trans, q_ld), (k_trans, k_ld), (v_trans, v_ld) = layouts  # type: ignore[misc]
-    context = np.zeros(loops.ATTENTION_WORDS, np.int64)
-    context[: loops.ATT_WIDTH + 1] = [address[0], int(address[1]), heads, s, t, d, e]
-    context[loops.ATT_Q : loops.ATT_Q_TRANS + 1] = [q.ctypes.data, *_steps(q), q_ld, int(q_trans == _TRANS)]
-    context[loops.ATT_K : loops.ATT_K_TRANS + 1] = [kt.ctypes.data, *_steps(kt), k_ld, int(k_trans == _TRANS)]
-    context[loops.ATT_V : loops.ATT_V_TRANS + 1] = [v.ctypes.data, *_steps(v), v_ld, int(v_trans == _TRANS)]
-    item = view.itemsize
-    context[loops.ATT_OUT : loops.ATT_OUT_LD + 1] = [view.ctypes.data, view.strides[0] // item, view.strides[1] // item, view.strides[2] // item]
-    if rows is not None:
-        mask_ld = 0 if rows.shape[2] == 1 else rows.strides[2] // rows.itemsize
-        context[loops.ATT_MASK : loops.ATT_MASK_LD + 1] = [rows.ctypes.data, *_steps(rows), mask_ld]
-    context[loops.ATT_SCALE] = int(np.float32(scale).view(np.int32)) & 0xFFFFFFFF
-    context[loops.ATT_ZERO_NAN] = int(zero_nan)
+    plan = _PLANS.get(key, False)
+    if plan is False:
+        plan = _plan(q, kt, v, rows, scale, zero_nan, view, loops, pool, address)
+        if len(_PLANS) < _PLAN_LIMIT:
+            _PLANS[key] = plan
+    if plan is None:
+        return False
+    assert isinstance(plan, _Plan)
+    shape = (plan.slots, plan.scores)
+    work = np.empty(shape, _F32) if anchor is None else scratch(anchor, "attention-scores", shape, _F32)
+    context = plan.context.copy()
+    context[loops.ATT_Q] = q.ctypes.data
+    context[loops.ATT_K] = kt.ctypes.data
+    context[loops.ATT_V] = v.ctypes.data
+    context[loops.ATT_OUT] = view.ctypes.data
+    context[loops.ATT_MASK] = 0 if rows is None else rows.ctypes.data
     context[loops.ATT_WORK] = work.ctypes.data
     blas_threads(0)  # the calling thread runs units too: its BLAS on one thread
-    pool.run(loops.attention_job.address, context, units, threads)
+    pool.run(loops.attention_job.address, context, plan.units, plan.threads)
     return True
 
 
