@@ -145,6 +145,39 @@ def remove_dead_nodes(model: ir.Model) -> bool:
     return common_passes.RemoveUnusedNodesPass()(model).modified
 
 
+class _Quiet(logging.Filter):
+    """Keeps a pass's per-value notes (onnx_ir's deduplication warns of every initializer
+    a graph input may override, which it leaves alone as it should) off the user's stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+def eliminate_common_subexpressions(model: ir.Model) -> int:
+    """Merge the main graph's identical small initializers (onnx_ir's
+    ``DeduplicateInitializersPass``: the same dtype, shape and bytes, up to 1024 values,
+    none a graph input) and then the nodes that compute the same op, attributes and
+    inputs (``CommonSubexpressionEliminationPass``: not random ops nor control flow), as
+    onnxruntime does at its basic level. Exporters repeat a subexpression per layer:
+    transformers' SDPA export computes the attention mask's ``Where`` in every layer, from
+    the same mask and each layer's own constants. Returns how many passes changed the model."""
+    dedup_logger = logging.getLogger(common_passes.DeduplicateInitializersPass.__module__)
+    quiet = _Quiet()
+    dedup_logger.addFilter(quiet)
+    try:
+        merged = common_passes.DeduplicateInitializersPass()(model).modified
+    finally:
+        dedup_logger.removeFilter(quiet)
+    try:
+        eliminated = common_passes.CommonSubexpressionEliminationPass()(model).modified
+    except TypeError as exc:
+        # an attribute it cannot hash (Optional's type): the nodes before it are merged,
+        # each merge whole, and the graph stays as valid as it was
+        logger.debug("common subexpressions: stopped at an attribute it cannot compare: %s", exc)
+        eliminated = True
+    return int(merged) + int(eliminated)
+
+
 def _replace_with_constant(graph: ir.Graph, value: ir.Value, array: np.ndarray) -> None:
     tensor = ir.tensor(array, name=value.name)
     constant = ir.Value(name=value.name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
@@ -367,6 +400,7 @@ def optimize(
     check_value_sizes(model, max_fold_bytes)
     if fold_provider is not None:
         stats["folded"] = traced("pass:fold_constants", fold_constants, model, fold_provider, max_bytes=max_fold_bytes)
+    stats["common_subexpressions"] = traced("pass:eliminate_common_subexpressions", eliminate_common_subexpressions, model)
     if level == "all" and providers:
         # provider-independent rewrites, before placement: every provider sees their ops
         from .rewrites import rewrite_passes
