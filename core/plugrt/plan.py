@@ -74,7 +74,7 @@ def _in_place(fn: Callable[..., Any], inplace: Callable[..., Any]) -> Callable[.
             and getrefcount(x) == references
             and x.flags.writeable
             and all(type(r) is ndarray and r.dtype == x.dtype for r in rest)
-            and broadcast_shapes(x.shape, *[r.shape for r in rest]) == x.shape
+            and (all(r.shape == x.shape for r in rest) or broadcast_shapes(x.shape, *[r.shape for r in rest]) == x.shape)
         ):
             inplace(x, x, *rest)
             return x
