@@ -23,6 +23,9 @@ intermediate value is read inside the pattern alone and is not a graph output.
   the Transpose of the heads after it where there is one:
   ``plugrt.cpu::ScaledDotProductAttention`` (each head's scores, softmax and product in
   cache; ``kernels.sdpa``).
+- :class:`MergeSiblingMatMulsPass`: the ``FusedMatMul`` steps that read one input (an
+  attention's q, k and v projections; a decoder MLP's gate and up) as one product by the
+  weights side by side, and a ``Split`` of its columns (views).
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ import numpy as np
 import onnx_ir as ir
 
 from plugrt.ir_utils import constant_array
+from plugrt.passes import CLAIMED_BY
 from plugrt.rewrites import CONTRIB_DOMAIN
 from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, threads_for
 
-from ._registry import KernelContext, capture_variant, declare_into, kernel_builder
+from ._registry import PROVIDER_NAME, KernelContext, capture_variant, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _drop_unused_initializers, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
 from .kernels import dense, elementwise, normalization, sdpa, softmax
 from .kernels._compiled import DENSE_LOOPS, ROW_LOOPS
@@ -46,7 +50,7 @@ from .kernels.elementwise import compiled_loops, scratch, with_small_buffers
 
 __all__ = [
     "transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass", "FuseAddSoftmaxPass",
-    "FuseScaledDotProductAttentionPass",
+    "FuseScaledDotProductAttentionPass", "MergeSiblingMatMulsPass",
 ]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -56,7 +60,7 @@ def transformer_passes() -> list[_NodePass]:
     """The transformer fusions, in order (both after FuseMatMulBiasPass and FuseLayerNormPass)."""
     return [
         FuseSelfAttentionPass(), FuseSkipLayerNormPass(), FuseBiasGeluPass(), FuseAddSoftmaxPass(),
-        FuseScaledDotProductAttentionPass(),
+        FuseScaledDotProductAttentionPass(), MergeSiblingMatMulsPass(),
     ]
 
 
@@ -679,3 +683,76 @@ def scaled_dot_product_attention(ctx: KernelContext) -> Callable[..., np.ndarray
 
     declare_into(run_into, run)
     return run
+
+
+# ---------------------------------------------------------------------------------------
+# (6) Sibling products of one input
+
+
+class MergeSiblingMatMulsPass(_NodePass):
+    """The ``plugrt.cpu::FusedMatMul`` steps reading one input, each by a constant 2-D
+    weight of the same depth and dtype and a constant bias, none of their outputs a graph
+    output: one ``FusedMatMul`` by the weights side by side (their biases likewise), then a
+    ``Split`` of its last axis into the products (views of its columns: their readers, an
+    attention's Reshape and Transpose, read them where they lie). BERT's and DistilBERT's
+    q, k and v projections: three products of N = 256 become one of 768 (the activation
+    read once, one call); at opset 11 and later (Split's sizes by attribute below 13, by
+    input from 13)."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if not _is_ours(node, "FusedMatMul") or len(node.inputs) != 3 or node.inputs[0] is None:
+            return False
+        opset = model.opset_imports.get("", 0)
+        if opset < 11:
+            return False
+        x = node.inputs[0]
+        siblings: list[tuple[ir.Node, np.ndarray, np.ndarray]] = []
+        for use in x.uses():
+            reader = use.node
+            if use.idx != 0 or not _is_ours(reader, "FusedMatMul") or len(reader.inputs) != 3 or reader.outputs[0].is_graph_output():
+                continue
+            if any(s[0] is reader for s in siblings):
+                continue
+            if reader.inputs[1] is None or reader.inputs[2] is None:
+                continue
+            weight, bias = constant_array(reader.inputs[1]), constant_array(reader.inputs[2])
+            if weight is None or bias is None or weight.ndim != 2 or bias.shape != (weight.shape[1],):
+                continue
+            if siblings and (weight.shape[0] != siblings[0][1].shape[0] or weight.dtype != siblings[0][1].dtype):
+                continue
+            siblings.append((reader, weight, bias))
+        if len(siblings) < 2 or siblings[0][1].dtype not in _FLOATS or not any(s[0] is node for s in siblings):
+            return False
+        graph = model.graph
+        members = {id(s[0]) for s in siblings}
+        first = next(n for n in graph if id(n) in members)  # the earliest: the merged product goes before it
+        order = {id(n): i for i, n in enumerate(n for n in graph if id(n) in members)}
+        siblings.sort(key=lambda s: order[id(s[0])])
+        weight = np.concatenate([w for _, w, _ in siblings], axis=1)
+        bias = np.concatenate([b for _, _, b in siblings])
+        widths = [w.shape[1] for _, w, _ in siblings]
+        name = node.name or "matmul"
+        merged = _private_node(
+            model, "FusedMatMul",
+            [x, _add_constant(graph, f"{name}_merged_weight", weight), _add_constant(graph, f"{name}_merged_bias", bias)],
+            f"{name}_merged", [],
+        )
+        if opset >= 13:
+            split = ir.Node("", "Split", [merged.outputs[0], _add_constant(graph, f"{name}_merged_split", np.array(widths, np.int64))],
+                            [ir.AttrInt64("axis", -1)], num_outputs=len(siblings), name=f"{name}_merged_split")
+        else:
+            split = ir.Node("", "Split", [merged.outputs[0]], [ir.AttrInt64("axis", -1), ir.AttrInt64s("split", widths)],
+                            num_outputs=len(siblings), name=f"{name}_merged_split")
+        merged.meta[CLAIMED_BY] = PROVIDER_NAME
+        split.meta[CLAIMED_BY] = PROVIDER_NAME
+        graph.insert_before(first, [merged, split])
+        constants = []
+        for (reader, _, _), part in zip(siblings, split.outputs):
+            old = reader.outputs[0]
+            part.name, part.shape, part.type = old.name, old.shape, old.type
+            old.name = None
+            old.replace_all_uses_with(part)
+            constants += [v for v in reader.inputs[1:] if v is not None]
+            graph.remove(reader, safe=True)
+        _drop_unused_initializers(graph, constants)
+        return True
