@@ -73,3 +73,11 @@ def test_merged_products_replay_without_allocating():
     model = _model((24, 40, 8))
     ops, _ = _step_ops(model, _feeds())
     _assert_replays_without_allocating(model, _feeds(), ops)
+
+
+def test_siblings_past_the_weight_limit_stay_apart(monkeypatch):
+    from plugrt_cpu import fusions_transformer
+
+    monkeypatch.setattr(fusions_transformer, "_MERGED_WEIGHT_LIMIT", 32 * 60)  # under 32 x (24 + 40 + 8)
+    ops = _check(_model((24, 40, 8)))
+    assert ops.count("FusedMatMul") == 3 and "Split" not in ops

@@ -428,7 +428,7 @@ class FuseReshapedGemmPass(_NodePass):
         assert rows is not None and weight_value is not None and bias_value is not None  # checked above
         flatten = rows.producer()
         unflatten = _sole_reader(node.outputs[0])
-        if not (_is(flatten, "Reshape") and _is(unflatten, "Reshape")) or _sole_reader(rows) is not node:
+        if not (_is(flatten, "Reshape") and _is(unflatten, "Reshape") and _ours(flatten)) or _sole_reader(rows) is not node:
             return False
         x = flatten.inputs[0]
         if x is None or x.shape is None or not x.shape.is_static() or len(x.shape) < 2:

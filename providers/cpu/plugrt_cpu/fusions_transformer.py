@@ -42,7 +42,7 @@ from plugrt.rewrites import CONTRIB_DOMAIN
 from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, threads_for
 
 from ._registry import PROVIDER_NAME, KernelContext, capture_variant, declare_into, kernel_builder
-from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _drop_unused_initializers, _is, _NodePass, _private_node, _replace, _scalar, _sole_reader
+from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _drop_unused_initializers, _is, _NodePass, _ours, _private_node, _replace, _scalar, _sole_reader
 from .kernels import dense, elementwise, normalization, sdpa, softmax
 from .kernels._compiled import DENSE_LOOPS, ROW_LOOPS
 from .kernels._gemm import matmul
@@ -589,7 +589,9 @@ def _scaled(value: ir.Value, reader: ir.Node) -> tuple[ir.Value, float, list[ir.
     ``Div(source, c)`` for a one-element float constant ``c`` of no more axes than
     ``source``, read by ``reader`` alone; else (value, 1.0, [])."""
     node = value.producer()
-    if node is None or _sole_reader(value) is not reader or len(node.inputs) != 2 or not (_is(node, "Mul") or _is(node, "Div")):
+    if node is None or not _ours(node) or _sole_reader(value) is not reader or len(node.inputs) != 2:
+        return value, 1.0, []
+    if not (_is(node, "Mul") or _is(node, "Div")):
         return value, 1.0, []
     pairs = [tuple(node.inputs)] if _is(node, "Div") else [tuple(node.inputs), tuple(node.inputs[::-1])]
     for source, constant in pairs:
@@ -624,7 +626,7 @@ class FuseScaledDotProductAttentionPass(_NodePass):
         probabilities, v = node.inputs
         assert probabilities is not None and v is not None
         norm = probabilities.producer()
-        if norm is None or _sole_reader(probabilities) is not node or not _heads(v):
+        if norm is None or not _ours(norm) or _sole_reader(probabilities) is not node or not _heads(v):
             return False
         mask: ir.Value | None = None
         zero_nan = 0
@@ -639,7 +641,9 @@ class FuseScaledDotProductAttentionPass(_NodePass):
             return False
         raw, after, scaling = _scaled(scores, norm)
         product = raw.producer()
-        if not _is(product, "MatMul") or len(product.inputs) != 2 or _sole_reader(raw) is not (scaling[0] if scaling else norm):
+        if not _is(product, "MatMul") or not _ours(product) or len(product.inputs) != 2:
+            return False
+        if _sole_reader(raw) is not (scaling[0] if scaling else norm):
             return False
         q, q_factor, q_scaling = _scaled(product.inputs[0], product)  # type: ignore[arg-type]
         kt, k_factor, k_scaling = _scaled(product.inputs[1], product)  # type: ignore[arg-type]
@@ -689,6 +693,12 @@ def scaled_dot_product_attention(ctx: KernelContext) -> Callable[..., np.ndarray
 # (6) Sibling products of one input
 
 
+#: Values of the weights side by side past which siblings stay apart: products that big
+#: gain nothing from one call (their arithmetic dominates), and the build would hold both
+#: copies while it concatenates (a 7B decoder's q, k and v: 50 M values).
+_MERGED_WEIGHT_LIMIT = 1 << 22
+
+
 class MergeSiblingMatMulsPass(_NodePass):
     """The ``plugrt.cpu::FusedMatMul`` steps reading one input, each by a constant 2-D
     weight of the same depth and dtype and a constant bias, none of their outputs a graph
@@ -697,7 +707,7 @@ class MergeSiblingMatMulsPass(_NodePass):
     attention's Reshape and Transpose, read them where they lie). BERT's and DistilBERT's
     q, k and v projections: three products of N = 256 become one of 768 (the activation
     read once, one call); at opset 11 and later (Split's sizes by attribute below 13, by
-    input from 13)."""
+    input from 13), up to ``_MERGED_WEIGHT_LIMIT`` values of weights."""
 
     def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
         if not _is_ours(node, "FusedMatMul") or len(node.inputs) != 3 or node.inputs[0] is None:
@@ -722,6 +732,8 @@ class MergeSiblingMatMulsPass(_NodePass):
                 continue
             siblings.append((reader, weight, bias))
         if len(siblings) < 2 or siblings[0][1].dtype not in _FLOATS or not any(s[0] is node for s in siblings):
+            return False
+        if sum(w.size for _, w, _ in siblings) > _MERGED_WEIGHT_LIMIT:
             return False
         graph = model.graph
         members = {id(s[0]) for s in siblings}
