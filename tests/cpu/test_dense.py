@@ -177,6 +177,23 @@ def test_dense_product_split_over_threads_gives_the_serial_result(body, monkeypa
     np.testing.assert_array_equal(split, serial)
 
 
+def test_a_kept_job_context_reads_each_call_s_own_operands(body, monkeypatch):
+    """The pooled body keeps its job's context per weight and call shape: a second call
+    with other activations, into another output, and a third with another bias, each give
+    their own product (float64 reference)."""
+    monkeypatch.setattr(dense, "parallel_threads", lambda work: 2)
+    monkeypatch.setattr(dense, "PACKED_PARALLEL_MIN_WORK", 0)
+    w = _random(80, 300, seed=1)
+    panels = dense.WeightPanels(w)
+    for seed in range(3):
+        a, bias = _random(50, 80, seed=10 + seed), _random(300, seed=20 + (seed // 2))
+        out = np.full((50, 300), np.nan, np.float32)
+        dense.dense_product(out, a, w, bias, panels=panels)
+        np.testing.assert_allclose(out, _reference(a, w, bias, False), rtol=1e-4, atol=1e-4)
+    if body is not None and dense.compiled_pool() is not None:
+        assert len(panels.jobs) >= 1
+
+
 def test_packed_body_splits_on_the_compiled_pool_below_the_pool_less_bound(body, monkeypatch):
     """With the compiled pool (OpenBLAS kept on one thread beside it), a GPT-2-sized product
     (64 x 256 x 768, under ``PACKED_PARALLEL_MIN_WORK``) is one job of several units on two

@@ -60,6 +60,7 @@ _F32 = np.dtype(np.float32)
 PACKED_PARALLEL_MIN_WORK = 1 << 26
 _VECTOR = 16  # columns of a weight panel (_numba_dense.VECTOR)
 _UNITS_PER_THREAD = 4  # units of panels per thread of a compiled-pool job
+_JOB_LIMIT = 16  # job contexts kept per weight (one per call shape; past this, made each call)
 #: The GELU after the bias (``dense_product``'s ``gelu``; ``_numba_dense``'s codes): none,
 #: erf (True means this one), or the tanh approximation.
 GELU_NONE, GELU_ERF, GELU_TANH = 0, 1, 2
@@ -137,6 +138,9 @@ class WeightPanels:
     def __init__(self, weight: np.ndarray | None) -> None:
         self.weight = weight if weight is not None and weight.ndim == 2 and weight.dtype == _F32 else None
         self.panels: np.ndarray | None = None
+        #: the pooled body's job contexts but the activation's and output's addresses, with
+        #: their units, by call shape (building the 15 words took ~5 us a call)
+        self.jobs: dict[tuple, tuple[np.ndarray, int]] = {}
 
     def get(self, w: np.ndarray) -> np.ndarray | None:
         """The panels of ``w`` when it is the weight they were made of; else None."""
@@ -295,16 +299,26 @@ def dense_product(
             if threads <= 1 or tiles < 2:
                 block(0, tiles)
             elif pool is not None:  # one job without the GIL: parallel_for's chunks each took it to start
-                row_block, per_unit = unit_shape(m, n, tiles, threads, gemm.MR)
-                chunks = -(-tiles // per_unit)
-                context = np.array(
-                    [
-                        a.ctypes.data, lda, k, laid_out.ctypes.data, tiles, out.ctypes.data, m, n,
-                        shift.ctypes.data, activate, depth, per_unit, row_block, chunks, block_rows,
-                    ],
-                    np.int64,
-                )
-                pool.run(loops.panel_job.address, context, -(-m // row_block) * chunks, threads)
+                assert panels is not None  # laid_out came from it
+                key = (m, lda, n, activate, threads, id(shift))
+                job = panels.jobs.get(key)
+                if job is None or job[0][loops.JOB_BIAS] != shift.ctypes.data:
+                    row_block, per_unit = unit_shape(m, n, tiles, threads, gemm.MR)
+                    chunks = -(-tiles // per_unit)
+                    template = np.array(
+                        [
+                            0, lda, k, laid_out.ctypes.data, tiles, 0, m, n,
+                            shift.ctypes.data, activate, depth, per_unit, row_block, chunks, block_rows,
+                        ],
+                        np.int64,
+                    )
+                    job = (template, -(-m // row_block) * chunks)
+                    if len(panels.jobs) < _JOB_LIMIT:
+                        panels.jobs[key] = job
+                context = job[0].copy()
+                context[loops.JOB_A] = a.ctypes.data
+                context[loops.JOB_C] = out.ctypes.data
+                pool.run(loops.panel_job.address, context, job[1], threads)
             else:
                 parallel_for(tiles, block, work, threads=threads, chunks_per_thread=2)
             if bias is not None and not fused:
@@ -316,7 +330,7 @@ def dense_product(
 
         finished: list[bool] = []
         if preferred_body(
-            (m, k, n, parallel_threads(work), bool(activate)), packed_body, lambda: finished.append(blas_body())
+            (m, k, n, threads, bool(activate)), packed_body, lambda: finished.append(blas_body())
         ):
             return bool(activate)
         return bool(finished and finished[0])
