@@ -18,26 +18,12 @@ from onnx_ir.passes.common import LiftConstantsToInitializersPass
 import plugrt
 from plugrt_cpu import fusions
 
-
-def _random(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def _model(text: str, **constants: np.ndarray) -> bytes:
-    model = onnx.parser.parse_model(text)
-    model.graph.initializer.extend(numpy_helper.from_array(np.asarray(a), name) for name, a in constants.items())
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
-
-
-def _steps(model: bytes, feeds: dict[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
-    session = plugrt.load(model, device="cpu", profiling=True)
-    outputs = list(session.run(feeds).values())
-    return [event["args"]["op_name"] for event in session.profile() if event["cat"] == "Node"], outputs
+from cpu.test_fusions import _step_ops
+from cpu.test_fusions_transformer import _model, _random
 
 
 def _check(model: bytes, feeds: dict[str, np.ndarray], expected_ops: list[str]) -> None:
-    ops, ours = _steps(model, feeds)
+    ops, ours = _step_ops(model, feeds)
     assert ops == expected_ops
     plain = list(plugrt.load(model, device="cpu", optimization="none").run(feeds).values())
     theirs = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
