@@ -14,6 +14,10 @@ intermediate value is read inside the pattern alone and is not a graph output.
   statistics outputs nobody reads: ``plugrt.cpu::SkipLayerNormalization``.
 - :class:`FuseBiasGeluPass`: a GELU (erf or tanh) of a MatMul + bias:
   ``plugrt.cpu::FusedMatMulGelu`` (bias and GELU in one pass over the product).
+- :class:`FoldWindowMaskPass`: a shifted-window attention's mask added through a Reshape
+  to (batch, windows, heads, rows, keys) and back (Swin's) as one Add of a constant on
+  the scores, with the relative-position bias added before it folded in: what
+  :class:`FuseAddSoftmaxPass` and the attention fusion then take.
 - :class:`FuseAddSoftmaxPass`: ``Softmax(scores + mask)`` over the last axis, and the
   guard exporters put after it (``Where(IsNaN(p), 0, p)``, for rows every key of which is
   masked) where there is one: ``plugrt.cpu::AddSoftmax`` (the mask's row added, the
@@ -50,7 +54,7 @@ from .kernels.elementwise import compiled_loops, scratch, with_small_buffers
 
 __all__ = [
     "transformer_passes", "FuseSelfAttentionPass", "FuseSkipLayerNormPass", "FuseBiasGeluPass", "FuseAddSoftmaxPass",
-    "FuseScaledDotProductAttentionPass", "MergeSiblingMatMulsPass",
+    "FuseScaledDotProductAttentionPass", "MergeSiblingMatMulsPass", "FoldWindowMaskPass",
 ]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -59,7 +63,7 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 def transformer_passes() -> list[_NodePass]:
     """The transformer fusions, in order (both after FuseMatMulBiasPass and FuseLayerNormPass)."""
     return [
-        FuseSelfAttentionPass(), FuseSkipLayerNormPass(), FuseBiasGeluPass(), FuseAddSoftmaxPass(),
+        FuseSelfAttentionPass(), FuseSkipLayerNormPass(), FuseBiasGeluPass(), FoldWindowMaskPass(), FuseAddSoftmaxPass(),
         FuseScaledDotProductAttentionPass(), MergeSiblingMatMulsPass(),
     ]
 
@@ -767,4 +771,76 @@ class MergeSiblingMatMulsPass(_NodePass):
             constants += [v for v in reader.inputs[1:] if v is not None]
             graph.remove(reader, safe=True)
         _drop_unused_initializers(graph, constants)
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# (7) A shifted window's mask, added through a Reshape to windows and back
+
+
+def _constant_addend(add: ir.Node, value: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
+    """(the constant input, its array) of ``Add(value, constant)`` or ``Add(constant, value)``."""
+    if not _is(add, "Add") or len(add.inputs) != 2:
+        return None
+    other = add.inputs[1] if add.inputs[0] is value else add.inputs[0] if add.inputs[1] is value else None
+    array = constant_array(other) if other is not None else None
+    return None if other is None or array is None else (other, array)
+
+
+def _static(value: ir.Value | None) -> tuple[int, ...] | None:
+    shape = value.shape if value is not None else None
+    return tuple(shape.numpy()) if shape is not None and shape.is_static() else None
+
+
+class FoldWindowMaskPass(_NodePass):
+    """``Reshape(Add(Reshape(x, (b, w, h, n, t)), mask), shape of x)`` for ``x`` of static
+    shape (b * w, h, n, t) and a constant ``mask`` that broadcasts onto (b, w, h, n, t):
+    ``Add(x, mask')``, ``mask'`` the mask laid out on x's axes; and where ``x`` is itself
+    ``Add(scores, bias)`` of a constant read there alone, one ``Add(scores, bias + mask')``.
+    Swin's shifted windows add their mask so (64 windows of 3 heads at its first stage),
+    between the relative-position bias and the Softmax: three passes over the scores and
+    two Reshapes become one Add, which ``AddSoftmax`` and the attention step then take."""
+
+    def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        summed = node.inputs[0] if _is(node, "Reshape") else None
+        add = summed.producer() if summed is not None else None
+        if summed is None or add is None or not _is(add, "Add") or not _ours(add) or _sole_reader(summed) is not node:
+            return False
+        windows = next((v for v in add.inputs if v is not None and _is(v.producer(), "Reshape")), None)
+        found = _constant_addend(add, windows) if windows is not None else None
+        split = windows.producer() if windows is not None else None
+        if windows is None or found is None or split is None or not _ours(split) or _sole_reader(windows) is not add:
+            return False
+        x = split.inputs[0]
+        shape, split_shape = _static(x), _static(windows)
+        if x is None or shape is None or split_shape is None or _static(node.outputs[0]) != shape:
+            return False
+        if len(shape) != 4 or len(split_shape) != 5 or x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            return False
+        b, w, h, n, t = split_shape
+        mask = found[1]
+        if b * w != shape[0] or (h, n, t) != shape[1:] or mask.ndim > 5 or mask.dtype != np.dtype(x.dtype.numpy()):
+            return False
+        padded: tuple[int, ...] = (1,) * (5 - mask.ndim) + tuple(mask.shape)
+        mask = mask.reshape(padded)
+        heads = 1 if padded[2] == 1 else h
+        try:
+            laid = np.broadcast_to(mask, (b, w, heads, n, t)).reshape(b * w, heads, n, t)
+        except ValueError:
+            return False
+        pattern = [split, add, node]
+        scores = x
+        bias_add = x.producer()
+        if bias_add is not None and _is(bias_add, "Add") and _ours(bias_add) and _sole_reader(x) is split:
+            variable = [v for v in bias_add.inputs if v is not None and constant_array(v) is None]
+            bias = _constant_addend(bias_add, variable[0]) if len(variable) == 1 else None
+            if bias is not None and bias[1].dtype == laid.dtype and bias[1].ndim <= 4:
+                combined = bias[1] + laid  # broadcast: (1, h, n, t) + (b * w, 1, n, t)
+                if combined.shape == tuple(np.broadcast_shapes(combined.shape, shape)) and len(combined.shape) == 4:
+                    laid, scores = combined, variable[0]
+                    pattern.insert(0, bias_add)
+        graph = model.graph
+        constant = _add_constant(graph, f"{node.name or 'window'}_mask", np.ascontiguousarray(laid))
+        fused = ir.Node("", "Add", [scores, constant], name=f"{node.name or 'window'}_masked")
+        _replace(graph, pattern, fused)
         return True
