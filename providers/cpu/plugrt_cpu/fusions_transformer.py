@@ -834,7 +834,11 @@ class FoldWindowMaskPass(_NodePass):
         if bias_add is not None and _is(bias_add, "Add") and _ours(bias_add) and _sole_reader(x) is split:
             variable = [v for v in bias_add.inputs if v is not None and constant_array(v) is None]
             bias = _constant_addend(bias_add, variable[0]) if len(variable) == 1 else None
-            if bias is not None and bias[1].dtype == laid.dtype and bias[1].ndim <= 4:
+            try:
+                size = int(np.prod(np.broadcast_shapes(bias[1].shape, laid.shape))) if bias is not None and bias[1].ndim <= 4 else 0
+            except ValueError:  # a bias that does not broadcast onto the windows' mask: left as it is
+                size = 0
+            if bias is not None and bias[1].dtype == laid.dtype and 0 < size <= _MERGED_WEIGHT_LIMIT:  # the sum is a new constant
                 combined = bias[1] + laid  # broadcast: (1, h, n, t) + (b * w, 1, n, t)
                 if combined.shape == tuple(np.broadcast_shapes(combined.shape, shape)) and len(combined.shape) == 4:
                     laid, scores = combined, variable[0]
