@@ -222,3 +222,14 @@ def test_float64_whose_scale_float32_cannot_hold_keeps_its_steps():
     model, feeds = _model(*shape, dtype=TensorProto.DOUBLE, scaling="scores"), _feeds(*shape, dtype=np.float64)
     ops = _check(model, feeds, rtol=1e-12, atol=1e-12)
     assert "ScaledDotProductAttention" not in ops and "Div" in ops
+
+
+def test_operands_that_do_not_chain_are_a_clear_error():
+    from plugrt_cpu.kernels import sdpa
+
+    q, kt, v = np.zeros((1, 2, 4, 8), np.float32), np.zeros((1, 2, 6, 5), np.float32), np.zeros((1, 2, 5, 8), np.float32)
+    with pytest.raises(ValueError, match="do not chain"):
+        sdpa.attend(q, kt, v, None, 1.0, False, (0, 1, 2, 3))
+    kt = np.zeros((1, 2, 8, 5), np.float32)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        sdpa.attend(q, kt, v, np.zeros((1, 1, 3, 5), np.float32), 1.0, False, (0, 1, 2, 3))

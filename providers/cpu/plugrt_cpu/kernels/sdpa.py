@@ -69,6 +69,12 @@ def attend(
     broadcasting: q (..., S, D), kt (..., D, T), v (..., T, E), the mask onto (..., S, T)),
     with 0 where the softmax gives NaN when ``zero_nan``; the result transposed by
     ``perm`` (the Transpose after it, its last axis kept last), into ``out`` when given."""
+    if min(q.ndim, kt.ndim, v.ndim) < 2 or q.shape[-1] != kt.shape[-2] or kt.shape[-1] != v.shape[-2]:
+        raise ValueError(
+            f"attention operands do not chain: q {q.shape} @ k^T {kt.shape} @ v {v.shape} (each product's inner sizes must match)"
+        )
+    if mask is not None and (mask.ndim < 1 or mask.shape[-1] not in (1, kt.shape[-1]) or (mask.ndim > 1 and mask.shape[-2] not in (1, q.shape[-2]))):
+        raise ValueError(f"attention mask {mask.shape} does not broadcast onto the scores (..., {q.shape[-2]}, {kt.shape[-1]})")
     dtype = np.result_type(q, kt, v)
     batch = _broadcast(q.shape[:-2], kt.shape[:-2], v.shape[:-2], () if mask is None else mask.shape[:-2])
     shape = (*batch, q.shape[-2], v.shape[-1])
