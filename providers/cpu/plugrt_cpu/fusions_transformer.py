@@ -802,6 +802,8 @@ class FoldWindowMaskPass(_NodePass):
     two Reshapes become one Add, which ``AddSoftmax`` and the attention step then take."""
 
     def rewrite(self, model: ir.Model, node: ir.Node) -> bool:
+        if model.opset_imports.get("", 0) < 7:  # an Add that broadcasts
+            return False
         summed = node.inputs[0] if _is(node, "Reshape") else None
         add = summed.producer() if summed is not None else None
         if summed is None or add is None or not _is(add, "Add") or not _ours(add) or _sole_reader(summed) is not node:
