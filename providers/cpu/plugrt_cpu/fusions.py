@@ -399,13 +399,19 @@ def _drop_unused_initializers(graph: ir.Graph, values: Sequence[ir.Value]) -> No
             graph.initializers.pop(name)
 
 
+def _ints(value: ir.Value | None) -> tuple[int, ...] | None:
+    """The ints of a constant 1-D integer tensor, else None."""
+    array = constant_array(value) if value is not None else None
+    if array is None or array.dtype.kind not in "iu" or array.ndim != 1:
+        return None
+    return tuple(int(v) for v in array)
+
+
 def _reshape_target(node: ir.Node) -> list[int] | None:
     """The shape a Reshape asks for, where it is a constant without zeros (a zero copies an
     input dimension, or means 0 with allowzero: either way not a plain target); else None."""
-    shape = constant_array(node.inputs[1]) if len(node.inputs) == 2 and node.inputs[1] is not None else None
-    if shape is None or shape.ndim != 1 or shape.dtype.kind not in "iu" or 0 in shape:
-        return None
-    return [int(v) for v in shape]
+    shape = _ints(node.inputs[1]) if len(node.inputs) == 2 else None
+    return None if shape is None or 0 in shape else list(shape)
 
 
 class FuseReshapedGemmPass(_NodePass):

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from ._registry import KernelContext, declare_into, kernel_builder
 from .fusions import DOMAIN, DOMAIN_VERSION, _NodePass, _is, _private_node, _replace, _scalar, _sole_reader
-from .fusions_transformer import _ints
+from .fusions import _ints
 from .kernels._relu import relu_into
 from .kernels.elementwise import scratch
 

@@ -46,7 +46,7 @@ from plugrt.rewrites import CONTRIB_DOMAIN
 from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, parallel_for, threads_for
 
 from ._registry import PROVIDER_NAME, KernelContext, capture_variant, declare_into, kernel_builder
-from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _drop_unused_initializers, _is, _NodePass, _ours, _private_node, _replace, _scalar, _sole_reader
+from .fusions import DOMAIN, DOMAIN_VERSION, _add_constant, _drop_unused_initializers, _ints, _is, _NodePass, _other_input, _ours, _private_node, _replace, _scalar, _sole_reader
 from .kernels import dense, elementwise, normalization, sdpa, softmax
 from .kernels._compiled import DENSE_LOOPS, ROW_LOOPS
 from .kernels._gemm import matmul
@@ -71,13 +71,6 @@ def transformer_passes() -> list[_NodePass]:
 def _is_ours(node: ir.Node | None, op_type: str) -> bool:
     """Whether ``node`` is the plugrt.cpu node ``op_type``."""
     return node is not None and node.domain == DOMAIN and node.op_type == op_type
-
-
-def _ints(value: ir.Value | None) -> tuple[int, ...] | None:
-    array = constant_array(value) if value is not None else None
-    if array is None or array.dtype.kind not in "iu" or array.ndim != 1:
-        return None
-    return tuple(int(v) for v in array)
 
 
 # ---------------------------------------------------------------------------------------
@@ -780,9 +773,7 @@ class MergeSiblingMatMulsPass(_NodePass):
 
 def _constant_addend(add: ir.Node, value: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
     """(the constant input, its array) of ``Add(value, constant)`` or ``Add(constant, value)``."""
-    if not _is(add, "Add") or len(add.inputs) != 2:
-        return None
-    other = add.inputs[1] if add.inputs[0] is value else add.inputs[0] if add.inputs[1] is value else None
+    other = _other_input(add, value) if _is(add, "Add") else None
     array = constant_array(other) if other is not None else None
     return None if other is None or array is None else (other, array)
 

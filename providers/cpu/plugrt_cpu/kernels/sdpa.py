@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 
@@ -104,13 +103,13 @@ _PLAN_LIMIT = 256
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a call of one shape and layout needs but the operands' addresses: the job's
-    context with those left out, its units, threads and work slots."""
+    """What a call of one shape and layout needs but the operands' addresses and its
+    threads (asked each call: the free cores change): the job's context with those left
+    out, its units and multiply-adds."""
 
     context: np.ndarray
     units: int
-    threads: int
-    slots: int
+    work: int
     scores: int  # floats of work per slot
 
 
@@ -118,7 +117,7 @@ _PLANS: dict[tuple, _Plan | None] = {}
 
 
 def _plan(q: np.ndarray, kt: np.ndarray, v: np.ndarray, rows: np.ndarray | None, scale: float, zero_nan: bool,
-          view: np.ndarray, loops: ModuleType, pool: Any, address: tuple[int, bool]) -> _Plan | None:
+          view: np.ndarray, loops: ModuleType, address: tuple[int, bool]) -> _Plan | None:
     """The plan of a call of these operands' shapes and layouts (None: cblas cannot read
     one of them where it lies)."""
     layouts = _layout(q), _layout(kt), _layout(v)
@@ -127,7 +126,6 @@ def _plan(q: np.ndarray, kt: np.ndarray, v: np.ndarray, rows: np.ndarray | None,
     batch, heads, s, e = view.shape
     d, t = kt.shape[-2:]
     units = batch * heads
-    threads = min(parallel_threads(_PARALLEL_WORK_SCALE * units * s * t * (d + e)), units)
     (q_trans, q_ld), (k_trans, k_ld), (v_trans, v_ld) = layouts  # type: ignore[misc]
     item = view.itemsize
     context = np.zeros(loops.ATTENTION_WORDS, np.int64)
@@ -142,7 +140,7 @@ def _plan(q: np.ndarray, kt: np.ndarray, v: np.ndarray, rows: np.ndarray | None,
         ]
     context[loops.ATT_SCALE] = int(np.float32(scale).view(np.int32)) & 0xFFFFFFFF
     context[loops.ATT_ZERO_NAN] = int(zero_nan)
-    return _Plan(context, units, threads, pool.slots(units, threads), s * t)
+    return _Plan(context, units, units * s * t * (d + e), s * t)
 
 
 def _compiled(
@@ -175,13 +173,14 @@ def _compiled(
     )
     plan = _PLANS.get(key, False)
     if plan is False:
-        plan = _plan(q, kt, v, rows, scale, zero_nan, view, loops, pool, address)
+        plan = _plan(q, kt, v, rows, scale, zero_nan, view, loops, address)
         if len(_PLANS) < _PLAN_LIMIT:
             _PLANS[key] = plan
     if plan is None:
         return False
     assert isinstance(plan, _Plan)
-    shape = (plan.slots, plan.scores)
+    threads = min(parallel_threads(_PARALLEL_WORK_SCALE * plan.work), plan.units)
+    shape = (pool.slots(plan.units, threads), plan.scores)
     work = np.empty(shape, _F32) if anchor is None else scratch(anchor, "attention-scores", shape, _F32)
     context = plan.context.copy()
     context[loops.ATT_Q] = q.ctypes.data
@@ -191,7 +190,7 @@ def _compiled(
     context[loops.ATT_MASK] = 0 if rows is None else rows.ctypes.data
     context[loops.ATT_WORK] = work.ctypes.data
     blas_threads(0)  # the calling thread runs units too: its BLAS on one thread
-    pool.run(loops.attention_job.address, context, plan.units, plan.threads)
+    pool.run(loops.attention_job.address, context, plan.units, threads)
     return True
 
 
