@@ -284,7 +284,7 @@ def test_a_product_whose_weight_is_the_larger_operand_splits_by_panels():
 
 
 def test_cache_rows_fill_half_the_l2_cache_for_one_slice_and_take_every_row_for_several(monkeypatch):
-    monkeypatch.setattr(dense, "_data_cache_bytes", lambda level, default: {1: 32 * 1024, 2: 1 << 20}[level])
+    monkeypatch.setattr(dense, "data_cache_bytes", lambda level, default: {1: 32 * 1024, 2: 1 << 20}[level])
     dense.slice_depth.cache_clear()
     try:
         assert dense.cache_rows(3136, 96, 16) == 1360  # 1360 rows of 96 floats: 510 KiB, half of 1 MiB

@@ -1,4 +1,5 @@
-"""The CPU features numba compiles for: what the compiled loops' hand-written vector code may use.
+"""The CPU features numba compiles for: what the compiled loops' hand-written vector code
+may use, and the sizes of the host's data caches that blocking decisions are made from.
 
 ``host_features()`` is the host's features as LLVM reports them, or nothing where numba
 compiles for another CPU (``NUMBA_CPU_NAME`` set to a portable target: the cache must
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["host_features"]
+__all__ = ["data_cache_bytes", "host_features"]
 
 
 @functools.cache
@@ -24,3 +25,22 @@ def host_features() -> dict[str, bool]:
         return dict(llvm.get_host_cpu_features())
     except RuntimeError:  # not known on this platform
         return {}
+
+
+@functools.cache
+def data_cache_bytes(level: int, default: int) -> int:
+    """The size of this host's level-``level`` data (or unified) cache as sysfs reports it
+    for CPU 0; ``default`` where it reports nothing (another platform, a sandbox). Read
+    once: the packed product asks on every call."""
+    for index in range(8):
+        folder = f"/sys/devices/system/cpu/cpu0/cache/index{index}"
+        try:
+            with open(f"{folder}/level", encoding="ascii") as found, open(f"{folder}/type", encoding="ascii") as kind:
+                if found.read().strip() != str(level) or kind.read().strip() not in ("Data", "Unified"):
+                    continue
+            with open(f"{folder}/size", encoding="ascii") as entry:
+                text = entry.read().strip().upper()
+            return int(text[:-1]) * 1024 if text.endswith("K") else int(text[:-1]) << 20 if text.endswith("M") else int(text)
+        except (OSError, ValueError):
+            break
+    return default

@@ -36,7 +36,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._host_cpu import host_features
+from ._host_cpu import data_cache_bytes, host_features
 
 __all__ = ["MR", "READ_ROWS_MAX_DEPTH", "available", "gathered_product", "pack_weight", "packed_product", "read_product"]
 
@@ -44,13 +44,24 @@ MR = 16  # rows of C (output channels) per tile
 NB = 7  # columns of a narrow product's tiles (``_column_tile``): 7x7, 14x14, 28x28 outputs
 _VW = 16  # floats per vector: the columns of a tile
 _UNROLL = 4  # steps of k per loop iteration
-# Floats of X one chunk of column tiles spans (K x columns): a chunk stays in the L2 cache
-# while every row tile of W passes over it.
-_CHUNK_FLOATS = 160 * 1024
 # Steps of k per slice: a slice of a deep product's columns then fits the chunk whole.
 _SLICE = 1024
 _NARROW = 112  # columns up to which a product may go by ``_column_tile``
 _FLOAT = 4
+
+
+def _chunk_floats() -> int:
+    """Floats of X one chunk of column tiles spans (K x columns): five eighths of the L2
+    cache, so that a chunk stays there while every row tile of W passes over it (measured
+    on a 1 MiB L2: 160 Ki floats). The host's L2 where numba compiles for this host, else
+    512 KiB's (a cache compiled for a portable target holds no one host's sizes). The value
+    is compiled in: numba's on-disk cache is keyed by the CPU's name and features, and one
+    CPU model has one L2 size."""
+    l2 = data_cache_bytes(2, 512 * 1024) if host_features() else 512 * 1024
+    return max(16 * 1024, l2 * 5 // 8 // _FLOAT)
+
+
+_CHUNK_FLOATS = _chunk_floats()
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)

@@ -41,6 +41,7 @@ from plugrt.threads import blas_threads, parallel_for, parallel_threads
 from ._compiled import compiled_module
 from ._gemm import _STREAMED_WEIGHT_COST, matmul
 from ._compiled_parallel import compiled_pool
+from ._host_cpu import data_cache_bytes
 from .normalization import zero_vector
 
 __all__ = [
@@ -83,29 +84,11 @@ def packed_kernels() -> tuple[Any, Any] | None:
 
 
 @functools.cache
-def _data_cache_bytes(level: int, default: int) -> int:
-    """The size of this host's level-``level`` data (or unified) cache as sysfs reports it
-    for CPU 0; ``default`` where it reports nothing."""
-    for index in range(8):
-        folder = f"/sys/devices/system/cpu/cpu0/cache/index{index}"
-        try:
-            with open(f"{folder}/level", encoding="ascii") as found, open(f"{folder}/type", encoding="ascii") as kind:
-                if found.read().strip() != str(level) or kind.read().strip() not in ("Data", "Unified"):
-                    continue
-            with open(f"{folder}/size", encoding="ascii") as entry:
-                text = entry.read().strip().upper()
-            return int(text[:-1]) * 1024 if text.endswith("K") else int(text[:-1]) << 20 if text.endswith("M") else int(text)
-        except (OSError, ValueError):
-            break
-    return default
-
-
-@functools.cache
 def slice_depth() -> int:
     """Steps of K per slice of a panel: the slice (depth x 16 floats) and a row tile's
     slice (as many) fill half the L1 data cache, as this host's sysfs reports it (32 KiB
     where it reports nothing)."""
-    return max(64, _data_cache_bytes(1, 32 * 1024) // (2 * 2 * _VECTOR * _F32.itemsize))
+    return max(64, data_cache_bytes(1, 32 * 1024) // (2 * 2 * _VECTOR * _F32.itemsize))
 
 
 def cache_rows(m: int, k: int, mr: int) -> int:
@@ -118,7 +101,7 @@ def cache_rows(m: int, k: int, mr: int) -> int:
     32-16 rows against 5.0 in one)."""
     if k > slice_depth():
         return max(m, mr)
-    return max(mr, _data_cache_bytes(2, 512 * 1024) // 2 // (k * _F32.itemsize) // mr * mr)
+    return max(mr, data_cache_bytes(2, 512 * 1024) // 2 // (k * _F32.itemsize) // mr * mr)
 
 
 def _panels(w: np.ndarray) -> np.ndarray:
