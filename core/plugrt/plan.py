@@ -59,12 +59,29 @@ def _local_references() -> int:
     return namespace["probe"]()
 
 
-def _in_place(fn: Callable[..., Any], inplace: Callable[..., Any]) -> Callable[..., Any]:
+def _in_place(fn: Callable[..., Any], inplace: Callable[..., Any], keeps_first: bool = False) -> Callable[..., Any]:
     """``fn``, except that when its first argument is an array no one else can see (it
     owns its memory, only the plan's dying local refers to it) and the result has its
-    shape and dtype, the result is written over it: no allocation, one buffer less."""
+    shape and dtype, the result is written over it: no allocation, one buffer less.
+    ``keeps_first``: the result always has the first argument's shape and dtype (see
+    ``Step.inplace_keeps_first``), so the other arguments are not looked at."""
     ndarray, getrefcount, broadcast_shapes = np.ndarray, sys.getrefcount, np.broadcast_shapes
     references = _local_references()
+    if keeps_first:
+
+        def run_keeping_first(x, *rest):
+            if (
+                type(x) is ndarray
+                and x.size >= INPLACE_MIN_ELEMENTS
+                and x.base is None
+                and getrefcount(x) == references
+                and x.flags.writeable
+            ):
+                inplace(x, x, *rest)
+                return x
+            return fn(x, *rest)
+
+        return run_keeping_first
 
     def run(x, *rest):
         if (
@@ -248,7 +265,7 @@ class Plan:
                 and sum(v is first for v in step.inputs) == 1
                 and _may_be_large(first)
             ):
-                env[kname] = _in_place(step.fn, step.inplace)
+                env[kname] = _in_place(step.fn, step.inplace, step.inplace_keeps_first)
             args = ", ".join("None" if v is None else local(v) for v in step.inputs)
             outs = [local(v) if v is not None else "_" for v in step.outputs]
             call = f"{kname}({args})"

@@ -230,6 +230,10 @@ class Step:
     # elementwise op whose output has that input's dtype). The plan calls it when the
     # first input dies at this step and nothing else refers to its array.
     inplace: Callable[..., Any] | None = None
+    # The output has the first input's shape and dtype whatever the other inputs' shapes
+    # (a gate that scales each channel, from weights of other shapes): the plan then checks
+    # the first input alone before calling ``inplace``, not that the others broadcast onto it.
+    inplace_keeps_first: bool = False
 
 
 @dataclasses.dataclass

@@ -1,7 +1,8 @@
 """Squeeze-excitation (GlobalAveragePool, 1x1 Conv, activation, 1x1 Conv, gate, Mul) as one
 SqueezeExcite step: the values onnxruntime gives for each activation and gate, with and
-without biases, capture/replay without allocating, and no fusion where an intermediate is
-read elsewhere or a weight is fed at run time."""
+without biases, capture/replay without allocating, no fusion where an intermediate is
+read elsewhere or a weight is fed at run time, and the step writing over an input that
+dies at it (never over one read later)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,67 @@ def test_the_compiled_step_runs_each_image_in_one_call(hidden, gate, bias, monke
     (expected,) = _onnxruntime(model, feeds)
     np.testing.assert_allclose(session.run(feeds)["y"], expected, rtol=1e-5, atol=1e-6)
     assert calls == [(16, 25), (16, 25)]  # two images of 16 channels, 5 x 5
+
+
+def _dying_input_model(read_later: bool) -> tuple[bytes, dict[str, np.ndarray]]:
+    """Relu(x) into a squeeze-excitation of 16 channels of 64 x 64 (above the plan's
+    in-place size), the Relu's output dying at it, or read again by an Add after it; a
+    last step after it (a step that makes a graph output has its output checked, and
+    never runs in place)."""
+    c, r, size = 16, 4, 64
+    tail = "y = Add (s, a)" if read_later else "y = Relu (s)"
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    se (float[1, {c}, {size}, {size}] x) => (float y) {{
+        a = Relu (x)
+        p = GlobalAveragePool (a)
+        h = Conv (p, w1, b1)
+        q = Relu (h)
+        e = Conv (q, w2, b2)
+        g = Sigmoid (e)
+        s = Mul (a, g)
+        {tail}
+    }}
+    """
+    model = onnx.parser.parse_model(text)
+    constants = {
+        "w1": _random(r, c, 1, 1, seed=1), "b1": _random(r, seed=3),
+        "w2": _random(c, r, 1, 1, seed=2, scale=2.0), "b2": _random(c, seed=4),
+    }
+    model.graph.initializer.extend(numpy_helper.from_array(a, name) for name, a in constants.items())
+    return model.SerializeToString(), {"x": _random(1, c, size, size, seed=5, scale=3.0)}
+
+
+def _in_place_steps(session) -> list[str]:
+    """The plan's kernels wrapped to write over their first input."""
+    return [
+        name for name, value in session._plan._fn.__globals__.items()
+        if getattr(value, "__qualname__", "").startswith("_in_place")
+    ]
+
+
+def test_the_step_writes_over_an_input_that_dies_at_it():
+    import plugrt
+
+    model, feeds = _dying_input_model(read_later=False)
+    session = plugrt.load(model, device="cpu")
+    assert [step.op_type for step in session._plan.steps] == ["Relu", "SqueezeExcite", "Relu"]
+    assert _in_place_steps(session) == ["k1"]  # the gate over the first Relu's output
+    expected = _onnxruntime(model, feeds)[0]
+    for _ in range(2):  # the second run's buffers come from the first's
+        np.testing.assert_allclose(session.run(feeds)["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_input_read_after_the_step_is_not_written_over():
+    import plugrt
+
+    model, feeds = _dying_input_model(read_later=True)
+    session = plugrt.load(model, device="cpu")
+    assert [step.op_type for step in session._plan.steps] == ["Relu", "SqueezeExcite", "Add"]
+    assert _in_place_steps(session) == []
+    np.testing.assert_allclose(session.run(feeds)["y"], _onnxruntime(model, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_step_in_place_is_captured_and_replays_without_allocating():
+    model, feeds = _dying_input_model(read_later=False)
+    _assert_replays_without_allocating(model, feeds, ["Relu", "SqueezeExcite", "Relu"])

@@ -269,6 +269,7 @@ class CPUProvider:
         )
         if spec.inplace and not spec.multi_output:
             step.inplace = into_of(step)
+            step.inplace_keeps_first = spec.inplace_keeps_first
         return step, (spec, attributes)
 
 

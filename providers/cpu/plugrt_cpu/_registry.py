@@ -44,6 +44,9 @@ class KernelSpec:
     # the compiled-loops modules (``kernels._compiled.MODULES``) it runs with: asked for when
     # a node is bound, so that they load while the session is built, not at its first run
     compiled: tuple[str, ...] = ()
+    # with ``inplace``: its output has the first input's shape and dtype whatever the other
+    # inputs' shapes (``Step.inplace_keeps_first``): not an elementwise op, a per-channel gate
+    inplace_keeps_first: bool = False
 
 
 @dataclasses.dataclass
@@ -156,16 +159,19 @@ def kernel_builder(
     multi_output: bool = False,
     data_dependent: bool = False,
     compiled: tuple[str, ...] = (),
+    inplace_keeps_first: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a builder: ``fn(ctx: KernelContext) -> kernel`` runs once at compile.
-    ``compiled`` as for :func:`kernel`."""
+    ``compiled`` as for :func:`kernel`. ``inplace_keeps_first``: the kernel's ``into``
+    variant is correct given its first input as the output, and the output always has
+    that input's shape and dtype (a per-channel gate: ``KernelSpec.inplace_keeps_first``)."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         for version in since_versions or (1,):
             _register(
                 KernelSpec(
                     _normalise_domain(domain), op_type, version, fn, True, multi_output, None, data_dependent,
-                    compiled=compiled,
+                    inplace=inplace_keeps_first, compiled=compiled, inplace_keeps_first=inplace_keeps_first,
                 )
             )
         return fn

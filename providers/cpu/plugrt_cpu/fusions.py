@@ -741,7 +741,9 @@ def _as_rows(x: np.ndarray) -> np.ndarray:
 
 
 kernel_builder("ExpandDepthwise", DOMAIN_VERSION, domain=DOMAIN, compiled=CONV_LOOPS)(build_expand_depthwise)
-kernel_builder("SqueezeExcite", DOMAIN_VERSION, domain=DOMAIN, compiled=CONV_LOOPS + ROW_LOOPS)(squeeze_excite.build_squeeze_excite)
+kernel_builder("SqueezeExcite", DOMAIN_VERSION, domain=DOMAIN, compiled=CONV_LOOPS + ROW_LOOPS, inplace_keeps_first=True)(
+    squeeze_excite.build_squeeze_excite
+)
 kernel_builder("LayerNormalization", DOMAIN_VERSION, domain=DOMAIN, multi_output=True, compiled=ROW_LOOPS)(
     normalization.layer_normalization
 )

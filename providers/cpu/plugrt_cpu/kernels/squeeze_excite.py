@@ -11,10 +11,16 @@ the (images, channels) means, and the gate one broadcast multiply into the outpu
 nothing. With numba's compiled loops, float32 runs the whole step as one compiled call per
 image (``_numba_epilogue.squeeze_excite``): MobileNet v3's steps on a few thousand values
 took ~100 us of numpy calls each.
+
+The step writes over its input where the input dies at it (``inplace_keeps_first``: the
+output has the input's shape whatever the weights'): the scaling then stores into lines
+the means pass has just read, where a new output was one more buffer through the cache.
+MobileNet v3 small 2-5% faster a run, EfficientNet-B0 2-3% (same process, alternating).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import numpy as np
@@ -59,6 +65,23 @@ def _work(into: np.ndarray | None, slot: str, shape: tuple[int, ...], dtype: np.
     if into is None:
         return np.empty(shape, dtype)
     return scratch(into, ("squeeze-excite", slot), shape, dtype)
+
+
+_LOCAL = threading.local()
+
+
+def _gate_work(hidden: int, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """The compiled step's two float32 work vectors (hidden, channels), kept per thread
+    and size: not with the output buffer as ``_work`` keeps them, which an in-place call
+    (the output is the input's buffer, new every run) would make new each time, with a
+    finalizer to drop them."""
+    kept = getattr(_LOCAL, "work", None)
+    if kept is None:
+        kept = _LOCAL.work = {}
+    pair = kept.get((hidden, channels))
+    if pair is None:
+        pair = kept[(hidden, channels)] = (np.empty(hidden, np.float32), np.empty(channels, np.float32))
+    return pair
 
 
 def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
@@ -133,7 +156,7 @@ def build_squeeze_excite(ctx: KernelContext) -> Callable[..., np.ndarray]:
         biases = [zero_vector(size) if b is None else b.reshape(size) for b, size in ((b1, r), (b2, c))]
         if any(b.dtype != np.float32 or not b.flags.c_contiguous for b in biases):
             return None
-        h, g = _work(into, "hidden-1d", (r,), x.dtype), _work(into, "gate-1d", (c,), x.dtype)
+        h, g = _gate_work(r, c)
         out = np.empty_like(x) if into is None else into
         rows, targets = x.reshape(n, c, -1), out.reshape(n, c, -1)
         for image in range(n):
