@@ -200,3 +200,65 @@ def test_the_compiled_affine_in_place_gives_what_it_gives_apart(relu):
     loops.scale_shift_relu_rows(in_place, in_place, multiplier, shift, relu, 0, 12)
     np.testing.assert_array_equal(apart, expected)
     np.testing.assert_array_equal(in_place, expected)
+
+
+def _affine_of_a_dying_intermediate(read_later: bool) -> bytes:
+    """DenseNet's pattern: a Concat whose output only the BatchNormalization + Relu reads
+    (it dies there), or read again by an Add after it; a last step after it (a step that
+    makes a graph output has its output checked, and never runs in place)."""
+    tail = "y = Add (r, c)" if read_later else "y = Neg (r)"
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 15]>
+    g (float[1, 16, 32, 32] a, float[1, 16, 32, 32] b) => (float[1, 32, 32, 32] y) {{
+        c = Concat <axis = 1> (a, b)
+        n = BatchNormalization <epsilon = 0.001> (c, scale, bias, mean, var)
+        r = Relu (n)
+        {tail}
+    }}
+    """
+    model = onnx.parser.parse_model(text)
+    rng = np.random.default_rng(3)
+    constants = {
+        "scale": rng.standard_normal(32), "bias": rng.standard_normal(32), "mean": rng.standard_normal(32),
+        "var": rng.random(32) + 0.5,
+    }
+    model.graph.initializer.extend(numpy_helper.from_array(v.astype(np.float32), k) for k, v in constants.items())
+    return model.SerializeToString()
+
+
+def _feeds_of_two(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal((1, 16, 32, 32)).astype(np.float32) for name in ("a", "b")}
+
+
+def _in_place_steps(session: Any) -> list[str]:
+    """The plan's kernels wrapped to write over their first input."""
+    return [
+        name for name, value in session._plan._fn.__globals__.items()
+        if getattr(value, "__qualname__", "").startswith("_in_place")
+    ]
+
+
+@pytest.mark.parametrize("read_later", [False, True], ids=["dies-there", "read-later"])
+@pytest.mark.usefixtures("path")
+def test_the_affine_writes_over_an_input_that_dies_at_it_and_only_then(read_later):
+    model = _affine_of_a_dying_intermediate(read_later)
+    session = plugrt.load(model, device="cpu")
+    steps = [step.op_type for step in session._plan.steps]
+    assert steps == ["Concat", "ChannelAffine", "Add" if read_later else "Neg"]
+    assert _in_place_steps(session) == ([] if read_later else ["k1"])
+    feeds = _feeds_of_two(4)
+    expected = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    for _ in range(2):  # the second run's buffers come from the first's
+        np.testing.assert_allclose(session.run(feeds)["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("path")
+def test_the_affine_in_place_is_captured_and_replays_without_allocating():
+    session = plugrt.load(_affine_of_a_dying_intermediate(False), device="cpu")
+    first, second = _feeds_of_two(5), _feeds_of_two(6)
+    result = session.try_capture(first)
+    assert isinstance(result, Captured) and result.report.seams == []
+    for feeds in (first, second):
+        np.testing.assert_array_equal(session.replay(feeds)["y"], session.run(feeds)["y"])
+    assert replay_bytes(lambda: session.replay(second), small_buffers=True) < REPLAY_BYTES

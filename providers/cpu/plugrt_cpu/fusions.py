@@ -685,12 +685,14 @@ def fused_conv(ctx: KernelContext) -> Callable[..., np.ndarray]:
     return convolution.build_conv(conv_ctx, activation=conv_activation.activation_in_place(activation, params))
 
 
-@kernel_builder("ChannelAffine", DOMAIN_VERSION, domain=DOMAIN)
+@kernel_builder("ChannelAffine", DOMAIN_VERSION, domain=DOMAIN, inplace_keeps_first=True)
 def channel_affine(ctx: KernelContext) -> Callable[..., np.ndarray]:
     """x * multiplier + shift per channel (axis 1 of x; multiplier and shift are vectors,
     cast to x's dtype once when constant), then the Relu with activation="Relu": the
     inference BatchNormalization's ``channel_affine`` passes, with the Relu on each block
-    while it is in cache."""
+    while it is in cache. It writes over x where x dies at it (``inplace_keeps_first``: the
+    output has x's shape whatever the vectors'): DenseNet's Concat outputs, one buffer less
+    through the cache (DenseNet-121 4-8% faster a run, alternating in one process)."""
     activation = ctx.attributes.get("activation")
     if activation not in (None, "Relu"):
         raise NotImplementedError(f"ChannelAffine: activation={activation!r} is not supported (only 'Relu')")
