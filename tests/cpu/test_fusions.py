@@ -649,6 +649,36 @@ def test_silu_replays_without_allocating():
     _assert_replays_without_allocating(model, {"x": _random(2, 3, 40, seed=4)}, ["Silu"])
 
 
+@pytest.mark.parametrize("read_later", [False, True], ids=["dies-there", "read-later"])
+def test_the_silu_writes_over_an_input_that_dies_at_it_and_only_then(read_later):
+    """x -> Exp -> SiLU -> Neg: the SiLU writes over Exp's output where it dies there (the
+    last step, which makes a graph output, never runs in place), not where an Add reads
+    it after."""
+    tail = "y = Add (t, e)" if read_later else "y = Neg (t)"
+    model = _model(
+        f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[4, 64, 128] x) => (float[4, 64, 128] y) {{
+            e = Exp (x)
+            s = Sigmoid (e)
+            t = Mul (e, s)
+            {tail}
+        }}
+        """
+    )
+    session = plugrt.load(model, device="cpu")
+    assert [step.op_type for step in session._plan.steps] == ["Exp", "Silu", "Add" if read_later else "Neg"]
+    wrapped = [
+        name for name, value in session._plan._fn.__globals__.items()
+        if getattr(value, "__qualname__", "").startswith("_in_place")
+    ]
+    assert wrapped == ([] if read_later else ["k1"])
+    feeds = {"x": _random(4, 64, 128, seed=4)}
+    expected = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    for _ in range(2):
+        np.testing.assert_allclose(session.run(feeds)["y"], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_sigmoid_read_elsewhere_is_not_taken_for_silu():
     model = _model(
         """

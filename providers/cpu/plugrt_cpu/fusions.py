@@ -815,7 +815,7 @@ def _silu_into(out: np.ndarray, g: np.ndarray) -> None:
     _SILU_IN_PLACE(out, out)
 
 
-@kernel("Silu", DOMAIN_VERSION, domain=DOMAIN, into=_silu_into, compiled=("_numba_epilogue",))
+@kernel("Silu", DOMAIN_VERSION, domain=DOMAIN, inplace=True, into=_silu_into, compiled=("_numba_epilogue",))
 def silu(g: np.ndarray) -> np.ndarray:
     """SiLU(g) (FuseSiluPass)."""
     out = np.empty_like(g, order="C")
