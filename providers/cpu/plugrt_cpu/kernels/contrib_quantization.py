@@ -18,6 +18,7 @@ from plugrt.threads import PARALLEL_MIN_WORK, blas_threads, threads_for
 from .._registry import KernelContext, declare_into, kernel, kernel_builder
 from ._compiled import compiled_enabled, compiled_module
 from ._compiled_parallel import compiled_pool
+from ._host_cpu import data_cache_bytes
 from .quantization import _dequantize, _quantize
 
 _MS = "com.microsoft"
@@ -152,9 +153,13 @@ def _four_bit_rows(
     return weight.reshape(count, blocks * block_size)[:, :k]
 
 
-# Weight rows the numpy path dequantizes at a time: a slab of about this many bytes, so that
-# it stays in the L2 cache while BLAS multiplies it and no float copy of the weight is made.
-_SLAB_BYTES = 1 << 20
+
+
+def _slab_bytes() -> int:
+    """Bytes of weight rows the numpy path dequantizes at a time: the host's L2 cache (1 MiB
+    where sysfs does not say), so that a slab stays there while BLAS multiplies it and no
+    float copy of the whole weight is made."""
+    return data_cache_bytes(2, 1 << 20)
 
 
 def _int8_blocks(a: np.ndarray, block_size: int) -> np.ndarray:
@@ -552,7 +557,7 @@ def matmul_nbits(ctx: KernelContext):
         rows = int(np.prod(a.shape[:-1], dtype=np.int64))
         a2 = a_work.reshape(rows, k)
         y = out.reshape(rows, n)
-        step = max(16, (_SLAB_BYTES // (k * work.itemsize)) // 16 * 16)
+        step = max(16, (_slab_bytes() // (k * work.itemsize)) // 16 * 16)
         direct = out.dtype == work and out.flags.c_contiguous and a2.flags.c_contiguous
         scratch = getattr(_SLABS, "slab", None)
         if scratch is None or scratch.size < step * blocks * block_size // 2:
