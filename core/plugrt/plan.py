@@ -67,21 +67,6 @@ def _in_place(fn: Callable[..., Any], inplace: Callable[..., Any], keeps_first: 
     ``Step.inplace_keeps_first``), so the other arguments are not looked at."""
     ndarray, getrefcount, broadcast_shapes = np.ndarray, sys.getrefcount, np.broadcast_shapes
     references = _local_references()
-    if keeps_first:
-
-        def run_keeping_first(x, *rest):
-            if (
-                type(x) is ndarray
-                and x.size >= INPLACE_MIN_ELEMENTS
-                and x.base is None
-                and getrefcount(x) == references
-                and x.flags.writeable
-            ):
-                inplace(x, x, *rest)
-                return x
-            return fn(x, *rest)
-
-        return run_keeping_first
 
     def run(x, *rest):
         if (
@@ -90,8 +75,11 @@ def _in_place(fn: Callable[..., Any], inplace: Callable[..., Any], keeps_first: 
             and x.base is None
             and getrefcount(x) == references
             and x.flags.writeable
-            and all(type(r) is ndarray and r.dtype == x.dtype for r in rest)
-            and (all(r.shape == x.shape for r in rest) or broadcast_shapes(x.shape, *[r.shape for r in rest]) == x.shape)
+            and (
+                keeps_first
+                or all(type(r) is ndarray and r.dtype == x.dtype for r in rest)
+                and (all(r.shape == x.shape for r in rest) or broadcast_shapes(x.shape, *[r.shape for r in rest]) == x.shape)
+            )
         ):
             inplace(x, x, *rest)
             return x
