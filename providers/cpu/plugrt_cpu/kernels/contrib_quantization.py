@@ -153,8 +153,6 @@ def _four_bit_rows(
     return weight.reshape(count, blocks * block_size)[:, :k]
 
 
-
-
 def _slab_bytes() -> int:
     """Bytes of weight rows the numpy path dequantizes at a time: the host's L2 cache (1 MiB
     where sysfs does not say), so that a slab stays there while BLAS multiplies it and no
