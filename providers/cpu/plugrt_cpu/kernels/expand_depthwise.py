@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -97,6 +98,8 @@ class _Shape:
         self.out = out
         self.geometry, self.table, self.floats = loops.expand_geometry(kernel, strides, dilations, pads, height, width, *out)
         self.fused_wins: bool | None = None
+        # ``expand_job`` contexts, per calling thread and thread count (the fused call's)
+        self.contexts: dict[tuple[int, int], tuple[np.ndarray, int, np.ndarray]] = {}
 
 
 def build_expand_depthwise(ctx: KernelContext) -> Callable[..., np.ndarray]:
@@ -166,17 +169,25 @@ def build_expand_depthwise(ctx: KernelContext) -> Callable[..., np.ndarray]:
         threads = min(units, threads_for(PARALLEL_MIN_WORK) if work >= convolution._COMPILED_SPLIT_WORK else 1)
         slots = pool.slots(units, threads)
         buffer, _ = _workspace("expand-depthwise", (slots * layout.floats,), _F32)
-        bits = lows.view(np.uint32), highs.view(np.uint32)
-        context = np.array(
-            [
-                x.ctypes.data, n, k, height, width, we.ctypes.data, be.ctypes.data, e_code, int(bits[0][0]), int(bits[1][0]),
-                layout.table.ctypes.data, wd.ctypes.data, blocks, wd.shape[1], bd.ctypes.data, layout.geometry.ctypes.data,
-                int(depthwise_relu), d_code, int(bits[0][1]), int(bits[1][1]), buffer.ctypes.data, layout.floats, y.ctypes.data,
-                m, layout.out[0], layout.out[1],
-            ],
-            np.int64,
-        )
-        pool.run(loops.expand_job.address, context, units, threads)
+        # the context is kept on the shape per thread and thread count (every word but the
+        # input's, the work arrays' and the output's address is fixed there): made each
+        # call, its nine ``ndarray.ctypes`` reads took ~20 us, as much as some calls' work
+        key = (threading.get_ident(), threads)
+        kept = layout.contexts.get(key)
+        if kept is None or kept[2] is not we:
+            bits = lows.view(np.uint32), highs.view(np.uint32)
+            context = np.array(
+                [
+                    0, n, k, height, width, we.ctypes.data, be.ctypes.data, e_code, int(bits[0][0]), int(bits[1][0]),
+                    layout.table.ctypes.data, wd.ctypes.data, blocks, wd.shape[1], bd.ctypes.data, layout.geometry.ctypes.data,
+                    int(depthwise_relu), d_code, int(bits[0][1]), int(bits[1][1]), 0, layout.floats, 0,
+                    m, layout.out[0], layout.out[1],
+                ],
+                np.int64,
+            )
+            kept = layout.contexts[key] = (context, int(context.ctypes.data), we)
+        loops.expand_addresses(kept[0], x, buffer, y)
+        pool.run(loops.expand_job.address, kept[1], units, threads)
 
     def run_either(x: np.ndarray, wa: np.ndarray, ba: np.ndarray | None, wb: np.ndarray, bb: np.ndarray | None,
                    out: np.ndarray | None) -> np.ndarray:
