@@ -53,7 +53,7 @@ from ._numba_epilogue import ACT_CLIP, activation_rows
 from ._numba_parallel import float32_pointer, int64_pointer, transpose_vectors
 
 __all__ = [
-    "BLOCKED_WORDS", "EXPAND_WORDS", "expand_addresses", "GROUP_WIDTHS", "JOB_WORDS", "LANES", "block_weights", "blocked_depthwise", "blocked_job", "blocked_work",
+    "BLOCKED_WORDS", "EXPAND_WORDS", "job_addresses", "GROUP_WIDTHS", "JOB_WORDS", "LANES", "block_weights", "blocked_depthwise", "blocked_job", "blocked_work",
     "WINDOW_SLACK", "depthwise_conv2d", "depthwise_job", "expand_depthwise", "expand_geometry", "expand_job", "lane_channels",
 ]
 
@@ -1131,17 +1131,22 @@ EXPAND_WORDS = 26  # the LOW and HIGH words: float32 bits in the low half of the
 
 
 @numba.njit(
-    [numba.void(numba.int64[::1], numba.types.Array(numba.float32, 4, "C", readonly=True), numba.float32[::1],
+    [numba.void(numba.int64[::1], numba.int64, numba.types.Array(numba.float32, 4, "C", readonly=True), numba.int64,
+                numba.types.Array(numba.float32, 1, "C", readonly=True), numba.int64, numba.float32[::1], numba.int64,
                 numba.float32[:, :, :, ::1])],
     nogil=True,
     cache=True,
 )
-def expand_addresses(context, x, work, y):  # pragma: no cover  (compiled)
-    """A call's addresses into its kept ``expand_job`` context: the input, the work arrays
-    and the output (one compiled call; ``ndarray.ctypes`` took ~2 us an address)."""
-    context[EXPAND_X] = x.ctypes.data
-    context[EXPAND_WORK] = work.ctypes.data
-    context[EXPAND_Y] = y.ctypes.data
+def job_addresses(context, at_x, x, at_bias, bias, at_work, work, at_y, y):  # pragma: no cover  (compiled)
+    """A call's addresses into a kept job context (``blocked_job``'s, ``depthwise_job``'s,
+    ``expand_job``'s), each at its word: the input, a bias (which may be a work array
+    refilled each call; ``at_bias`` -1: none), the work arrays and the output. One compiled
+    call: ``ndarray.ctypes`` took ~2 us an address."""
+    context[at_x] = x.ctypes.data
+    if at_bias >= 0:
+        context[at_bias] = bias.ctypes.data
+    context[at_work] = work.ctypes.data
+    context[at_y] = y.ctypes.data
 
 
 @numba.cfunc(numba.void(numba.int64, numba.int64, numba.int64, numba.int64), nogil=True, cache=True)

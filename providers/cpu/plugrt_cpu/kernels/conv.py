@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -161,6 +162,10 @@ class _DepthwiseLayout:
         self.blocked_floats = (spanned + out_h * out_w) * _LANES + _WINDOW_SLACK
         self.blocked_wins: bool | None = None
         self.bias_lanes: np.ndarray | None = None  # a grouped Conv's bias index for each lane of the blocks
+        # the compiled jobs' contexts kept between calls, per loops, calling thread, thread
+        # count and what else sets their fixed words, with the weight array they point at:
+        # made each call, their ``ndarray.ctypes`` reads took ~2 us an address
+        self.contexts: dict[tuple[Any, ...], tuple[np.ndarray, int, np.ndarray]] = {}
         for array in (self.masks, self.layout, self.no_bias, self.geometry, self.geometry_last):
             array.flags.writeable = False
 
@@ -692,16 +697,23 @@ class _Convolution:
         threads = min(units, _depthwise_threads(layout.work))
         slots = pool.slots(units, threads)
         work, _ = _workspace("depthwise-blocked", (slots * layout.blocked_floats,), np.dtype(np.float32))
-        context = np.array(
-            [
-                x.ctypes.data, n, m, height, width, blocked.ctypes.data, blocks, blocked.shape[1], b.ctypes.data,
-                (layout.geometry_last if channels_last else layout.geometry).ctypes.data, int(relu), code, int(np.float32(low).view(np.uint32)),
-                int(np.float32(high).view(np.uint32)), work.ctypes.data, layout.blocked_floats, y.ctypes.data,
-                y.shape[2], y.shape[3],
-            ],
-            np.int64,
-        )
-        pool.run(loops.blocked_job.address, context, units, threads)
+        # the context kept on the layout (see ``_DepthwiseLayout.contexts``): a call sets the
+        # input's, bias's, work arrays' and output's addresses
+        key = ("blocked", threading.get_ident(), threads, n, channels_last, relu, activation)
+        kept = layout.contexts.get(key)
+        if kept is None or kept[2] is not blocked:
+            context = np.array(
+                [
+                    0, n, m, height, width, blocked.ctypes.data, blocks, blocked.shape[1], 0,
+                    (layout.geometry_last if channels_last else layout.geometry).ctypes.data, int(relu), code,
+                    int(np.float32(low).view(np.uint32)), int(np.float32(high).view(np.uint32)), 0, layout.blocked_floats, 0,
+                    y.shape[2], y.shape[3],
+                ],
+                np.int64,
+            )
+            kept = layout.contexts[key] = (context, int(context.ctypes.data), blocked)
+        loops.job_addresses(kept[0], loops.BLOCKED_X, x, loops.BLOCKED_BIAS, b, loops.BLOCKED_WORK, work, loops.BLOCKED_Y, y)
+        pool.run(loops.blocked_job.address, kept[1], units, threads)
 
     @staticmethod
     def _depthwise_planes(
@@ -718,17 +730,23 @@ class _Convolution:
         units = -(-planes // per_unit)
         slots = pool.slots(units, threads)
         work, _ = _workspace("depthwise-job", (slots * layout.work_size,), np.dtype(np.float32))
-        context = np.array(
-            [
-                x.ctypes.data, n, x.shape[1], x.shape[2], x.shape[3], weights.ctypes.data, m, weights.shape[1],
-                b.ctypes.data, layout.layout.ctypes.data, layout.layout.shape[0], layout.masks.ctypes.data,
-                layout.masks.shape[0], layout.masks.shape[1], int(relu), code,
-                int(np.float32(low).view(np.uint32)), int(np.float32(high).view(np.uint32)),
-                work.ctypes.data, layout.work_size, y.ctypes.data, plan.out[0], plan.out[1], per_unit, planes,
-            ],
-            np.int64,
-        )
-        pool.run(loops.depthwise_job.address, context, units, threads)
+        owner = weights if weights.base is None else weights.base  # the weight's array, the same every call
+        key = ("planes", threading.get_ident(), threads, n, relu, activation)
+        kept = layout.contexts.get(key)
+        if kept is None or kept[2] is not owner:
+            context = np.array(
+                [
+                    0, n, x.shape[1], x.shape[2], x.shape[3], weights.ctypes.data, m, weights.shape[1],
+                    0, layout.layout.ctypes.data, layout.layout.shape[0], layout.masks.ctypes.data,
+                    layout.masks.shape[0], layout.masks.shape[1], int(relu), code,
+                    int(np.float32(low).view(np.uint32)), int(np.float32(high).view(np.uint32)),
+                    0, layout.work_size, 0, plan.out[0], plan.out[1], per_unit, planes,
+                ],
+                np.int64,
+            )
+            kept = layout.contexts[key] = (context, int(context.ctypes.data), owner)
+        loops.job_addresses(kept[0], loops.JOB_X, x, loops.JOB_BIAS, b, loops.JOB_WORK, work, loops.JOB_Y, y)
+        pool.run(loops.depthwise_job.address, kept[1], units, threads)
 
     def _depthwise_product(
         self, x: np.ndarray, wg: np.ndarray, plan: _ConvPlan, bias: np.ndarray | None, y: np.ndarray | None = None

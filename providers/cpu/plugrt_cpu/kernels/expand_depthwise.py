@@ -186,7 +186,7 @@ def build_expand_depthwise(ctx: KernelContext) -> Callable[..., np.ndarray]:
                 np.int64,
             )
             kept = layout.contexts[key] = (context, int(context.ctypes.data), we)
-        loops.expand_addresses(kept[0], x, buffer, y)
+        loops.job_addresses(kept[0], loops.EXPAND_X, x, -1, buffer, loops.EXPAND_WORK, buffer, loops.EXPAND_Y, y)
         pool.run(loops.expand_job.address, kept[1], units, threads)
 
     def run_either(x: np.ndarray, wa: np.ndarray, ba: np.ndarray | None, wb: np.ndarray, bb: np.ndarray | None,
