@@ -162,7 +162,7 @@ class _DepthwiseLayout:
         self.blocked_floats = (spanned + out_h * out_w) * _LANES + _WINDOW_SLACK
         self.blocked_wins: bool | None = None
         self.bias_lanes: np.ndarray | None = None  # a grouped Conv's bias index for each lane of the blocks
-        # the compiled jobs' contexts kept between calls, per loops, calling thread, thread
+        # the compiled jobs' contexts kept between calls, per job, calling thread, thread
         # count and what else sets their fixed words, with the weight array they point at:
         # made each call, their ``ndarray.ctypes`` reads took ~2 us an address
         self.contexts: dict[tuple[Any, ...], tuple[np.ndarray, int, np.ndarray]] = {}
